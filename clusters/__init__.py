@@ -1,0 +1,1 @@
+"""Built-in cluster profiles (TOML files read by meshlab.profiles)."""

@@ -1,0 +1,217 @@
+"""The ``%mesh`` / ``%%mesh`` magics: parse a line, make one library call, display."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from IPython.core.completer import (
+    CompletionContext,
+    SimpleCompletion,
+    SimpleMatcherResult,
+    context_matcher,
+)
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from meshlab.cluster import Cluster, ClusterError
+from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
+
+
+# Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
+@magic_arguments()
+@argument("n", nargs="?", type=int, help="number of ranks (default: one per GPU, else 4)")
+@argument("--profile", default="local", help="a profile in clusters/ or a path to a .toml file")
+@argument("--backend", choices=["auto", "gloo", "nccl"], help="override the profile's backend")
+@argument("--debug", action="store_true",
+          help="TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives raise at once")
+def _start(line: str) -> None:
+    """%mesh start [N]: start N ranks and a torch.distributed process group across them."""
+
+
+@magic_arguments()
+def _stop(line: str) -> None:
+    """%mesh stop: stop every rank."""
+
+
+@magic_arguments()
+def _restart(line: str) -> None:
+    """%mesh restart: fresh engines, same size and profile (variables on ranks are lost)."""
+
+
+@magic_arguments()
+def _status(line: str) -> None:
+    """%mesh status: a table of ranks (host, pid, device, alive, busy, memory)."""
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="notebook variables to copy to every rank")
+@argument("--ranks", help="only these ranks, e.g. 0,2-3")
+def _push(line: str) -> None:
+    """%mesh push NAME...: copy notebook variables to the ranks."""
+
+
+@magic_arguments()
+@argument("name", help="a variable defined on the ranks")
+@argument("--ranks", help="only these ranks, e.g. 0,2-3")
+def _pull(line: str) -> None:
+    """%mesh pull NAME: {rank: value} of a variable on the ranks."""
+
+
+@magic_arguments()
+@argument("state", choices=["on", "off"])
+def _auto(line: str) -> None:
+    """%mesh auto on|off: run every following cell on the ranks, without the %%mesh line."""
+
+
+@magic_arguments()
+@argument("--ranks", help="run on these ranks only, e.g. 0,2-3 (default: all)")
+@argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
+@argument("-o", dest="output", metavar="NAME",
+          help="store {rank: value of the last expression} in the notebook as NAME")
+def _cell(line: str) -> None:
+    """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
+
+
+SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
+               "push": _push, "pull": _pull, "auto": _auto}
+
+
+def _help() -> str:
+    parts = [_cell.__doc__ or ""] + [fn.__doc__ or "" for fn in SUBCOMMANDS.values()]
+    return "meshlab: run cells on every rank of a torch.distributed cluster.\n\n" + "\n\n".join(
+        p.strip() for p in parts)
+
+
+@magics_class
+class MeshMagics(Magics):
+    """``%mesh SUBCOMMAND`` and ``%%mesh``; holds the notebook's cluster."""
+
+    shell: Any  # the InteractiveShell these magics are registered on
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.cluster: Cluster | None = None
+        self.auto = False
+
+    @line_cell_magic
+    def mesh(self, line: str, cell: str | None = None) -> Any:
+        if cell is not None:
+            return self._run_cell(line, cell)
+        sub, _, rest = line.strip().partition(" ")
+        if sub not in SUBCOMMANDS:
+            raise UsageError(f"unknown subcommand {sub!r}: use one of "
+                             f"{', '.join(SUBCOMMANDS)} (see %mesh?)" if sub else
+                             f"%mesh needs a subcommand: {', '.join(SUBCOMMANDS)} (see %mesh?)")
+        args = parse_argstring(SUBCOMMANDS[sub], rest)
+        return getattr(self, f"_{sub}")(args)
+
+    mesh.__doc__ = _help()
+
+    # -- subcommands ----------------------------------------------------------------------
+
+    def _start(self, args: Any) -> None:
+        if self.cluster is not None and self.cluster.running:
+            raise UsageError(f"a cluster of {self.cluster.world_size} ranks is already running: "
+                             "%mesh stop first, or %mesh restart")
+        try:
+            cluster = Cluster(args.n, profile=args.profile, backend=args.backend,
+                              debug=args.debug or None)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        started = time.perf_counter()
+        self.cluster = cluster.start()
+        print(f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
+              f"{cluster.describe()}")
+
+    def _stop(self, args: Any) -> None:
+        self._need_cluster().stop()
+        self.cluster = None
+
+    def _restart(self, args: Any) -> None:
+        self._need_cluster().restart()
+        print(f"{self._need_cluster().world_size} fresh ranks ready")
+
+    def _status(self, args: Any) -> Any:
+        return self._need_cluster().status()
+
+    def _push(self, args: Any) -> None:
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
+        self._need_cluster().push({n: self.shell.user_ns[n] for n in args.names}, args.ranks)
+
+    def _pull(self, args: Any) -> dict[int, Any]:
+        try:
+            return self._need_cluster().pull(args.name, args.ranks)
+        except KeyError as e:
+            raise UsageError(e.args[0]) from None
+
+    def _auto(self, args: Any) -> None:
+        if args.state == "on":
+            self._need_cluster()
+        self.auto = args.state == "on"
+        transformers = self.shell.input_transformers_cleanup
+        if self.auto and _auto_transform not in transformers:
+            transformers.append(_auto_transform)
+        elif not self.auto and _auto_transform in transformers:
+            transformers.remove(_auto_transform)
+        print("every cell now runs on the ranks; %mesh auto off returns to the notebook"
+              if self.auto else "cells run in the notebook again")
+
+    def _run_cell(self, line: str, cell: str) -> None:
+        args = parse_argstring(_cell, line)
+        cluster = self._need_cluster()
+        live = LiveOutput()
+        try:
+            result = cluster.run(cell, args.ranks, args.timeout, on_output=live.update,
+                                 keep_values=bool(args.output))
+        except MeshError as e:
+            live.finish(e.result)
+            if args.output:
+                self.shell.user_ns[args.output] = e.result.values
+            raise
+        live.finish(result)
+        if args.output:
+            self.shell.user_ns[args.output] = result.values
+
+    def _need_cluster(self) -> Cluster:
+        if self.cluster is None or not self.cluster.running:
+            raise UsageError("no cluster is running: %mesh start N")
+        return self.cluster
+
+
+def _auto_transform(lines: list[str]) -> list[str]:
+    """With `%mesh auto on`, a cell becomes a %%mesh cell unless it is a %mesh line itself."""
+    if not lines or lines[0].lstrip().startswith(("%mesh", "%%mesh")) or not "".join(
+            lines).strip():
+        return lines
+    return ["%%mesh\n", *lines]
+
+
+def _show_error(shell: Any, etype: type, value: BaseException, tb: Any,
+                tb_offset: int | None = None) -> list[str]:
+    """Show a failed cell as a summary by rank plus one traceback, not meshlab's own frames."""
+    if isinstance(value, MeshError):
+        return summary_lines(value.result)
+    return [f"\x1b[31m{etype.__name__}\x1b[0m: {strip_ansi(str(value))}"]
+
+
+def rank_matcher(magics: MeshMagics) -> Any:
+    """Tab completion inside %%mesh cells, from rank 0's namespace."""
+
+    @context_matcher()
+    def match(context: CompletionContext) -> SimpleMatcherResult:
+        text = context.full_text.lstrip()
+        in_mesh_cell = text.startswith("%%mesh") or (magics.auto and not text.startswith("%"))
+        completions: list[SimpleCompletion] = []
+        if in_mesh_cell and context.token and magics.cluster and magics.cluster.running:
+            completions = [SimpleCompletion(c, type="rank 0")
+                           for c in magics.cluster.complete(context.token)]
+        return {"completions": completions, "suppress": False}
+
+    return match
+
+
+__all__ = ["ClusterError", "MeshMagics", "rank_matcher"]

@@ -1,0 +1,44 @@
+"""meshlab: see and try how a model is split across GPUs, from one notebook.
+
+``%load_ext meshlab`` registers the ``%mesh`` magics; ``meshlab.Cluster`` is the same
+thing from a plain Python program.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Cluster", "ClusterError", "MeshError", "load_ipython_extension",
+           "unload_ipython_extension"]
+
+if TYPE_CHECKING:
+    from meshlab.cluster import Cluster, ClusterError
+    from meshlab.output import MeshError
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: ranks import meshlab.runtime without pulling in ipyparallel or pandas.
+    if name in ("Cluster", "ClusterError"):
+        from meshlab import cluster
+
+        return getattr(cluster, name)
+    if name == "MeshError":
+        from meshlab.output import MeshError
+
+        return MeshError
+    raise AttributeError(f"module 'meshlab' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext meshlab``."""
+    from meshlab.extension import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext meshlab``."""
+    from meshlab.extension import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,498 @@
+"""Cluster: one ipyparallel engine per rank, a torch.distributed group across them.
+
+Notebook side. Rank r is engine ``self._engines[r]``; every rank is bootstrapped by
+``meshlab.runtime.setup`` (the same code an exported torchrun script calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ipyparallel as ipp
+import pandas as pd
+import psutil
+
+from meshlab import profiles, runtime
+from meshlab.output import CellResult, MeshError, RankError, RankOutput
+from meshlab.ranks import format_ranks, parse_ranks
+
+GRACE = 2.0  # seconds an interrupted rank gets to leave Python code before we call it stuck
+DIST_ERRORS = ("DistBackendError", "DistError", "DistNetworkError", "DistStoreError")
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start, or is not in a state to run this request."""
+
+
+class Cluster:
+    """One ipyparallel engine per rank with a torch.distributed process group across them.
+
+    >>> with Cluster(4) as c:
+    ...     print(c.run("dist.all_reduce(t := torch.ones(1)); t"))
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        profile: str | Path | profiles.Profile = "local",
+        backend: str | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        self.profile = profile if isinstance(profile, profiles.Profile) else profiles.load(profile)
+        if n is not None and n < 1:
+            raise ValueError(f"a cluster needs at least 1 rank, got {n}")
+        self.n = n
+        self.backend = backend or self.profile.backend
+        if self.backend not in profiles.BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is not one of {profiles.BACKENDS}")
+        self.debug = self.profile.debug if debug is None else debug
+        self._ipp: Any = None
+        self._client: Any = None
+        self._engines: list[int] = []  # rank -> engine id
+        self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
+        self._generation = 0
+        self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
+        self._needs_regroup = False
+        self._dead: dict[int, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def world_size(self) -> int:
+        return len(self._engines)
+
+    def describe(self) -> str:
+        """One line: size, backend, devices, profile."""
+        devices = sorted({"cuda" if h["gpus"] else "cpu" for h in self._hosts}) or ["?"]
+        backend = self.backend if self.backend != "auto" else (
+            "nccl" if devices == ["cuda"] else "gloo")
+        return (f"{self.world_size} ranks, {backend} on {'/'.join(devices)}, "
+                f"profile {self.profile.name}{', debug' if self.debug else ''}")
+
+    def start(self, progress: bool = True) -> Cluster:
+        """Start the engines, then a process group across them; returns self."""
+        if self.running:
+            raise ClusterError(f"the cluster is already running with {self.world_size} ranks")
+        n = self.n or self.profile.ranks or _visible_gpus() or 4
+        local = self.profile.launcher == "local"
+        self._ipp = ipp.Cluster(
+            n=n, engines=self.profile.launcher, log_level=logging.WARNING,
+            controller_ip="127.0.0.1" if local else "*",
+        )
+        for key, value in self.profile.launcher_options.items():
+            setattr(self._ipp.config[self._ipp.engine_launcher_class.__name__], key, value)
+        try:
+            self._ipp.start_cluster_sync()
+            self._client = self._ipp.connect_client_sync()
+            self._wait_for_engines(n, progress)
+            self._engines = sorted(self._client.ids)[:n]
+            self._bootstrap(local)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the engines and the controller; the cluster object can start again."""
+        if self._client is not None:
+            self._client.close()
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception as e:  # a half-started cluster: nothing more to stop
+                logging.getLogger("meshlab").debug("stop: %r", e)
+        self._ipp = self._client = None
+        self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
+        self._generation, self._needs_regroup = 0, False
+
+    def restart(self) -> Cluster:
+        """Fresh engines with the same size and profile."""
+        n = self.world_size or self.n
+        self.stop()
+        self.n = n
+        return self.start()
+
+    def _wait_for_engines(self, n: int, progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        deadline = time.monotonic() + self.profile.start_timeout
+        bar = tqdm(total=n, desc="starting ranks", unit="rank", disable=not progress)
+        try:
+            while len(self._client.ids) < n:
+                if len(self._client.ids) != bar.n:
+                    bar.update(len(self._client.ids) - bar.n)
+                exited = [pid for pid, rc in self._engine_exit_codes().items() if rc is not None]
+                if exited or time.monotonic() > deadline:
+                    why = (f"{len(exited)} engine process(es) exited during start-up"
+                           if exited else
+                           f"only {len(self._client.ids)} of {n} engines registered within "
+                           f"{self.profile.start_timeout:g} s (profile start_timeout)")
+                    raise ClusterError(f"{why}. Engine log tail:\n{self._engine_log_tail()}")
+                time.sleep(0.1)
+            bar.update(n - bar.n)
+        finally:
+            bar.close()
+
+    def _bootstrap(self, local: bool) -> None:
+        hosts = self._apply_each(runtime.host_info)
+        self._hosts = [hosts[r] for r in range(self.world_size)]
+        master = "127.0.0.1" if local else self._hosts[0]["host"]
+        port = self._client[self._engines[0]].apply_sync(
+            runtime.serve_store, master, self.profile.pg_timeout)
+        per_host: dict[str, list[int]] = {}
+        for r, h in enumerate(self._hosts):
+            per_host.setdefault(h["host"], []).append(r)
+
+        def setup_kwargs(r: int) -> dict[str, Any]:
+            peers = per_host[self._hosts[r]["host"]]
+            host = self._hosts[r]
+            threads = None if host["gpus"] else max(1, host["cpus"] // len(peers))
+            return dict(
+                rank=r, world_size=self.world_size, local_rank=peers.index(r),
+                master_addr=master, master_port=port, backend=self.backend,
+                timeout=self.profile.pg_timeout, debug=self.debug, threads=threads,
+                env=self.profile.env,
+            )
+
+        self._apply_each(_setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
+
+    # -- running code ----------------------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        ranks: str | list[int] | None = None,
+        timeout: float | None = None,
+        *,
+        on_output: Callable[[CellResult], None] | None = None,
+        keep_values: bool = False,
+    ) -> CellResult:
+        """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
+
+        ``timeout`` (seconds; default from the profile) interrupts ranks still running and
+        reports their stacks. ``on_output`` sees the partial result as output streams in.
+        ``keep_values`` pulls each rank's last-expression value into ``result.values``.
+        """
+        ranks = self._ranks(ranks)
+        self._recover()
+        timeout = timeout if timeout is not None else self.profile.cell_timeout
+        view = self._client.direct_view([self._engines[r] for r in ranks])
+        ar = view.execute(code, silent=False, block=False)
+        result = CellResult(ranks, {r: RankOutput(r) for r in ranks}, timeout=timeout)
+        metadata = dict(zip(ranks, ar.metadata, strict=False))
+        deadline = time.monotonic() + timeout if timeout else None
+        try:
+            while not ar.ready():
+                ar.wait(0.05)
+                if self._read(result, metadata) and on_output:
+                    on_output(result)
+                if self._mark_dead(result):
+                    # Peers of a dead rank would wait for it in their next collective.
+                    self._stop_ranks(ar, result, metadata, "interrupted")
+                    break
+                if deadline and time.monotonic() > deadline:
+                    self._stop_ranks(ar, result, metadata, "timeout")
+                    break
+            if ar.ready():
+                ar.wait_for_output(5)  # stdout and results travel separately from the reply
+        except KeyboardInterrupt:
+            self._stop_ranks(ar, result, metadata, "interrupted")
+        self._read(result, metadata)
+        self._finish(result, metadata, dict(zip(ranks, ar.msg_ids, strict=False)))
+        if keep_values:
+            with_values = [r for r, o in result.outputs.items() if o.result is not None]
+            if with_values:
+                result.values = self.pull("_", ranks=with_values)
+        if on_output:
+            on_output(result)
+        if not result.ok:
+            raise MeshError(result)
+        return result
+
+    def _read(self, result: CellResult, metadata: dict[int, dict[str, Any]]) -> bool:
+        """Copy streamed output into the result; True if anything changed."""
+        changed = False
+        for r, md in metadata.items():
+            out = result.outputs[r]
+            if (out.stdout, out.stderr) != (md["stdout"], md["stderr"]):
+                out.stdout, out.stderr, changed = md["stdout"], md["stderr"], True
+        return changed
+
+    def _finish(self, result: CellResult, metadata: dict[int, dict[str, Any]],
+                msg_ids: dict[int, str]) -> None:
+        for r, md in metadata.items():
+            out = result.outputs[r]
+            if out.status in ("timeout", "interrupted", "died"):
+                if not md["status"]:
+                    self._busy[r] = msg_ids[r]
+                continue
+            err = md["error"]
+            if md["status"] == "ok":
+                out.status = "ok"
+                data = (md["execute_result"] or {}).get("data", {})
+                out.result = data.get("text/plain")
+            elif err is not None and err.ename == "EngineError":
+                out.status, out.error = "died", RankError("EngineError", self._death(r))
+            elif err is not None:
+                out.status = "error"
+                out.error = RankError(err.ename, err.evalue, _traceback_lines(err))
+                if err.ename in DIST_ERRORS:
+                    self._needs_regroup = True
+        if self._busy:
+            self._needs_regroup = True
+            result.notes.append(
+                f"ranks {format_ranks(self._busy)} are stuck in native code (usually a "
+                f"collective) and ignore interrupts until the process-group timeout "
+                f"({self.profile.pg_timeout:g} s) makes it raise. The next cell waits for them, "
+                f"then re-forms the process group; `%mesh restart` replaces the engines now.")
+        if self._dead:
+            result.notes.append(
+                "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
+                "engines (variables on the ranks are lost).")
+
+    def _stop_ranks(self, ar: Any, result: CellResult, metadata: dict[int, dict[str, Any]],
+                    why: str) -> None:
+        """Timeout or Ctrl-C: note stacks, SIGINT the ranks still running, give them a moment."""
+        running = [r for r in result.ranks if not metadata[r]["status"]
+                   and result.outputs[r].status != "died"]
+        stacks = self.stacks(running) if why == "timeout" else {}
+        self.interrupt(running)
+        with contextlib.suppress(KeyboardInterrupt):
+            ar.wait(GRACE)
+        stuck = [r for r in running if not metadata[r]["status"]]
+        if why == "interrupted" and stuck:
+            stacks = self.stacks(stuck)
+        for r in running:
+            if metadata[r]["status"] == "ok":
+                continue  # it finished within the grace period
+            result.outputs[r].status = why
+            result.outputs[r].stack = stacks.get(r)
+
+    def _recover(self) -> None:
+        """Before a cell: wait for ranks a previous cell left stuck, then re-form the group."""
+        if self._busy:
+            pending = list(self._busy.values())
+            ranks = format_ranks(self._busy)
+            limit = self.profile.pg_timeout + 30
+            logging.getLogger("meshlab").warning(
+                "waiting up to %g s for ranks %s to leave the stuck collective", limit, ranks)
+            try:
+                done = self._client.wait(pending, timeout=limit)
+            except KeyboardInterrupt:
+                done = False
+            if not done:
+                raise ClusterError(
+                    f"ranks {ranks} are still stuck from an earlier cell; "
+                    "`%mesh restart` replaces the engines")
+            self._busy.clear()
+        if self._needs_regroup:
+            self.regroup()
+
+    def regroup(self, ranks: str | list[int] | None = None) -> None:
+        """Replace the process group by a fresh one over all ranks (or a subset)."""
+        members = None if ranks is None else parse_ranks(ranks, self.world_size)
+        self._generation += 1
+        gen = self._generation
+        self._apply_each(_regroup_rank, lambda r: {"generation": gen, "members": members},
+                         timeout=self.profile.pg_timeout + 30)
+        self._needs_regroup = False
+
+    # -- moving data -----------------------------------------------------------------------
+
+    def push(self, mapping: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
+        """Copy notebook values to the ranks' namespaces."""
+        targets = [self._engines[r] for r in self._ranks(ranks)]
+        self._client.direct_view(targets).push(dict(mapping), block=True)
+
+    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a name in the ranks' namespaces."""
+        ranks = self._ranks(ranks)
+        ar = self._client.direct_view([self._engines[r] for r in ranks]).pull(name, block=False)
+        try:
+            return dict(zip(ranks, ar.get(), strict=True))
+        except ipp.CompositeError as e:
+            missing = [r for r, (_, _, ename, *_) in zip(ranks, e.elist, strict=False)
+                       if ename == "NameError"]
+            raise KeyError(
+                f"{name!r} is not defined on rank(s) {format_ranks(missing or ranks)}: "
+                f"define it in a %%mesh cell first") from None
+
+    # -- looking at ranks (answered from the engines' control thread, even while busy) ------
+
+    def status(self) -> pd.DataFrame:
+        """One row per rank: host, pid, device, alive, busy, memory."""
+        replies = self._probe(range(self.world_size), "status")
+        rows = []
+        for r in range(self.world_size):
+            row = {"rank": r, **{k: self._hosts[r][k] for k in ("host", "pid")}}
+            reply = replies.get(r)
+            row.update(reply or {"device": "?"})
+            row["alive"] = reply is not None
+            row["busy"] = r in self._busy or bool(self._client.queue_status(
+                self._engines[r]).get("queue", 0)) if reply is not None else False
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("rank")
+
+    def stacks(self, ranks: str | list[int] | None = None) -> dict[int, str]:
+        """The main-thread Python stack of each rank: where a running cell is right now."""
+        return self._probe(self._ranks(ranks, check_dead=False), "stack")
+
+    def complete(self, text: str) -> list[str]:
+        """Completions of ``text`` in rank 0's namespace (for tab completion in cells)."""
+        return self._probe([0], "complete", text=text, timeout=1.0).get(0) or []
+
+    def interrupt(self, ranks: str | list[int] | None = None) -> None:
+        """Send SIGINT to ranks (a KeyboardInterrupt in the cell they are running)."""
+        targets = [self._engines[r] for r in self._ranks(ranks, check_dead=False)
+                   if r not in self._dead]
+        if targets:
+            self._client.send_signal(signal.SIGINT, targets=targets, block=False)
+
+    def _probe(self, ranks: Any, what: str, timeout: float = 2.0, **content: Any
+               ) -> dict[int, Any]:
+        futures = {r: self._client._send_control_request(  # ipyparallel has no public hook
+            targets=[self._engines[r]], msg_type="meshlab_probe_request",
+            content={"what": what, **content}, block=False)
+            for r in ranks if r not in self._dead}
+        deadline = time.monotonic() + timeout
+        replies = {}
+        for r, future in futures.items():
+            try:
+                (msg,) = future.result(timeout=max(0.01, deadline - time.monotonic()))
+            except Exception:
+                continue  # a rank that cannot answer is simply missing from the reply
+            if msg["content"].get("status") == "ok":
+                replies[r] = msg["content"]["value"]
+        return replies
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _ranks(self, spec: str | list[int] | Any, check_dead: bool = True) -> list[int]:
+        if not self.running:
+            raise ClusterError("no cluster is running: start one with `%mesh start N` "
+                               "(or meshlab.Cluster(N).start())")
+        ranks = parse_ranks(spec, self.world_size)
+        self._mark_dead()
+        dead = [r for r in ranks if r in self._dead]
+        if check_dead and dead:
+            raise ClusterError(
+                "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
+                + ". `%mesh restart` starts fresh engines.")
+        return ranks
+
+    def _apply_each(self, fn: Callable[..., Any], kwargs: Callable[[int], dict[str, Any]] | None
+                    = None, timeout: float = 60.0) -> dict[int, Any]:
+        """Call ``fn(**kwargs(rank))`` on every rank at once; wait for all."""
+        pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
+                   for r, eid in enumerate(self._engines)}
+        out = {}
+        for r, ar in pending.items():
+            if not ar.wait(max(0.0, timeout)):
+                raise ClusterError(f"rank {r} did not answer within {timeout:g} s")
+            try:
+                out[r] = ar.get()
+            except ipp.RemoteError as e:
+                raise ClusterError(f"rank {r} failed: {e.ename}: {e.evalue}\n{e.traceback}") \
+                    from None
+        return out
+
+    def _launchers(self) -> list[Any]:
+        if self._ipp is None:
+            return []
+        return [launcher for eset in self._ipp.engines.values()
+                for launcher in getattr(eset, "launchers", {}).values()]
+
+    def _engine_exit_codes(self) -> dict[int, int | None]:
+        """pid -> exit code (None while running) for engines this process launched."""
+        codes: dict[int, int | None] = {}
+        for launcher in self._launchers():
+            process = getattr(launcher, "process", None)  # a psutil.Process of our child
+            if process is not None:
+                try:
+                    codes[process.pid] = process.wait(0)  # reaps it; < 0: killed by a signal
+                except psutil.TimeoutExpired:
+                    codes[process.pid] = None
+        return codes
+
+    def _engine_log_tail(self, lines: int = 30) -> str:
+        text = []
+        for eset in (self._ipp.engines.values() if self._ipp else []):
+            try:
+                text.append(eset.get_output())
+            except Exception as e:
+                text.append(f"(no engine output: {e!r})")
+        tail = "\n".join("".join(text).splitlines()[-lines:])
+        return tail or "(the engines wrote nothing)"
+
+    def _mark_dead(self, result: CellResult | None = None) -> bool:
+        """Notice ranks whose process ended; True if any rank of ``result`` died."""
+        codes = self._engine_exit_codes() if self._hosts else {}
+        for r, h in enumerate(self._hosts):
+            if r not in self._dead and (codes.get(h["pid"]) is not None
+                                        or self._engines[r] not in self._client.ids):
+                self._dead[r] = self._death(r)
+        if result is None:
+            return False
+        died = False
+        for r, out in result.outputs.items():
+            if r in self._dead and out.status == "running":
+                out.status, out.error, died = "died", RankError("RankDied", self._dead[r]), True
+        return died
+
+    def _death(self, r: int) -> str:
+        code = self._engine_exit_codes().get(self._hosts[r]["pid"])
+        if code is None:
+            return "its engine stopped responding"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+
+# -- functions that run on the engines ---------------------------------------------------------
+
+
+@ipp.interactive
+def _setup_rank(**kwargs: Any) -> None:
+    """Bootstrap the rank, publish its names, and answer probes from the control thread."""
+    import meshlab.probe
+    import meshlab.runtime
+
+    globals().update(meshlab.runtime.setup(**kwargs))
+    shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
+    meshlab.probe.serve(shell.kernel, shell.user_ns)
+
+
+@ipp.interactive
+def _regroup_rank(generation: int, members: list[int] | None) -> None:
+    import meshlab.runtime
+
+    globals().update(meshlab.runtime.reform(generation, members))
+
+
+def _traceback_lines(err: Any) -> list[str]:
+    """An engine's traceback as IPython's list of chunks (it arrives as one string)."""
+    tb = getattr(err, "traceback", "") or ""
+    return tb.split("\n\n") if isinstance(tb, str) else list(tb)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

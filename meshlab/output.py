@@ -1,0 +1,198 @@
+"""Per-rank outputs -> grouped, deduplicated text; error summaries by rank.
+
+Ranks send plain data (text and tracebacks); everything here draws it. Identical
+output from several ranks is shown once under its rank set, ``[ranks 0-3]``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshlab.ranks import format_ranks, label
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Frames from the machinery between the user's cell and the rank: never the user's fault.
+_INTERNAL_FRAME = re.compile(r"(/ipyparallel/|/ipykernel/|/meshlab/(?!models/)|/IPython/core/)")
+
+
+def strip_ansi(text: str) -> str:
+    """Text without terminal colour codes."""
+    return _ANSI.sub("", text)
+
+
+@dataclass(slots=True)
+class RankError:
+    """An exception raised on one rank, as plain data."""
+
+    ename: str
+    evalue: str
+    traceback: list[str] = field(default_factory=list)
+
+    def headline(self) -> str:
+        return f"{self.ename}: {self.evalue}" if self.evalue else self.ename
+
+
+@dataclass(slots=True)
+class RankOutput:
+    """What one rank produced for one cell."""
+
+    rank: int
+    status: str = "running"  # running | ok | error | timeout | interrupted | died
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None  # text/plain of the cell's last expression
+    error: RankError | None = None
+    stack: str | None = None  # main-thread stack when it timed out or stayed stuck
+
+
+@dataclass(slots=True)
+class CellResult:
+    """Everything the ranks of one cell produced, in rank order."""
+
+    ranks: list[int]
+    outputs: dict[int, RankOutput]
+    timeout: float | None = None
+    notes: list[str] = field(default_factory=list)
+    values: dict[int, Any] = field(default_factory=dict)  # last-expression values, if pulled
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "ok" for o in self.outputs.values())
+
+    @property
+    def failed(self) -> list[int]:
+        return [r for r, o in self.outputs.items() if o.status not in ("ok", "running")]
+
+    def stdout(self) -> str:
+        return render_groups({r: o.stdout for r, o in self.outputs.items()})
+
+    def stderr(self) -> str:
+        return render_groups({r: o.stderr for r, o in self.outputs.items()})
+
+    def results(self) -> str:
+        values = {r: o.result for r, o in self.outputs.items() if o.result is not None}
+        return render_groups(values, prefix="Out", colon=True)
+
+    def summary(self) -> str:
+        """One line per group of failing ranks, then the stacks of stuck ranks."""
+        if self.ok:
+            return ""
+        n, total = len(self.failed), len(self.ranks)
+        lines = [f"{n} of {total} rank{'s' if total > 1 else ''} failed:"]
+        lines += [f"  {label(ranks)} {reason}" for ranks, reason in self._reasons()]
+        stacks = {r: o.stack for r, o in self.outputs.items() if o.stack}
+        for ranks, stack in group(stacks):
+            lines += [f"{label(ranks)} stack when stopped:", stack]
+        lines += self.notes
+        return "\n".join(lines)
+
+    def _reasons(self) -> list[tuple[list[int], str]]:
+        reasons: dict[int, str] = {}
+        for r, o in self.outputs.items():
+            if o.status == "error" and o.error is not None:
+                reasons[r] = o.error.headline()
+            elif o.status == "timeout":
+                reasons[r] = f"still running after the {self.timeout:g} s time limit"
+            elif o.status == "interrupted":
+                reasons[r] = "interrupted (KeyboardInterrupt)"
+            elif o.status == "died":
+                reasons[r] = o.error.evalue if o.error else "died"
+        return group(reasons)
+
+    def first_traceback(self) -> list[str]:
+        """The traceback of the lowest rank that raised, internal frames removed."""
+        for o in self.outputs.values():
+            if o.status == "error" and o.error is not None and o.error.traceback:
+                return [f"Traceback from rank {o.rank}:", *clean_traceback(o.error.traceback)]
+        return []
+
+    def __str__(self) -> str:
+        parts = [self.stdout(), self.stderr(), self.results(), self.summary()]
+        return "\n".join(p for p in parts if p)
+
+
+class MeshError(RuntimeError):
+    """A %%mesh cell failed on some ranks; ``.result`` holds every rank's output."""
+
+    def __init__(self, result: CellResult):
+        self.result = result
+        tb = "\n".join(strip_ansi(line) for line in result.first_traceback())
+        super().__init__(result.summary() + ("\n\n" + tb if tb else ""))
+
+
+def group(values: dict[int, str]) -> list[tuple[list[int], str]]:
+    """Ranks with identical text, in order of their lowest rank; empty texts dropped."""
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(values):
+        if values[rank]:
+            by_text.setdefault(values[rank], []).append(rank)
+    return sorted(((ranks, text) for text, ranks in by_text.items()), key=lambda g: g[0][0])
+
+
+def render_groups(values: dict[int, str], prefix: str = "", colon: bool = False) -> str:
+    """``[ranks 0-3] text``, or the label on its own line before multi-line text."""
+    blocks = []
+    for ranks, text in group(values):
+        head = f"{prefix}{label(ranks)}{':' if colon else ''}"
+        body = text.rstrip("\n")
+        blocks.append(f"{head} {body}" if "\n" not in body else f"{head}\n{body}")
+    return "\n".join(blocks)
+
+
+def clean_traceback(lines: Iterable[str]) -> list[str]:
+    """Drop traceback chunks that point into ipyparallel, ipykernel or meshlab itself."""
+    kept = []
+    for chunk in lines:
+        plain = strip_ansi(chunk).lstrip()
+        if plain.startswith("File ") and _INTERNAL_FRAME.search(plain.split("\n", 1)[0]):
+            continue
+        kept.append(chunk)
+    return kept
+
+
+class LiveOutput:
+    """Shows a running cell's grouped output in the notebook, updated in place."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, Any] = {}
+        self._shown: dict[str, str] = {}
+
+    def update(self, result: CellResult) -> None:
+        self._show("stdout", result.stdout())
+        self._show("stderr", result.stderr())
+
+    def finish(self, result: CellResult) -> None:
+        self.update(result)
+        self._show("results", result.results())
+
+    def _show(self, key: str, text: str) -> None:
+        from IPython.display import display
+
+        if not text or self._shown.get(key) == text:
+            return
+        self._shown[key] = text
+        bundle = {"text/plain": text}
+        if key == "stderr":  # JupyterLab draws this MIME type like a stderr stream
+            bundle["application/vnd.jupyter.stderr"] = text
+        if key in self._handles:
+            self._handles[key].update(bundle, raw=True)
+        else:
+            self._handles[key] = display(bundle, raw=True, display_id=True)
+
+
+def summary_lines(result: CellResult) -> list[str]:
+    """The error summary, then the lowest failing rank's traceback (for IPython's display)."""
+    red, reset = "\x1b[31m", "\x1b[0m"
+    lines = [f"{red}{line}{reset}" if i == 0 else line
+             for i, line in enumerate(result.summary().splitlines())]
+    tb = result.first_traceback()
+    return lines + (["", *tb] if tb else [])
+
+
+__all__ = [
+    "CellResult", "LiveOutput", "MeshError", "RankError", "RankOutput",
+    "clean_traceback", "format_ranks", "group", "render_groups", "strip_ansi", "summary_lines",
+]

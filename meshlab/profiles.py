@@ -1,0 +1,105 @@
+"""Cluster profiles: ``clusters/*.toml`` read into a checked dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+BACKENDS = ("auto", "gloo", "nccl")
+LAUNCHERS = ("local", "ssh", "slurm", "mpi")
+
+
+@dataclass(kw_only=True, slots=True)
+class Profile:
+    """How to start a cluster: which launcher, how many ranks, which backend, which limits."""
+
+    name: str
+    """Profile name (the file's stem)."""
+    launcher: str = "local"
+    """ipyparallel engine launcher: local, ssh, slurm or mpi."""
+    ranks: int | None = None
+    """Default number of ranks; None = one per visible GPU, else 4."""
+    backend: str = "auto"
+    """auto (nccl on GPU ranks, gloo on CPU ranks), gloo or nccl."""
+    cell_timeout: float | None = None
+    """Default time limit of a %%mesh cell in seconds; None = no limit."""
+    pg_timeout: float = 60.0
+    """torch.distributed timeout: a collective that waits longer raises on every rank."""
+    start_timeout: float = 120.0
+    """Seconds to wait for engines to register before failing with their logs."""
+    debug: bool = False
+    """Set TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (mismatched collectives raise at once)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set on every rank before torch initialises."""
+    launcher_options: dict[str, Any] = field(default_factory=dict)
+    """Traits for the ipyparallel engine launcher class, e.g. {"timelimit": "1:00:00"}."""
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(
+                f"profile {self.name!r}: launcher {self.launcher!r} is not one of {LAUNCHERS}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"profile {self.name!r}: backend {self.backend!r} is not one of {BACKENDS}"
+            )
+        if self.ranks is not None and self.ranks < 1:
+            raise ValueError(f"profile {self.name!r}: ranks must be >= 1, got {self.ranks}")
+        for key in ("pg_timeout", "start_timeout"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"profile {self.name!r}: {key} must be > 0 seconds")
+
+
+def available() -> dict[str, Path]:
+    """Built-in profiles by name."""
+    folder = resources.files("meshlab.clusters")
+    return {
+        Path(str(p)).stem: Path(str(p))
+        for p in folder.iterdir()
+        if str(p).endswith(".toml")
+    }
+
+
+def load(name_or_path: str | Path) -> Profile:
+    """A built-in profile by name (``"local"``) or a user's TOML file by path."""
+    path = Path(name_or_path).expanduser()
+    if not (path.suffix == ".toml" and path.is_file()):
+        builtin = available()
+        if str(name_or_path) not in builtin:
+            names = ", ".join(sorted(builtin))
+            raise ValueError(
+                f"unknown cluster profile {str(name_or_path)!r}: available profiles are "
+                f"{names}, or pass the path of a .toml file"
+            )
+        path = builtin[str(name_or_path)]
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    return from_dict(path.stem, data)
+
+
+def from_dict(name: str, data: dict[str, Any]) -> Profile:
+    """Build a Profile from parsed TOML, rejecting keys nobody reads."""
+    unknown_tables = set(data) - {"cluster", "env", "launcher"}
+    if unknown_tables:
+        raise ValueError(
+            f"profile {name!r}: unknown table(s) {sorted(unknown_tables)}; "
+            "expected [cluster], [env], [launcher]"
+        )
+    cluster = dict(data.get("cluster", {}))
+    known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug"}
+    unknown = set(cluster) - known
+    if unknown:
+        raise ValueError(
+            f"profile {name!r}: unknown [cluster] key(s) {sorted(unknown)}; "
+            f"known keys are {sorted(known)}"
+        )
+    if cluster.get("ranks") == "auto":
+        cluster["ranks"] = None
+    if not cluster.get("cell_timeout"):
+        cluster["cell_timeout"] = None
+    env = {str(k): str(v) for k, v in data.get("env", {}).items()}
+    return Profile(name=name, env=env, launcher_options=dict(data.get("launcher", {})), **cluster)

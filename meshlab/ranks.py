@@ -1,0 +1,55 @@
+"""Rank sets written the way people type them: ``0,2-3``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+def parse_ranks(spec: str | Iterable[int] | None, world_size: int) -> list[int]:
+    """Turn ``"0,2-3"`` (or a list of ints, or None for all) into sorted, checked ranks."""
+    if spec is None:
+        return list(range(world_size))
+    if isinstance(spec, str):
+        ranks: set[int] = set()
+        for part in spec.replace(" ", "").split(","):
+            if not part:
+                continue
+            try:
+                if "-" in part:
+                    lo, hi = (int(x) for x in part.split("-", 1))
+                    if lo > hi:
+                        raise ValueError
+                    ranks.update(range(lo, hi + 1))
+                else:
+                    ranks.add(int(part))
+            except ValueError:
+                raise ValueError(
+                    f"bad rank set {spec!r}: use comma-separated ranks and ranges, e.g. '0,2-3'"
+                ) from None
+    else:
+        ranks = {int(r) for r in spec}
+    if not ranks:
+        raise ValueError(f"rank set {spec!r} is empty: name at least one rank, e.g. '0'")
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise ValueError(
+            f"rank(s) {format_ranks(bad)} out of range: the cluster has ranks 0-{world_size - 1}"
+        )
+    return sorted(ranks)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """The inverse of parse_ranks: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def label(ranks: Iterable[int]) -> str:
+    """``[rank 2]`` or ``[ranks 0-3]``: the prefix used for grouped output."""
+    ranks = sorted(set(ranks))
+    return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {format_ranks(ranks)}]"

@@ -1,0 +1,197 @@
+"""Rank-side bootstrap: environment, device pinning and the process group.
+
+Cluster engines and exported torchrun scripts both start here, so a cell that
+works in the notebook sees the same ``rank``, ``world_size`` and ``device`` in a
+batch job. Plain torch only: no IPython, ipyparallel or widgets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class RankState:
+    """What this process knows about its place in the cluster."""
+
+    rank: int
+    world_size: int
+    cluster_rank: int
+    cluster_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout: float
+    generation: int = 0
+
+
+_store: dist.Store | None = None  # one long-lived rendezvous store per cluster
+_state: RankState | None = None
+
+
+def state() -> RankState:
+    """This rank's state; raises if the process group was never set up."""
+    if _state is None:
+        raise RuntimeError("meshlab.runtime.setup() has not run in this process")
+    return _state
+
+
+def ephemeral_port_floor() -> int:
+    """Lowest port the kernel hands out on its own; ports we pick stay below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
+    """Start the rendezvous store on this rank (rank 0) and return its port.
+
+    The port is chosen right before binding and below the ephemeral range: ports
+    picked earlier can be taken by gloo's own connections in the meantime.
+    """
+    global _store
+    if _store is not None:
+        return int(_store.port)  # type: ignore[attr-defined]
+    floor = ephemeral_port_floor()
+    last_error: Exception | None = None
+    for _ in range(50):
+        port = random.randrange(max(1024, floor - 12000), floor)
+        try:
+            _store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            return port
+        except (RuntimeError, OSError) as e:  # DistNetworkError: port taken, try another
+            last_error = e
+    raise RuntimeError(f"could not bind a rendezvous store on {host}: {last_error}")
+
+
+def pin_device(local_rank: int) -> torch.device:
+    """One GPU per rank (by LOCAL_RANK among the visible ones), else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> NCCL for CUDA tensors (gloo alongside for CPU tensors), gloo on CPU ranks."""
+    if backend != "auto":
+        return backend
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def setup(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    master_addr: str,
+    master_port: int,
+    backend: str = "auto",
+    timeout: float = 60.0,
+    debug: bool = False,
+    threads: int | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Bootstrap one cluster rank; returns the names a %%mesh cell sees."""
+    global _store, _state
+    os.environ.update(env or {})
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+    )
+    if debug:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if threads:
+        torch.set_num_threads(threads)  # more ranks than cores: do not thrash
+    device = pin_device(local_rank)
+    if _store is None:
+        _store = dist.TCPStore(
+            master_addr, master_port, is_master=False, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+    _state = RankState(
+        rank=rank, world_size=world_size, cluster_rank=rank, cluster_size=world_size,
+        local_rank=local_rank, device=device, backend=resolve_backend(backend, device),
+        timeout=timeout,
+    )
+    _init_group(rank, world_size)
+    return namespace()
+
+
+def _init_group(rank: int, world_size: int) -> None:
+    st = state()
+    assert _store is not None
+    # A fresh key prefix per generation lets the same store rendezvous again and again.
+    store = dist.PrefixStore(f"meshlab/gen{st.generation}", _store)
+    dist.init_process_group(
+        st.backend, store=store, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=st.timeout),
+    )
+
+
+def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
+    """Replace the process group by a fresh one (after a hang, or over a subset of ranks).
+
+    ``members`` are cluster ranks; they become ranks 0..len-1 of the new group in that
+    order. A cluster rank outside ``members`` is left without a process group.
+    """
+    st = state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    members = list(range(st.cluster_size)) if members is None else members
+    st.generation = generation
+    if st.cluster_rank in members:
+        st.rank, st.world_size = members.index(st.cluster_rank), len(members)
+        os.environ.update(RANK=str(st.rank), WORLD_SIZE=str(st.world_size))
+        _init_group(st.rank, st.world_size)
+    return namespace()
+
+
+def init_from_env(backend: str = "auto", timeout: float = 600.0) -> dict[str, Any]:
+    """Bootstrap under torchrun (or Slurm + torchrun): process group from the environment."""
+    global _state
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pin_device(local_rank)
+    _state = RankState(
+        rank=rank, world_size=world_size, cluster_rank=rank, cluster_size=world_size,
+        local_rank=local_rank, device=device, backend=resolve_backend(backend, device),
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        _state.backend, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return namespace()
+
+
+def namespace() -> dict[str, Any]:
+    """The names every cell on a rank can use."""
+    st = state()
+    return {"rank": st.rank, "world_size": st.world_size, "device": st.device,
+            "torch": torch, "dist": dist}
+
+
+def host_info() -> dict[str, Any]:
+    """Where this process runs: used to assign LOCAL_RANK and the rendezvous address."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1,
+    }
