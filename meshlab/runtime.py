@@ -115,6 +115,7 @@ def setup(
     )
     if debug:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()  # torch read the variable when it was imported
     if threads:
         torch.set_num_threads(threads)  # more ranks than cores: do not thrash
     device = pin_device(local_rank)

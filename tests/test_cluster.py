@@ -1,0 +1,167 @@
+"""A real 4-rank gloo cluster driven through meshlab.Cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from meshlab import Cluster, ClusterError, MeshError
+from meshlab.output import strip_ansi
+
+pytestmark = pytest.mark.cluster
+
+
+def test_every_rank_has_its_names_and_env(cluster: Cluster) -> None:
+    result = cluster.run("import os\n(rank, world_size, str(device), os.environ['RANK'], "
+                         "os.environ['LOCAL_RANK'], os.environ['MASTER_ADDR'], dist.get_backend())")
+    for r in range(4):
+        assert result.outputs[r].result == f"({r}, 4, 'cpu', '{r}', '{r}', '127.0.0.1', 'gloo')"
+
+
+def test_all_reduce_sums_across_ranks(cluster: Cluster) -> None:
+    result = cluster.run("t = torch.tensor([float(rank)])\ndist.all_reduce(t)\nprint(t.item())")
+    assert result.stdout() == "[ranks 0-3] 6.0"
+
+
+def test_subset_runs_only_on_the_named_ranks(cluster: Cluster) -> None:
+    result = cluster.run("print('here', rank)", ranks="0,2-3")
+    assert sorted(result.outputs) == [0, 2, 3]
+    assert result.stdout() == "[rank 0] here 0\n[rank 2] here 2\n[rank 3] here 3"
+
+
+def test_equal_results_collapse_and_different_ones_do_not(cluster: Cluster) -> None:
+    assert cluster.run("world_size").results() == "Out[ranks 0-3]: 4"
+    assert cluster.run("rank % 2", ranks="0-2").results() == "Out[ranks 0,2]: 0\nOut[rank 1]: 1"
+
+
+def test_errors_on_some_ranks_are_summarised_and_the_others_keep_their_output(
+        cluster: Cluster) -> None:
+    with pytest.raises(MeshError) as info:
+        cluster.run("print('before', rank)\nif rank in (1, 3):\n    raise ValueError(f'bad {rank}')"
+                    "\nrank")
+    result = info.value.result
+    assert result.failed == [1, 3]
+    assert "[rank 1] ValueError: bad 1\n  [rank 3] ValueError: bad 3" in result.summary()
+    assert result.results() == "Out[rank 0]: 0\nOut[rank 2]: 2"
+    assert "before 1" in result.stdout()
+    tb = strip_ansi("\n".join(result.first_traceback()))
+    assert tb.startswith("Traceback from rank 1:") and "raise ValueError" in tb
+    assert "ipyparallel" not in tb and "ipykernel" not in tb
+
+
+def test_timeout_on_a_hung_collective_names_the_ranks_and_their_stacks_then_recovers(
+        cluster: Cluster) -> None:
+    with pytest.raises(MeshError) as info:
+        cluster.run("if rank != 0:\n    dist.all_reduce(torch.ones(1))", timeout=2)
+    result = info.value.result
+    assert result.failed == [1, 2, 3] and result.outputs[0].status == "ok"
+    summary = result.summary()
+    assert "[ranks 1-3] still running after the 2 s time limit" in summary
+    assert "[ranks 1-3] stack when stopped:" in summary and "all_reduce" in summary
+    assert "process-group timeout" in summary
+    # The next cell waits out the stuck collective, re-forms the group, and is right.
+    after = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert after.results() == "Out[ranks 0-3]: 4.0"
+
+
+def test_ctrl_c_interrupts_every_rank_and_the_cluster_stays_usable(cluster: Cluster) -> None:
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(MeshError) as info:
+        cluster.run("import time\nwhile True:\n    time.sleep(0.05)")
+    assert "[ranks 0-3] interrupted (KeyboardInterrupt)" in info.value.result.summary()
+    assert cluster.run("rank").results().startswith("Out[rank 0]: 0")
+
+
+def test_push_and_pull_round_trip(cluster: Cluster) -> None:
+    cluster.push({"lr": 0.25, "batch": [1, 2]})
+    cluster.run("scaled = lr * (rank + 1)")
+    assert cluster.pull("scaled") == {0: 0.25, 1: 0.5, 2: 0.75, 3: 1.0}
+    assert cluster.pull("batch", ranks="1") == {1: [1, 2]}
+
+
+def test_pull_of_an_unknown_name_says_where_it_is_missing(cluster: Cluster) -> None:
+    with pytest.raises(KeyError, match="'nope' is not defined on rank"):
+        cluster.pull("nope")
+
+
+def test_status_reports_every_rank_even_while_a_cell_runs(cluster: Cluster) -> None:
+    frame = cluster.status()
+    assert list(frame.index) == [0, 1, 2, 3]
+    assert {"host", "pid", "device", "alive", "busy", "rss_mb"} <= set(frame.columns)
+    assert frame["alive"].all() and (frame["device"] == "cpu").all()
+    runner = threading.Thread(target=cluster.run, args=("import time\ntime.sleep(2)",),
+                              kwargs={"ranks": "1"})
+    runner.start()
+    time.sleep(0.5)
+    busy = cluster.status()
+    runner.join()
+    assert busy["alive"].all() and busy.loc[1, "busy"] and not busy.loc[0, "busy"]
+
+
+def test_stacks_show_where_a_running_cell_is(cluster: Cluster) -> None:
+    runner = threading.Thread(target=cluster.run, args=(
+        "import time\ndef waiting_here():\n    time.sleep(2)\nwaiting_here()",),
+        kwargs={"ranks": "2"})
+    runner.start()
+    time.sleep(0.7)
+    stacks = cluster.stacks("2")
+    runner.join()
+    assert "waiting_here" in stacks[2]
+
+
+def test_completion_comes_from_rank_0(cluster: Cluster) -> None:
+    cluster.run("only_on_ranks_value = 1")
+    assert "only_on_ranks_value" in cluster.complete("only_on_ranks")
+    assert "torch.distributed" in cluster.complete("torch.distrib")
+
+
+def test_process_group_reforms_over_a_subset_and_back(cluster: Cluster) -> None:
+    cluster.regroup("1,3")
+    result = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\n(rank, world_size, t.item())",
+                         ranks="1,3")
+    assert result.results() == "Out[rank 1]: (0, 2, 2.0)\nOut[rank 3]: (1, 2, 2.0)"
+    cluster.regroup()
+    assert cluster.run("world_size").results() == "Out[ranks 0-3]: 4"
+
+
+def test_bad_arguments_name_the_problem(cluster: Cluster, test_profile: object) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        cluster.run("1", ranks="7")
+    with pytest.raises(ValueError, match="at least 1 rank"):
+        Cluster(0)
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        Cluster(2, backend="mpi")
+    with pytest.raises(ClusterError, match="no cluster is running"):
+        Cluster(2).run("1")
+
+
+@pytest.fixture(scope="module")
+def debug_cluster(test_profile: object) -> Cluster:
+    with Cluster(2, profile=test_profile, debug=True) as c:  # type: ignore[arg-type]
+        yield c  # type: ignore[misc]
+
+
+def test_debug_mode_reports_mismatched_collectives_at_once(debug_cluster: Cluster) -> None:
+    assert debug_cluster.run("import os\nos.environ['TORCH_DISTRIBUTED_DEBUG']").results() == \
+        "Out[ranks 0-1]: 'DETAIL'"
+    with pytest.raises(MeshError) as info:
+        debug_cluster.run("dist.all_reduce(torch.ones(rank + 1))", timeout=30)
+    assert "shape" in info.value.result.summary().lower()
+    assert all(o.status == "error" for o in info.value.result.outputs.values())
+
+
+def test_a_killed_rank_is_reported_not_a_hang(debug_cluster: Cluster) -> None:
+    pid = int(debug_cluster.status().loc[1, "pid"])
+    threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+    with pytest.raises(MeshError) as info:
+        debug_cluster.run("import time\ntime.sleep(600)")
+    assert "[rank 1] killed by SIGKILL" in info.value.result.summary()
+    with pytest.raises(ClusterError, match="rank 1 died: killed by SIGKILL.*%mesh restart"):
+        debug_cluster.run("1")
+    debug_cluster.restart()
+    assert debug_cluster.run("world_size").results() == "Out[ranks 0-1]: 2"
