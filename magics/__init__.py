@@ -147,6 +147,8 @@ class MeshMagics(Magics):
             return self._need_cluster().pull(args.name, args.ranks)
         except KeyError as e:
             raise UsageError(e.args[0]) from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def _auto(self, args: Any) -> None:
         if args.state == "on":
@@ -167,6 +169,8 @@ class MeshMagics(Magics):
         try:
             result = cluster.run(cell, args.ranks, args.timeout, on_output=live.update,
                                  keep_values=bool(args.output))
+        except ValueError as e:  # a bad --ranks set
+            raise UsageError(str(e)) from None
         except MeshError as e:
             live.finish(e.result)
             if args.output:
@@ -194,8 +198,11 @@ def _show_error(shell: Any, etype: type, value: BaseException, tb: Any,
                 tb_offset: int | None = None) -> list[str]:
     """Show a failed cell as a summary by rank plus one traceback, not meshlab's own frames."""
     if isinstance(value, MeshError):
-        return summary_lines(value.result)
-    return [f"\x1b[31m{etype.__name__}\x1b[0m: {strip_ansi(str(value))}"]
+        stb = summary_lines(value.result)
+    else:
+        stb = [f"\x1b[31m{etype.__name__}\x1b[0m: {strip_ansi(str(value))}"]
+    shell._showtraceback(etype, value, stb)  # IPython discards what a custom handler returns
+    return stb
 
 
 def rank_matcher(magics: MeshMagics) -> Any:

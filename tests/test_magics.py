@@ -1,0 +1,110 @@
+"""The %mesh magics in a real IPython shell, on the shared cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from IPython.core.completer import provisionalcompleter
+from IPython.utils.capture import capture_output
+
+from meshlab.output import strip_ansi
+
+pytestmark = pytest.mark.cluster
+
+
+def run(shell: Any, cell: str) -> tuple[Any, str]:
+    """Run a cell; return IPython's result and everything it showed, as plain text."""
+    with capture_output() as cap:
+        result = shell.run_cell(cell)
+    shown = [cap.stdout, cap.stderr] + [o.data.get("text/plain", "") for o in cap.outputs]
+    return result, strip_ansi("\n".join(shown))
+
+
+def test_cell_output_is_grouped_by_rank(shell: Any) -> None:
+    result, shown = run(shell, "%%mesh\nprint('same')\nprint('rank', rank)\nrank * 0")
+    assert result.success
+    assert "[rank 0]\nsame\nrank 0" in shown and "[rank 3]\nsame\nrank 3" in shown
+    assert "Out[ranks 0-3]: 0" in shown
+
+
+def test_ranks_option_runs_a_subset(shell: Any) -> None:
+    _, shown = run(shell, "%%mesh --ranks 1,3\nprint('hi')")
+    assert "[ranks 1,3] hi" in shown
+
+
+def test_failed_cell_shows_a_summary_and_one_traceback(shell: Any) -> None:
+    result, shown = run(shell, "%%mesh\nprint('ok', rank)\nassert rank != 2, 'rank two'")
+    assert not result.success
+    assert "1 of 4 ranks failed:\n  [rank 2] AssertionError: rank two" in shown
+    assert "Traceback from rank 2:" in shown and "[rank 0] ok 0" in shown
+
+
+def test_timeout_option_ends_a_stuck_cell(shell: Any) -> None:
+    result, shown = run(shell, "%%mesh --ranks 0 --timeout 1\nimport time\ntime.sleep(60)")
+    assert not result.success
+    assert "[rank 0] still running after the 1 s time limit" in shown and "time.sleep" in shown
+    assert run(shell, "%%mesh\nrank")[0].success  # interrupted cleanly: usable at once
+
+
+def test_o_stores_per_rank_values(shell: Any) -> None:
+    run(shell, "%%mesh -o squares\nrank ** 2")
+    assert shell.user_ns["squares"] == {0: 0, 1: 1, 2: 4, 3: 9}
+
+
+def test_push_pull_and_status(shell: Any) -> None:
+    shell.user_ns["lr"] = 3e-4
+    run(shell, "%mesh push lr")
+    assert shell.run_line_magic("mesh", "pull lr --ranks 0-1") == {0: 3e-4, 1: 3e-4}
+    assert list(shell.run_line_magic("mesh", "status").index) == [0, 1, 2, 3]
+
+
+def test_auto_mode_runs_plain_cells_on_the_ranks(shell: Any) -> None:
+    run(shell, "%mesh auto on")
+    try:
+        _, shown = run(shell, "auto_value = rank + 10\nauto_value")
+        assert "Out[rank 3]: 13" in shown
+    finally:
+        run(shell, "%mesh auto off")
+    assert "auto_value" not in shell.user_ns
+    assert shell.run_line_magic("mesh", "pull auto_value")[1] == 11
+
+
+def test_tab_completion_inside_a_mesh_cell_uses_rank_0(shell: Any) -> None:
+    run(shell, "%%mesh\nrank_only_tensor = torch.zeros(1)")
+    text = "%%mesh\nrank_only_te"
+    with provisionalcompleter():
+        names = [c.text for c in shell.Completer.completions(text, len(text))]
+    assert "rank_only_tensor" in names
+
+
+@pytest.mark.parametrize("line, message", [
+    ("%mesh", "%mesh needs a subcommand"),
+    ("%mesh launch 4", "unknown subcommand 'launch'"),
+    ("%mesh push not_defined_anywhere", "not defined in the notebook: not_defined_anywhere"),
+    ("%mesh pull not_defined_anywhere", "'not_defined_anywhere' is not defined on rank"),
+    ("%%mesh --bogus\n1", "unrecognized arguments: --bogus"),
+    ("%%mesh --ranks 9\n1", "out of range: the cluster has ranks 0-3"),
+    ("%mesh start 2", "already running: %mesh stop first"),
+    ("%mesh auto maybe", "invalid choice: 'maybe'"),
+])
+def test_misuse_names_the_fix(shell: Any, line: str, message: str) -> None:
+    result, shown = run(shell, line)
+    assert not result.success and message in shown, shown
+
+
+def test_mesh_before_start_says_how_to_start(shell: Any) -> None:
+    magics = shell.magics_manager.registry["MeshMagics"]
+    cluster, magics.cluster = magics.cluster, None
+    try:
+        result, shown = run(shell, "%%mesh\n1")
+    finally:
+        magics.cluster = cluster
+    assert not result.success and "no cluster is running: %mesh start N" in shown
+
+
+def test_help_documents_every_subcommand(shell: Any) -> None:
+    doc = shell.find_line_magic("mesh").__doc__
+    for sub in ("%%mesh", "start", "stop", "restart", "status", "push", "pull", "auto",
+                "--timeout", "--ranks", "--profile", "--debug"):
+        assert sub in doc
