@@ -93,7 +93,7 @@ class Cluster:
         n = self.n or self.profile.ranks or _visible_gpus() or 4
         local = self.profile.launcher == "local"
         self._ipp = ipp.Cluster(
-            n=n, engines=self.profile.launcher, log_level=logging.WARNING,
+            n=n, engines=self.profile.launcher, log_level=logging.ERROR,
             controller_ip="127.0.0.1" if local else "*",
         )
         for key, value in self.profile.launcher_options.items():
@@ -112,6 +112,11 @@ class Cluster:
     def stop(self) -> None:
         """Stop the engines and the controller; the cluster object can start again."""
         if self._client is not None:
+            live = [self._engines[r] for r in range(self.world_size) if r not in self._dead]
+            try:  # a clean exit first; the launcher's SIGTERM would dump every engine's log
+                self._client.shutdown(targets=live or None, hub=False, block=True)
+            except Exception as e:
+                logging.getLogger("meshlab").debug("shutdown: %r", e)
             self._client.close()
         if self._ipp is not None:
             try:

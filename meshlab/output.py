@@ -185,11 +185,8 @@ class LiveOutput:
 
 def summary_lines(result: CellResult) -> list[str]:
     """The error summary, then the lowest failing rank's traceback (for IPython's display)."""
-    red, reset = "\x1b[31m", "\x1b[0m"
-    lines = [f"{red}{line}{reset}" if i == 0 else line
-             for i, line in enumerate(result.summary().splitlines())]
-    tb = result.first_traceback()
-    return lines + (["", *tb] if tb else [])
+    head, _, rest = result.summary().partition("\n")
+    return [f"\x1b[31m{head}\x1b[0m\n{rest}", *result.first_traceback()]
 
 
 __all__ = [

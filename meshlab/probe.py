@@ -19,18 +19,15 @@ from typing import Any
 import torch
 
 
-def main_thread_stack(limit: int = 30) -> str:
+def main_thread_stack(limit: int = 60) -> str:
     """The current Python stack of the main thread (where cells run)."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return "(no main thread frame)"
     lines = [_short_paths(line) for line in traceback.format_stack(frame, limit=limit)]
-    # Drop the engine's own event-loop frames: the user's code is what matters.
-    for i, line in enumerate(lines):
-        if '"<string>"' in line or "<ipython-input" in line or "Cell In" in line \
-                or "/tmp/ipykernel" in line:
-            lines = lines[i:]
-            break
+    # Start at the user's cell: the engine's event-loop frames above it are noise.
+    cell = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "cell ')]
+    return "".join(lines[cell[0]:] if cell else lines).rstrip()
     return "".join(lines).rstrip()
 
 
