@@ -1,0 +1,79 @@
+"""Dispatch overhead of %%mesh: a no-op cell through the real magic vs raw ipyparallel.
+
+All three run against the same cluster, interleaved in a shuffled order so drift and
+queueing hit them equally:
+
+- raw:        `DirectView.execute(code, block=True)` (returns at the execute replies);
+- raw+output: the same, then `wait_for_output()` (until every engine's output has
+              arrived: what any display of a cell's output has to wait for);
+- %%mesh:     `shell.run_cell("%%mesh\\n" + code)` through the real magic and IPython.
+
+$ python benchmarks/dispatch.py                 # 4 and 8 ranks, 200 round trips each
+$ python benchmarks/dispatch.py --ranks 4 --repeats 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from IPython import get_ipython
+from IPython.testing.globalipapp import start_ipython
+
+from meshlab import Cluster
+
+CODE = "pass"
+WARMUP = 10
+
+
+def measure(n: int, repeats: int) -> dict[str, float]:
+    """Median round trip in ms of each way to run CODE on n ranks."""
+    ip = start_ipython() or get_ipython()  # start_ipython returns None once started
+    if "mesh" not in ip.magics_manager.magics["cell"]:
+        ip.run_line_magic("load_ext", "meshlab")
+    magics = ip.magics_manager.registry["MeshMagics"]
+    ways = {
+        "raw": lambda: view.execute(CODE, block=True),
+        "raw+output": lambda: view.execute(CODE, silent=False, block=False).wait_for_output(),
+        "%%px": lambda: ip.run_cell(f"%%px\n{CODE}").raise_error(),
+        "%%mesh": lambda: ip.run_cell(f"%%mesh\n{CODE}").raise_error(),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    with Cluster(n) as cluster:
+        magics.cluster = cluster
+        view = cluster._client.direct_view(cluster._engines)
+        view.block = True  # %%px waits for its result and output, as %%mesh does
+        view.activate()  # registers %%px on this shell, targeting the same engines
+        order = list(ways)
+        for i in range(repeats + WARMUP):
+            random.shuffle(order)  # no way always runs right after another
+            for name in order:
+                start = time.perf_counter()
+                ways[name]()
+                if i >= WARMUP:
+                    samples[name].append(time.perf_counter() - start)
+        magics.cluster = None
+    return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    print(f"median round trip of a no-op cell, ms ({args.repeats} each); "
+          "ratio = %%mesh / baseline")
+    print(f"{'ranks':>5} {'raw':>6} {'raw+output':>10} {'%%px':>6} {'%%mesh':>6}   "
+          f"{'vs raw':>6} {'vs raw+output':>13} {'vs %%px':>7}")
+    for n in args.ranks:
+        ms = measure(n, args.repeats)
+        mesh = ms["%%mesh"]
+        print(f"{n:>5} {ms['raw']:>6.1f} {ms['raw+output']:>10.1f} {ms['%%px']:>6.1f} "
+              f"{mesh:>6.1f}   {mesh / ms['raw']:>6.2f} {mesh / ms['raw+output']:>13.2f} "
+              f"{mesh / ms['%%px']:>7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
