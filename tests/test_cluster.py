@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,7 +162,25 @@ def test_a_killed_rank_is_reported_not_a_hang(debug_cluster: Cluster) -> None:
     with pytest.raises(MeshError) as info:
         debug_cluster.run("import time\ntime.sleep(600)")
     assert "[rank 1] killed by SIGKILL" in info.value.result.summary()
-    with pytest.raises(ClusterError, match="rank 1 died: killed by SIGKILL.*%mesh restart"):
+    with pytest.raises(ClusterError, match=r"rank 1 died: killed by SIGKILL.*%mesh restart"):
         debug_cluster.run("1")
     debug_cluster.restart()
     assert debug_cluster.run("world_size").results() == "Out[ranks 0-1]: 2"
+
+
+def test_output_streams_while_the_cell_runs(cluster: Cluster) -> None:
+    seen: list[str] = []
+    cluster.run("import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')",
+                ranks="0", on_output=lambda result: seen.append(result.stdout()))
+    assert "[rank 0] first" in seen  # shown before the cell finished
+    assert seen[-1] == "[rank 0]\nfirst\nsecond"
+
+
+def test_engines_that_do_not_come_up_in_time_give_a_clear_error(tmp_path: Path) -> None:
+    profile = tmp_path / "slow.toml"
+    profile.write_text("[cluster]\nstart_timeout = 0.2\n")
+    c = Cluster(2, profile=profile)
+    with pytest.raises(ClusterError, match=r"only \d of 2 engines registered within 0.2 s "
+                                           r"\(profile start_timeout\)\. Engine log tail:"):
+        c.start(progress=False)
+    assert not c.running

@@ -41,8 +41,8 @@ def test_builtin_local_profile_loads() -> None:
 
 
 def test_unknown_profile_lists_the_available_ones() -> None:
-    with pytest.raises(ValueError, match="unknown cluster profile 'nope'.*available profiles are "
-                                         "local"):
+    with pytest.raises(ValueError, match=r"unknown cluster profile 'nope'.*available profiles "
+                                         r"are local"):
         profiles.load("nope")
 
 
