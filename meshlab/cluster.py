@@ -58,6 +58,7 @@ class Cluster:
         self._engines: list[int] = []  # rank -> engine id
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
         self._generation = 0
+        self._members: list[int] | None = None  # ranks in the process group; None = all
         self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
         self._needs_regroup = False
         self._dead: dict[int, str] = {}
@@ -125,7 +126,7 @@ class Cluster:
                 logging.getLogger("meshlab").debug("stop: %r", e)
         self._ipp = self._client = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
-        self._generation, self._needs_regroup = 0, False
+        self._generation, self._needs_regroup, self._members = 0, False, None
 
     def restart(self) -> Cluster:
         """Fresh engines with the same size and profile."""
@@ -223,8 +224,10 @@ class Cluster:
         self._finish(result, metadata, dict(zip(ranks, ar.msg_ids, strict=False)))
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
-            if with_values:
-                result.values = self.pull("_", ranks=with_values)
+            try:
+                result.values = self.pull("_", ranks=with_values) if with_values else {}
+            except ClusterError as e:  # e.g. a value that cannot be pickled
+                result.notes.append(f"values not kept: {e}")
         if on_output:
             on_output(result)
         if not result.ok:
@@ -308,11 +311,12 @@ class Cluster:
                     "`%mesh restart` replaces the engines")
             self._busy.clear()
         if self._needs_regroup:
-            self.regroup()
+            self.regroup(self._members)
 
     def regroup(self, ranks: str | list[int] | None = None) -> None:
         """Replace the process group by a fresh one over all ranks (or a subset)."""
         members = None if ranks is None else parse_ranks(ranks, self.world_size)
+        self._members = members
         self._generation += 1
         gen = self._generation
         self._apply_each(_regroup_rank, lambda r: {"generation": gen, "members": members},
@@ -333,11 +337,16 @@ class Cluster:
         try:
             return dict(zip(ranks, ar.get(), strict=True))
         except ipp.CompositeError as e:
-            missing = [r for r, (_, _, ename, *_) in zip(ranks, e.elist, strict=False)
-                       if ename == "NameError"]
-            raise KeyError(
-                f"{name!r} is not defined on rank(s) {format_ranks(missing or ranks)}: "
-                f"define it in a %%mesh cell first") from None
+            rank_of = {self._engines[r]: r for r in ranks}
+            failures = [(rank_of[info["engine_id"]], ename, evalue)
+                        for ename, evalue, _, info in e.elist]
+            missing = [r for r, ename, _ in failures if ename == "NameError"]
+            if len(missing) == len(failures):
+                raise KeyError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}: "
+                               "define it in a %%mesh cell first") from None
+            r, ename, evalue = next(f for f in failures if f[1] != "NameError")
+            raise ClusterError(f"could not pull {name!r} from rank {r}: {ename}: {evalue}") \
+                from None
 
     # -- looking at ranks (answered from the engines' control thread, even while busy) ------
 

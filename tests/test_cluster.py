@@ -90,6 +90,12 @@ def test_pull_of_an_unknown_name_says_where_it_is_missing(cluster: Cluster) -> N
         cluster.pull("nope")
 
 
+def test_pull_of_a_value_that_cannot_travel_names_the_rank_and_reason(cluster: Cluster) -> None:
+    cluster.run("numbers = (i for i in range(3))", ranks="2")
+    with pytest.raises(ClusterError, match=r"could not pull 'numbers' from rank 2: .*generator"):
+        cluster.pull("numbers", ranks="2")
+
+
 def test_status_reports_every_rank_even_while_a_cell_runs(cluster: Cluster) -> None:
     frame = cluster.status()
     assert list(frame.index) == [0, 1, 2, 3]
