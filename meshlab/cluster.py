@@ -6,7 +6,6 @@ Notebook side. Rank r is engine ``self._engines[r]``; every rank is bootstrapped
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import time
@@ -16,14 +15,12 @@ from typing import Any
 
 import ipyparallel as ipp
 import pandas as pd
-import psutil
 
 from meshlab import profiles, runtime
-from meshlab.output import CellResult, MeshError, RankError, RankOutput
+from meshlab.cell import CellRun
+from meshlab.output import CellResult, MeshError
+from meshlab.processes import EngineProcesses
 from meshlab.ranks import format_ranks, parse_ranks
-
-GRACE = 2.0  # seconds an interrupted rank gets to leave Python code before we call it stuck
-DIST_ERRORS = ("DistBackendError", "DistError", "DistNetworkError", "DistStoreError")
 
 
 class ClusterError(RuntimeError):
@@ -54,6 +51,7 @@ class Cluster:
             raise ValueError(f"backend {self.backend!r} is not one of {profiles.BACKENDS}")
         self.debug = self.profile.debug if debug is None else debug
         self._ipp: Any = None
+        self._processes = EngineProcesses()
         self._client: Any = None
         self._engines: list[int] = []  # rank -> engine id
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
@@ -97,6 +95,7 @@ class Cluster:
             n=n, engines=self.profile.launcher, log_level=logging.ERROR,
             controller_ip="127.0.0.1" if local else "*",
         )
+        self._processes = EngineProcesses(self._ipp)
         for key, value in self.profile.launcher_options.items():
             setattr(self._ipp.config[self._ipp.engine_launcher_class.__name__], key, value)
         try:
@@ -126,6 +125,7 @@ class Cluster:
                 logging.getLogger("meshlab").debug("stop: %r", e)
         self._ipp = self._client = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
+        self._processes = EngineProcesses()
         self._generation, self._needs_regroup, self._members = 0, False, None
 
     def restart(self) -> Cluster:
@@ -144,13 +144,13 @@ class Cluster:
             while len(self._client.ids) < n:
                 if len(self._client.ids) != bar.n:
                     bar.update(len(self._client.ids) - bar.n)
-                exited = [pid for pid, rc in self._engine_exit_codes().items() if rc is not None]
+                exited = [pid for pid, rc in self._processes.exit_codes().items() if rc is not None]
                 if exited or time.monotonic() > deadline:
                     why = (f"{len(exited)} engine process(es) exited during start-up"
                            if exited else
                            f"only {len(self._client.ids)} of {n} engines registered within "
                            f"{self.profile.start_timeout:g} s (profile start_timeout)")
-                    raise ClusterError(f"{why}. Engine log tail:\n{self._engine_log_tail()}")
+                    raise ClusterError(f"{why}. Engine log tail:\n{self._processes.log_tail()}")
                 time.sleep(0.1)
             bar.update(n - bar.n)
         finally:
@@ -199,29 +199,22 @@ class Cluster:
         ranks = self._ranks(ranks)
         self._recover()
         timeout = timeout if timeout is not None else self.profile.cell_timeout
-        view = self._client.direct_view([self._engines[r] for r in ranks])
-        ar = view.execute(code, silent=False, block=False)
-        result = CellResult(ranks, {r: RankOutput(r) for r in ranks}, timeout=timeout)
-        metadata = dict(zip(ranks, ar.metadata, strict=False))
-        deadline = time.monotonic() + timeout if timeout else None
-        try:
-            while not ar.ready():
-                ar.wait(0.05)
-                if self._read(result, metadata) and on_output:
-                    on_output(result)
-                if self._mark_dead(result):
-                    # Peers of a dead rank would wait for it in their next collective.
-                    self._stop_ranks(ar, result, metadata, "interrupted")
-                    break
-                if deadline and time.monotonic() > deadline:
-                    self._stop_ranks(ar, result, metadata, "timeout")
-                    break
-            if ar.ready():
-                ar.wait_for_output(5)  # stdout and results travel separately from the reply
-        except KeyboardInterrupt:
-            self._stop_ranks(ar, result, metadata, "interrupted")
-        self._read(result, metadata)
-        self._finish(result, metadata, dict(zip(ranks, ar.msg_ids, strict=False)))
+        ar = self._client.direct_view([self._engines[r] for r in ranks]).execute(
+            code, silent=False, block=False)
+        cell = CellRun(self, ar, ranks, timeout, on_output)
+        result = cell.wait()
+        self._busy.update(cell.stuck)
+        self._needs_regroup |= cell.dist_failed or bool(self._busy)
+        if self._busy:
+            result.notes.append(
+                f"ranks {format_ranks(self._busy)} are stuck in native code (usually a "
+                f"collective) and ignore interrupts until the process-group timeout "
+                f"({self.profile.pg_timeout:g} s) makes it raise. The next cell waits for them, "
+                f"then re-forms the process group; `%mesh restart` replaces the engines now.")
+        if self._dead:
+            result.notes.append(
+                "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
+                "engines (variables on the ranks are lost).")
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
             try:
@@ -233,65 +226,6 @@ class Cluster:
         if not result.ok:
             raise MeshError(result)
         return result
-
-    def _read(self, result: CellResult, metadata: dict[int, dict[str, Any]]) -> bool:
-        """Copy streamed output into the result; True if anything changed."""
-        changed = False
-        for r, md in metadata.items():
-            out = result.outputs[r]
-            if (out.stdout, out.stderr) != (md["stdout"], md["stderr"]):
-                out.stdout, out.stderr, changed = md["stdout"], md["stderr"], True
-        return changed
-
-    def _finish(self, result: CellResult, metadata: dict[int, dict[str, Any]],
-                msg_ids: dict[int, str]) -> None:
-        for r, md in metadata.items():
-            out = result.outputs[r]
-            if out.status in ("timeout", "interrupted", "died"):
-                if not md["status"]:
-                    self._busy[r] = msg_ids[r]
-                continue
-            err = md["error"]
-            if md["status"] == "ok":
-                out.status = "ok"
-                data = (md["execute_result"] or {}).get("data", {})
-                out.result = data.get("text/plain")
-            elif err is not None and err.ename == "EngineError":
-                out.status, out.error = "died", RankError("EngineError", self._death(r))
-            elif err is not None:
-                out.status = "error"
-                out.error = RankError(err.ename, err.evalue, _traceback_lines(err))
-                if err.ename in DIST_ERRORS:
-                    self._needs_regroup = True
-        if self._busy:
-            self._needs_regroup = True
-            result.notes.append(
-                f"ranks {format_ranks(self._busy)} are stuck in native code (usually a "
-                f"collective) and ignore interrupts until the process-group timeout "
-                f"({self.profile.pg_timeout:g} s) makes it raise. The next cell waits for them, "
-                f"then re-forms the process group; `%mesh restart` replaces the engines now.")
-        if self._dead:
-            result.notes.append(
-                "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
-                "engines (variables on the ranks are lost).")
-
-    def _stop_ranks(self, ar: Any, result: CellResult, metadata: dict[int, dict[str, Any]],
-                    why: str) -> None:
-        """Timeout or Ctrl-C: note stacks, SIGINT the ranks still running, give them a moment."""
-        running = [r for r in result.ranks if not metadata[r]["status"]
-                   and result.outputs[r].status != "died"]
-        stacks = self.stacks(running) if why == "timeout" else {}
-        self.interrupt(running)
-        with contextlib.suppress(KeyboardInterrupt):
-            ar.wait(GRACE)
-        stuck = [r for r in running if not metadata[r]["status"]]
-        if why == "interrupted" and stuck:
-            stacks = self.stacks(stuck)
-        for r in running:
-            if metadata[r]["status"] == "ok":
-                continue  # it finished within the grace period
-            result.outputs[r].status = why
-            result.outputs[r].stack = stacks.get(r)
 
     def _recover(self) -> None:
         """Before a cell: wait for ranks a previous cell left stuck, then re-form the group."""
@@ -403,8 +337,7 @@ class Cluster:
             raise ClusterError("no cluster is running: start one with `%mesh start N` "
                                "(or meshlab.Cluster(N).start())")
         ranks = parse_ranks(spec, self.world_size)
-        self._mark_dead()
-        dead = [r for r in ranks if r in self._dead]
+        dead = [r for r in ranks if r in self.dead()]
         if check_dead and dead:
             raise ClusterError(
                 "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
@@ -427,56 +360,14 @@ class Cluster:
                     from None
         return out
 
-    def _launchers(self) -> list[Any]:
-        if self._ipp is None:
-            return []
-        return [launcher for eset in self._ipp.engines.values()
-                for launcher in getattr(eset, "launchers", {}).values()]
-
-    def _engine_exit_codes(self) -> dict[int, int | None]:
-        """pid -> exit code (None while running) for engines this process launched."""
-        codes: dict[int, int | None] = {}
-        for launcher in self._launchers():
-            process = getattr(launcher, "process", None)  # a psutil.Process of our child
-            if process is not None:
-                try:
-                    codes[process.pid] = process.wait(0)  # reaps it; < 0: killed by a signal
-                except psutil.TimeoutExpired:
-                    codes[process.pid] = None
-        return codes
-
-    def _engine_log_tail(self, lines: int = 30) -> str:
-        text = []
-        for eset in (self._ipp.engines.values() if self._ipp else []):
-            try:
-                text.append(eset.get_output())
-            except Exception as e:
-                text.append(f"(no engine output: {e!r})")
-        tail = "\n".join("".join(text).splitlines()[-lines:])
-        return tail or "(the engines wrote nothing)"
-
-    def _mark_dead(self, result: CellResult | None = None) -> bool:
-        """Notice ranks whose process ended; True if any rank of ``result`` died."""
-        codes = self._engine_exit_codes() if self._hosts else {}
+    def dead(self) -> dict[int, str]:
+        """Ranks whose process has ended, with how: ``{2: "killed by SIGKILL"}``."""
+        codes = self._processes.exit_codes() if self._hosts else {}
         for r, h in enumerate(self._hosts):
             if r not in self._dead and (codes.get(h["pid"]) is not None
                                         or self._engines[r] not in self._client.ids):
-                self._dead[r] = self._death(r)
-        if result is None:
-            return False
-        died = False
-        for r, out in result.outputs.items():
-            if r in self._dead and out.status == "running":
-                out.status, out.error, died = "died", RankError("RankDied", self._dead[r]), True
-        return died
-
-    def _death(self, r: int) -> str:
-        code = self._engine_exit_codes().get(self._hosts[r]["pid"])
-        if code is None:
-            return "its engine stopped responding"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exited with status {code}"
+                self._dead[r] = self._processes.cause_of_death(h["pid"])
+        return dict(self._dead)
 
 
 # -- functions that run on the engines ---------------------------------------------------------
@@ -498,12 +389,6 @@ def _regroup_rank(generation: int, members: list[int] | None) -> None:
     import meshlab.runtime
 
     globals().update(meshlab.runtime.reform(generation, members))
-
-
-def _traceback_lines(err: Any) -> list[str]:
-    """An engine's traceback as IPython's list of chunks (it arrives as one string)."""
-    tb = getattr(err, "traceback", "") or ""
-    return tb.split("\n\n") if isinstance(tb, str) else list(tb)
 
 
 def _visible_gpus() -> int:

@@ -1,0 +1,57 @@
+"""The engine processes a notebook launched: are they alive, how did they end, what did they log.
+
+Notebook side, but free of ipyparallel imports: it reads the launcher objects it is given.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import psutil
+
+
+class EngineProcesses:
+    """Watches the engine processes of an ipyparallel cluster started from this process."""
+
+    def __init__(self, ipp_cluster: Any | None = None) -> None:
+        self._cluster = ipp_cluster
+
+    def _engine_sets(self) -> list[Any]:
+        return list(self._cluster.engines.values()) if self._cluster is not None else []
+
+    def _launchers(self) -> list[Any]:
+        return [launcher for engine_set in self._engine_sets()
+                for launcher in getattr(engine_set, "launchers", {}).values()]
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """pid -> exit code, None while running. Remote launchers report nothing here."""
+        codes: dict[int, int | None] = {}
+        for launcher in self._launchers():
+            process = getattr(launcher, "process", None)  # a psutil.Process of our child
+            if process is not None:
+                try:
+                    codes[process.pid] = process.wait(0)  # reaps it; psutil keeps the code
+                except psutil.TimeoutExpired:
+                    codes[process.pid] = None
+        return codes
+
+    def cause_of_death(self, pid: int) -> str:
+        """``killed by SIGKILL``, ``exited with status 1``, or what we can say from afar."""
+        code = self.exit_codes().get(pid)
+        if code is None:
+            return "its engine stopped responding"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines the engines wrote, for start-up failures."""
+        text = []
+        for engine_set in self._engine_sets():
+            try:
+                text.append(engine_set.get_output())
+            except Exception as e:
+                text.append(f"(no engine output: {e!r})")
+        tail = "\n".join("".join(text).splitlines()[-lines:])
+        return tail or "(the engines wrote nothing)"
