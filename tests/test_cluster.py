@@ -190,3 +190,12 @@ def test_engines_that_do_not_come_up_in_time_give_a_clear_error(tmp_path: Path) 
                                            r"\(profile start_timeout\)\. Engine log tail:"):
         c.start(progress=False)
     assert not c.running
+
+
+def test_the_profile_gives_the_default_time_limit(cluster: Cluster) -> None:
+    cluster.profile.cell_timeout = 1
+    try:
+        with pytest.raises(MeshError, match="still running after the 1 s time limit"):
+            cluster.run("import time\ntime.sleep(30)", ranks="0")
+    finally:
+        cluster.profile.cell_timeout = None

@@ -103,6 +103,17 @@ def test_mesh_before_start_says_how_to_start(shell: Any) -> None:
     assert not result.success and "no cluster is running: %mesh start N" in shown
 
 
+def test_start_with_an_unknown_profile_lists_the_known_ones(shell: Any) -> None:
+    magics = shell.magics_manager.registry["MeshMagics"]
+    cluster, magics.cluster = magics.cluster, None
+    try:
+        result, shown = run(shell, "%mesh start 2 --profile nope")
+    finally:
+        magics.cluster = cluster
+    assert not result.success
+    assert "unknown cluster profile 'nope': available profiles are local" in shown
+
+
 def test_help_documents_every_subcommand(shell: Any) -> None:
     doc = shell.find_line_magic("mesh").__doc__
     for sub in ("%%mesh", "start", "stop", "restart", "status", "push", "pull", "auto",
