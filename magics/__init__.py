@@ -128,6 +128,9 @@ class MeshMagics(Magics):
     def _stop(self, args: Any) -> None:
         self._need_cluster().stop()
         self.cluster = None
+        if _auto_transform in self.shell.input_transformers_cleanup:  # nothing left to run on
+            self.shell.input_transformers_cleanup.remove(_auto_transform)
+            self.auto = False
 
     def _restart(self, args: Any) -> None:
         self._need_cluster().restart()
