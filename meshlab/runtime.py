@@ -141,6 +141,8 @@ def _init_group(rank: int, world_size: int) -> None:
     dist.init_process_group(
         st.backend, store=store, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=st.timeout),
+        # Binding the GPU makes NCCL connect now, not on the first collective.
+        device_id=st.device if st.device.type == "cuda" else None,
     )
 
 
@@ -165,6 +167,11 @@ def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
 def init_from_env(backend: str = "auto", timeout: float = 600.0) -> dict[str, Any]:
     """Bootstrap under torchrun (or Slurm + torchrun): process group from the environment."""
     global _state
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in needed if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"{', '.join(missing)} not set: launch this script with torchrun, "
+                           "e.g. `torchrun --standalone --nproc_per_node=4 train.py`")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pin_device(local_rank)
@@ -176,6 +183,7 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> dict[str, An
     dist.init_process_group(
         _state.backend, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
     )
     return namespace()
 

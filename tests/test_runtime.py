@@ -1,0 +1,46 @@
+"""meshlab.runtime outside the notebook: the bootstrap an exported torchrun script calls."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshlab import runtime
+
+SCRIPT = """
+from meshlab import runtime
+ns = runtime.init_from_env()
+t = ns["torch"].ones(1) * ns["rank"]
+ns["dist"].all_reduce(t)
+print(f"rank {ns['rank']}/{ns['world_size']} {ns['device']} sum={t.item():g}", flush=True)
+ns["dist"].destroy_process_group()
+"""
+
+
+def test_torchrun_ranks_bootstrap_with_the_same_module(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Two processes share the pipe: their lines may interleave, so match, don't split.
+    assert sorted(re.findall(r"rank \d/\d \w+ sum=\d", done.stdout)) == [
+        "rank 0/2 cpu sum=1", "rank 1/2 cpu sum=1"]
+
+
+def test_init_from_env_outside_torchrun_says_how_to_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError, match="launch this script with torchrun"):
+        runtime.init_from_env()
+
+
+def test_ports_we_pick_stay_below_the_ephemeral_range() -> None:
+    floor = runtime.ephemeral_port_floor()
+    assert 1024 < floor <= 65535
