@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -93,23 +95,26 @@ def test_misuse_names_the_fix(shell: Any, line: str, message: str) -> None:
     assert not result.success and message in shown, shown
 
 
-def test_mesh_before_start_says_how_to_start(shell: Any) -> None:
+@contextmanager
+def no_cluster(shell: Any) -> Iterator[None]:
+    """The shell as it is before `%mesh start`."""
     magics = shell.magics_manager.registry["MeshMagics"]
     cluster, magics.cluster = magics.cluster, None
     try:
-        result, shown = run(shell, "%%mesh\n1")
+        yield
     finally:
         magics.cluster = cluster
+
+
+def test_mesh_before_start_says_how_to_start(shell: Any) -> None:
+    with no_cluster(shell):
+        result, shown = run(shell, "%%mesh\n1")
     assert not result.success and "no cluster is running: %mesh start N" in shown
 
 
 def test_start_with_an_unknown_profile_lists_the_known_ones(shell: Any) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    cluster, magics.cluster = magics.cluster, None
-    try:
+    with no_cluster(shell):
         result, shown = run(shell, "%mesh start 2 --profile nope")
-    finally:
-        magics.cluster = cluster
     assert not result.success
     assert "unknown cluster profile 'nope': available profiles are local" in shown
 
