@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshlab.ranks import format_ranks, label
+from meshlab.ranks import label
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Frames from the machinery between the user's cell and the rank: never the user's fault.
@@ -191,5 +191,5 @@ def summary_lines(result: CellResult) -> list[str]:
 
 __all__ = [
     "CellResult", "LiveOutput", "MeshError", "RankError", "RankOutput",
-    "clean_traceback", "format_ranks", "group", "render_groups", "strip_ansi", "summary_lines",
+    "clean_traceback", "group", "render_groups", "strip_ansi", "summary_lines",
 ]
