@@ -14,9 +14,11 @@ from IPython.core.completer import (
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
+from meshlab.widgets import MeshView, group_table
 
 
 # Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
@@ -60,6 +62,13 @@ def _pull(line: str) -> None:
 
 
 @magic_arguments()
+@argument("axes", nargs="*", metavar="AXIS=SIZE",
+          help="pp, dp_replicate, dp_shard (or dp), cp, tp, ep; e.g. dp=2 tp=2")
+def _init(line: str) -> None:
+    """%mesh init dp=2 tp=2: a named DeviceMesh `mesh` on every rank (no axes: show it)."""
+
+
+@magic_arguments()
 @argument("state", choices=["on", "off"])
 def _auto(line: str) -> None:
     """%mesh auto on|off: run every following cell on the ranks, without the %%mesh line."""
@@ -75,7 +84,7 @@ def _cell(line: str) -> None:
 
 
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
-               "push": _push, "pull": _pull, "auto": _auto}
+               "init": _init, "push": _push, "pull": _pull, "auto": _auto}
 
 
 def _help() -> str:
@@ -138,6 +147,17 @@ class MeshMagics(Magics):
 
     def _status(self, args: Any) -> Any:
         return self._need_cluster().status()
+
+    def _init(self, args: Any) -> None:
+        cluster = self._need_cluster()
+        if args.axes:
+            try:
+                cluster.init_mesh(" ".join(args.axes))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        if cluster.mesh_spec is None:
+            raise UsageError("no mesh yet: %mesh init dp=2 tp=2 (axes multiply to the world size)")
+        display(group_table(cluster.mesh_spec), MeshView(cluster.mesh_spec))
 
     def _push(self, args: Any) -> None:
         missing = [n for n in args.names if n not in self.shell.user_ns]

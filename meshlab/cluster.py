@@ -18,6 +18,7 @@ import pandas as pd
 
 from meshlab import profiles, runtime
 from meshlab.cell import CellRun
+from meshlab.mesh import MeshSpec
 from meshlab.output import CellResult, MeshError
 from meshlab.processes import EngineProcesses
 from meshlab.ranks import format_ranks, parse_ranks
@@ -57,6 +58,7 @@ class Cluster:
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
         self._generation = 0
         self._members: list[int] | None = None  # ranks in the process group; None = all
+        self.mesh_spec: MeshSpec | None = None  # the mesh every rank holds as `mesh`
         self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
         self._needs_regroup = False
         self._dead: dict[int, str] = {}
@@ -127,6 +129,7 @@ class Cluster:
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()
         self._generation, self._needs_regroup, self._members = 0, False, None
+        self.mesh_spec = None
 
     def restart(self) -> Cluster:
         """Fresh engines with the same size and profile."""
@@ -248,7 +251,10 @@ class Cluster:
             self.regroup(self._members)
 
     def regroup(self, ranks: str | list[int] | None = None) -> None:
-        """Replace the process group by a fresh one over all ranks (or a subset)."""
+        """Replace the process group by a fresh one over all ranks (or a subset).
+
+        A mesh built on the old group is rebuilt on the new one when it still fits.
+        """
         members = None if ranks is None else parse_ranks(ranks, self.world_size)
         self._members = members
         self._generation += 1
@@ -256,6 +262,22 @@ class Cluster:
         self._apply_each(_regroup_rank, lambda r: {"generation": gen, "members": members},
                          timeout=self.profile.pg_timeout + 30)
         self._needs_regroup = False
+        if self.mesh_spec is not None:
+            if members is None:
+                self.init_mesh(self.mesh_spec)
+            else:
+                self.mesh_spec = None  # a subset group no longer matches the mesh
+
+    def init_mesh(self, spec: str | MeshSpec) -> MeshSpec:
+        """Build the named DeviceMesh ``mesh`` on every rank; ValueError names a bad spec."""
+        spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
+        spec.check(self.world_size if self._members is None else len(self._members))
+        self._ranks(None)
+        self._recover()
+        self._apply_each(_build_mesh, lambda r: {"spec": spec},
+                         timeout=self.profile.pg_timeout + 30)
+        self.mesh_spec = spec
+        return spec
 
     # -- moving data -----------------------------------------------------------------------
 
@@ -382,6 +404,13 @@ def _setup_rank(**kwargs: Any) -> None:
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
     meshlab.probe.serve(shell.kernel, shell.user_ns)
+
+
+@ipp.interactive
+def _build_mesh(spec: Any) -> None:
+    import meshlab.mesh
+
+    globals()["mesh"] = meshlab.mesh.build(spec)
 
 
 @ipp.interactive

@@ -1,0 +1,180 @@
+"""The one place that owns mesh axes: their names, order, validation and process groups.
+
+``MeshSpec.parse("dp=2 tp=2")`` is checked against the world size on the notebook side;
+``build(spec)`` makes the named DeviceMesh on every rank. Axes follow torchtitan's order,
+``pp, dp_replicate, dp_shard, cp, tp`` (outermost first: tp ranks are neighbours, so on a
+GPU node tp stays inside NVLink). Plain Python and torch only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ALIASES = {"dp": "dp_shard"}
+OPTIONS = (*AXES, "ep")  # ep is not an axis of its own: it is carved out of dp_shard x cp
+HELP = ", ".join((*AXES, "dp (= dp_shard)", "ep"))
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshSpec:
+    """Parallel degrees of a run; their product is the world size."""
+
+    pp: int = 1
+    """Pipeline stages."""
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP)."""
+    dp_shard: int = 1
+    """Data-parallel shards (ZeRO/FSDP); ``dp=`` means this."""
+    cp: int = 1
+    """Context parallel: the sequence split across ranks."""
+    tp: int = 1
+    """Tensor parallel."""
+    ep: int = 1
+    """Expert parallel, borrowed from dp_shard x cp (as torchtitan does)."""
+    named: tuple[str, ...] = ()
+    """Axes the user wrote even at size 1: they stay on the mesh so ``mesh[name]`` works."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "named" and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name}={value!r}: every degree must be a positive integer")
+        inner = self.dp_shard * self.cp
+        if self.ep > 1 and (inner % self.ep or self.ep % self.cp):
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard x cp = {self.dp_shard} x {self.cp} = {inner} "
+                f"and be a multiple of cp={self.cp}: experts are spread over dp_shard x cp ranks")
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """``"dp=2 tp=2"`` (spaces or commas) -> MeshSpec; unknown or bad axes raise."""
+        degrees: dict[str, int] = {}
+        for item in re.split(r"[\s,]+", text.strip()):
+            if not item:
+                continue
+            name, eq, value = item.partition("=")
+            name = ALIASES.get(name, name)
+            if not eq or name not in OPTIONS:
+                raise ValueError(f"unknown mesh axis {item!r}: write NAME=SIZE with NAME one of "
+                                 f"{HELP}, e.g. 'dp=2 tp=2'")
+            if name in degrees:
+                raise ValueError(f"axis {name!r} given twice in {text!r}")
+            try:
+                degrees[name] = int(value)
+            except ValueError:
+                raise ValueError(f"{item!r}: the size of {name} must be an integer") from None
+        if not degrees:
+            raise ValueError(f"an empty mesh: name at least one axis, e.g. 'dp=2 tp=2' ({HELP})")
+        named = tuple(a for a in AXES if a in degrees)
+        return cls(**degrees, named=named)
+
+    @property
+    def size(self) -> int:
+        return math.prod(getattr(self, a) for a in AXES)
+
+    def axes(self) -> dict[str, int]:
+        """The axes on the mesh, in order: those of size > 1 plus those named explicitly."""
+        kept = {a: getattr(self, a) for a in AXES if getattr(self, a) > 1 or a in self.named}
+        return kept or {"dp_shard": 1}
+
+    def check(self, world_size: int) -> None:
+        """Raise unless the degrees multiply to the world size."""
+        if self.size != world_size:
+            sizes = " x ".join(f"{a}={n}" for a, n in self.axes().items())
+            raise ValueError(f"{sizes} = {self.size}, but the cluster has {world_size} ranks: "
+                             f"make the product {world_size} (or start {self.size} ranks)")
+
+    def mesh_axes(self) -> dict[str, int]:
+        """The DeviceMesh's own dimensions; with ep, dp_shard is split in two (torchtitan)."""
+        axes = self.axes()
+        if self.ep == 1:
+            return axes
+        in_ep = self.ep // self.cp  # ep takes the innermost dp_shard ranks and all of cp
+        out: dict[str, int] = {}
+        for a, n in axes.items():
+            if a == "dp_shard":
+                out["dp_shard_mod_ep"], out["dp_shard_in_ep"] = n // in_ep, in_ep
+            else:
+                out[a] = n
+        return out
+
+    def views(self) -> dict[str, tuple[str, ...]]:
+        """Names a trainer asks for that span mesh dimensions, flattened on the mesh."""
+        dims = self.mesh_axes()
+        shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
+        wanted = {
+            "dp_shard": shard,  # a view only when ep splits it
+            "dp": ("dp_replicate", *shard),  # the batch is split over all of these
+            "dp_shard_cp": (*shard, "cp"),  # FSDP shards parameters over these together
+            "dp_cp": ("dp_replicate", *shard, "cp"),  # the loss is averaged over these
+            "ep": ("dp_shard_in_ep", "cp"),
+        }
+        views = {}
+        for name, span in wanted.items():
+            present = tuple(d for d in span if d in dims)
+            if name not in dims and present and (name != "ep" or self.ep > 1):
+                views[name] = present
+        return views
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Every axis and view with its process groups as rank lists (pure arithmetic)."""
+        dims = self.mesh_axes()
+        names, shape = list(dims), list(dims.values())
+        spans = {name: (name,) for name in names} | self.views()
+        return {name: _groups(shape, [names.index(d) for d in span])
+                for name, span in spans.items()}
+
+    def __str__(self) -> str:
+        parts = [f"{a}={n}" for a, n in self.axes().items()]
+        return " ".join(parts + ([f"ep={self.ep}"] if self.ep > 1 else []))
+
+
+def _groups(shape: list[int], dims: list[int]) -> list[list[int]]:
+    """Ranks that differ only along ``dims`` of a row-major grid of ``shape``."""
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    others = [i for i in range(len(shape)) if i not in dims]
+    groups = []
+    for fixed in _coords([shape[i] for i in others]):
+        base = sum(c * strides[i] for c, i in zip(fixed, others, strict=True))
+        groups.append(sorted(base + sum(c * strides[i] for c, i in zip(var, dims, strict=True))
+                             for var in _coords([shape[i] for i in dims])))
+    return sorted(groups)
+
+
+def _coords(shape: list[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in shape:
+        out = [(*c, i) for c in out for i in range(n)]
+    return out
+
+
+def coordinates(spec: MeshSpec) -> dict[int, dict[str, int]]:
+    """rank -> {axis: index} on the mesh (pure arithmetic, no process group)."""
+    axes = spec.mesh_axes()
+    return {rank: dict(zip(axes, coord, strict=True))
+            for rank, coord in enumerate(_coords(list(axes.values())))}
+
+
+def build(spec: MeshSpec | str) -> Any:
+    """The named DeviceMesh on this rank (call it on every rank), with its flattened views."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlab import runtime
+
+    spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
+    spec.check(dist.get_world_size())
+    dims = spec.mesh_axes()
+    mesh = init_device_mesh(runtime.state().device.type, tuple(dims.values()),
+                            mesh_dim_names=tuple(dims))
+    for view, span in spec.views().items():
+        mesh[span]._flatten(view)
+    # mesh["dp"] on a flattened view is the contract; torch only warns that it may change.
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    return mesh

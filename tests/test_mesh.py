@@ -1,0 +1,115 @@
+"""Mesh specs (pure) and the named DeviceMesh they build on real ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshlab import Cluster
+from meshlab.mesh import MeshSpec, coordinates
+from meshlab.widgets import MeshView
+
+
+def test_parse_takes_sizes_in_any_order_and_dp_means_dp_shard() -> None:
+    spec = MeshSpec.parse("tp=2, dp=2")
+    assert (spec.dp_shard, spec.tp, spec.size) == (2, 2, 4)
+    assert list(spec.axes()) == ["dp_shard", "tp"]  # torchtitan's order, size-1 axes omitted
+    assert str(spec) == "dp_shard=2 tp=2"
+
+
+def test_axes_named_at_size_one_stay_on_the_mesh() -> None:
+    assert list(MeshSpec.parse("pp=1 dp=2 tp=2").axes()) == ["pp", "dp_shard", "tp"]
+
+
+@pytest.mark.parametrize("text, world, message", [
+    ("dp=2 tp=3", 4, r"dp_shard=2 x tp=3 = 6, but the cluster has 4 ranks"),
+    ("dp=2 mp=2", 4, r"unknown mesh axis 'mp=2'.*pp, dp_replicate, dp_shard, cp, tp"),
+    ("dp=0 tp=4", 4, r"dp_shard=0: every degree must be a positive integer"),
+    ("dp=-2", 4, r"dp_shard=-2: every degree must be a positive integer"),
+    ("dp=x", 4, r"the size of dp_shard must be an integer"),
+    ("tp", 4, r"unknown mesh axis 'tp'"),
+    ("dp=2 dp_shard=2", 4, r"axis 'dp_shard' given twice"),
+    ("dp=4 ep=3", 4, r"ep=3 must divide dp_shard x cp = 4 x 1 = 4"),
+    ("dp=2 cp=4 ep=2", 8, r"ep=2 must divide .* and be a multiple of cp=4"),
+    ("", 4, r"an empty mesh"),
+])
+def test_bad_specs_show_the_numbers_and_the_fix(text: str, world: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MeshSpec.parse(text).check(world)
+
+
+def test_groups_of_a_1d_mesh() -> None:
+    assert MeshSpec.parse("dp=4").groups()["dp_shard"] == [[0, 1, 2, 3]]
+
+
+def test_groups_of_a_2d_mesh_put_tp_neighbours_together() -> None:
+    groups = MeshSpec.parse("dp=2 tp=2").groups()
+    assert groups["tp"] == [[0, 1], [2, 3]]
+    assert groups["dp_shard"] == groups["dp"] == [[0, 2], [1, 3]]
+
+
+def test_groups_of_a_3d_mesh_and_its_flattened_views() -> None:
+    groups = MeshSpec.parse("pp=2 dp_replicate=2 dp_shard=2 tp=2").groups()
+    assert groups["pp"][0] == [0, 8]
+    assert groups["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    cp = MeshSpec.parse("dp=2 cp=2 tp=2").groups()
+    assert cp["dp_shard_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_ep_is_carved_out_of_dp_shard_like_torchtitan() -> None:
+    spec = MeshSpec.parse("dp=4 ep=2")
+    assert spec.mesh_axes() == {"dp_shard_mod_ep": 2, "dp_shard_in_ep": 2}
+    groups = spec.groups()
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["dp_shard"] == [[0, 1, 2, 3]]
+
+
+def test_coordinates_are_row_major() -> None:
+    assert coordinates(MeshSpec.parse("dp=2 tp=2"))[2] == {"dp_shard": 1, "tp": 0}
+
+
+def test_mesh_view_draws_every_rank_with_its_coordinates() -> None:
+    html = MeshView(MeshSpec.parse("pp=2 dp=2 tp=2"))._repr_html_()
+    assert html.count('class="meshlab-rank"') == 8
+    assert 'data-rank="6"' in html and "pp=1 dp_shard=1 tp=0" in html
+    assert "<caption style='text-align:left'>pp=1</caption>" in html
+
+
+CHECK_GROUPS = """
+import meshlab.mesh
+_spec = meshlab.mesh.MeshSpec.parse(SPEC)
+_mine = {name: next(g for g in groups if rank in g) for name, groups in _spec.groups().items()}
+_built = {name: sorted(mesh[name].mesh.flatten().tolist()) for name in _mine}
+_built == _mine or (_built, _mine)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("text", ["dp=4", "dp=2 tp=2", "dp_replicate=1 dp=2 tp=2",
+                                  "dp_replicate=2 dp=2", "dp=4 ep=2", "dp=2 cp=2 ep=4"])
+def test_built_mesh_matches_the_computed_groups_on_every_rank(cluster: Cluster,
+                                                              text: str) -> None:
+    cluster.init_mesh(text)
+    cluster.push({"SPEC": text})
+    result = cluster.run(CHECK_GROUPS)
+    assert result.results() == "Out[ranks 0-3]: True", result.results()
+
+
+@pytest.mark.cluster
+def test_init_refuses_a_mesh_that_does_not_fit(cluster: Cluster) -> None:
+    with pytest.raises(ValueError, match="dp_shard=2 x tp=3 = 6, but the cluster has 4 ranks"):
+        cluster.init_mesh("dp=2 tp=3")
+
+
+@pytest.mark.cluster
+def test_mesh_magic_shows_the_group_table_and_grid(shell: Any) -> None:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "init dp=2 tp=2")
+    table, grid = cap.outputs
+    assert "tp" in table.data["text/plain"] and "[0-1]  [2-3]" in table.data["text/plain"]
+    assert "rank 3: dp_shard=1 tp=1" in grid.data["text/plain"]
+    assert shell.run_cell("%%mesh\nmesh['tp'].size()").success
