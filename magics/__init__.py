@@ -18,7 +18,7 @@ from IPython.display import display
 
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
-from meshlab.widgets import MeshView, group_table
+from meshlab.widgets import MeshView, ShardingView, group_table
 
 
 # Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
@@ -45,6 +45,13 @@ def _restart(line: str) -> None:
 @magic_arguments()
 def _status(line: str) -> None:
     """%mesh status: a table of ranks (host, pid, device, alive, busy, memory)."""
+
+
+@magic_arguments()
+@argument("expr", nargs="+", help="a DTensor, tensor or nn.Module (any expression) on the ranks")
+@argument("--ranks", help="only these ranks, e.g. 0,2-3")
+def _inspect(line: str) -> None:
+    """%mesh inspect EXPR: a widget showing which rank holds which block of EXPR."""
 
 
 @magic_arguments()
@@ -84,7 +91,8 @@ def _cell(line: str) -> None:
 
 
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
-               "init": _init, "push": _push, "pull": _pull, "auto": _auto}
+               "init": _init, "inspect": _inspect, "push": _push, "pull": _pull,
+               "auto": _auto}
 
 
 def _help() -> str:
@@ -158,6 +166,13 @@ class MeshMagics(Magics):
         if cluster.mesh_spec is None:
             raise UsageError("no mesh yet: %mesh init dp=2 tp=2 (axes multiply to the world size)")
         display(group_table(cluster.mesh_spec), MeshView(cluster.mesh_spec))
+
+    def _inspect(self, args: Any) -> ShardingView:
+        try:
+            report = self._need_cluster().inspect(" ".join(args.expr), args.ranks)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return ShardingView(report)
 
     def _push(self, args: Any) -> None:
         missing = [n for n in args.names if n not in self.shell.user_ns]

@@ -22,6 +22,7 @@ from meshlab.mesh import MeshSpec
 from meshlab.output import CellResult, MeshError
 from meshlab.processes import EngineProcesses
 from meshlab.ranks import format_ranks, parse_ranks
+from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 
 class ClusterError(RuntimeError):
@@ -304,6 +305,22 @@ class Cluster:
             raise ClusterError(f"could not pull {name!r} from rank {r}: {ename}: {evalue}") \
                 from None
 
+    def inspect(self, expr: str, ranks: str | list[int] | None = None
+                ) -> ShardingReport | ModuleReport:
+        """Evaluate ``expr`` on the ranks and merge what each holds into one report."""
+        ranks = self._ranks(ranks)
+        self._recover()
+        ar = self._client.direct_view([self._engines[r] for r in ranks]).apply_async(
+            _describe, expr)
+        try:
+            reports = ar.get(timeout=self.profile.pg_timeout)
+        except ipp.CompositeError as e:
+            rank_of = {self._engines[r]: r for r in ranks}
+            lines = [f"  rank {rank_of[info['engine_id']]}: {ename}: {evalue}"
+                     for ename, evalue, _, info in e.elist]
+            raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
+        return merge(dict(zip(ranks, reports, strict=True)))
+
     # -- looking at ranks (answered from the engines' control thread, even while busy) ------
 
     def status(self) -> pd.DataFrame:
@@ -404,6 +421,13 @@ def _setup_rank(**kwargs: Any) -> None:
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
     meshlab.probe.serve(shell.kernel, shell.user_ns)
+
+
+@ipp.interactive
+def _describe(expr: str) -> Any:
+    import meshlab.sharding
+
+    return meshlab.sharding.describe(eval(expr, globals()), expr)
 
 
 @ipp.interactive
