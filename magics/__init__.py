@@ -16,9 +16,11 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from meshlab.charts import comms_chart
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.widgets import MeshView, ShardingView, group_table
+from meshlab.widgets.comms import comms_frame, comms_totals
 
 
 # Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
@@ -86,6 +88,8 @@ def _auto(line: str) -> None:
 @argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
 @argument("-o", dest="output", metavar="NAME",
           help="store {rank: value of the last expression} in the notebook as NAME")
+@argument("--comms", action="store_true",
+          help="trace the collectives each rank issued: counts, bytes, mesh axis")
 def _cell(line: str) -> None:
     """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
 
@@ -206,7 +210,7 @@ class MeshMagics(Magics):
         live = LiveOutput()
         try:
             result = cluster.run(cell, args.ranks, args.timeout, on_output=live.update,
-                                 keep_values=bool(args.output))
+                                 keep_values=bool(args.output), comms=args.comms)
         except ValueError as e:  # a bad --ranks set
             raise UsageError(str(e)) from None
         except MeshError as e:
@@ -217,6 +221,10 @@ class MeshMagics(Magics):
         live.finish(result)
         if args.output:
             self.shell.user_ns[args.output] = result.values
+        if args.comms:
+            frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
+            display(frame.set_index(["rank", "op", "axis"]), comms_totals(frame),
+                    comms_chart(frame))
 
     def _need_cluster(self) -> Cluster:
         if self.cluster is None or not self.cluster.running:

@@ -16,6 +16,7 @@ from typing import Any
 import ipyparallel as ipp
 import pandas as pd
 
+import meshlab.comms
 from meshlab import profiles, runtime
 from meshlab.cell import CellRun
 from meshlab.mesh import MeshSpec
@@ -193,20 +194,26 @@ class Cluster:
         *,
         on_output: Callable[[CellResult], None] | None = None,
         keep_values: bool = False,
+        comms: bool = False,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
 
         ``timeout`` (seconds; default from the profile) interrupts ranks still running and
         reports their stacks. ``on_output`` sees the partial result as output streams in.
         ``keep_values`` pulls each rank's last-expression value into ``result.values``.
+        ``comms`` traces the collectives each rank issues into ``result.comms``.
         """
         ranks = self._ranks(ranks)
         self._recover()
         timeout = timeout if timeout is not None else self.profile.cell_timeout
-        ar = self._client.direct_view([self._engines[r] for r in ranks]).execute(
-            code, silent=False, block=False)
+        view = self._client.direct_view([self._engines[r] for r in ranks])
+        if comms:
+            view.apply_async(meshlab.comms.start)  # queued before the cell on every rank
+        ar = view.execute(code, silent=False, block=False)
         cell = CellRun(self, ar, ranks, timeout, on_output)
         result = cell.wait()
+        if comms:
+            result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
         self._busy.update(cell.stuck)
         self._needs_regroup |= cell.dist_failed or bool(self._busy)
         if self._busy:
@@ -230,6 +237,14 @@ class Cluster:
         if not result.ok:
             raise MeshError(result)
         return result
+
+    def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
+        alive = [r for r in ranks if r not in self._dead]
+        if not alive:
+            return {}
+        ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
+            meshlab.comms.stop)
+        return dict(zip(alive, ar.get(timeout=30), strict=True))
 
     def _recover(self) -> None:
         """Before a cell: wait for ranks a previous cell left stuck, then re-form the group."""

@@ -57,6 +57,7 @@ class CellResult:
     timeout: float | None = None
     notes: list[str] = field(default_factory=list)
     values: dict[int, Any] = field(default_factory=dict)  # last-expression values, if pulled
+    comms: dict[int, list[Any]] = field(default_factory=dict)  # traced collectives, if asked
 
     @property
     def ok(self) -> bool:

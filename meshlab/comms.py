@@ -1,0 +1,124 @@
+"""Which collectives a cell issued, on which group, moving how many bytes.
+
+A TorchDispatchMode sees every c10d op at the dispatcher: plain ``dist.*`` calls arrive
+as ``c10d.*`` ops, DTensor redistributions as ``_c10d_functional.*`` ops. Unlike torch's
+CommDebugMode (counts only), each record carries the group's ranks and computed bytes.
+Plain torch; the notebook turns the records into tables and charts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Dispatcher op names (c10d.allreduce_, _c10d_functional.all_gather_into_tensor, ...) by
+# the collective they implement; first match wins, so longer names come first.
+_OPS = [("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+        ("all_reduce", "all_reduce"), ("allgather", "all_gather"),
+        ("all_gather", "all_gather"), ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"),
+        ("broadcast", "broadcast"), ("barrier", "barrier"), ("scatter", "scatter"),
+        ("gather", "gather"), ("reduce", "reduce"), ("send", "send"), ("recv", "recv")]
+_INPUTS = ("input", "input_tensor", "input_tensors", "inputs", "tensors", "tensor")
+_OUTPUTS = ("output", "output_tensor", "output_tensors", "outputs", "out")
+
+
+@dataclass(slots=True)
+class CommRecord:
+    """One collective as this rank issued it."""
+
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, ...
+    group: list[int]  # global ranks of the process group it ran on
+    bytes: int  # payload: the larger of the data going in and coming out on this rank
+    wire_bytes: int  # what this rank sends with ring algorithms (an estimate, not a measure)
+
+
+def collective_name(func_name: str) -> str | None:
+    """``c10d.allreduce_`` -> ``all_reduce``; None for non-collectives like wait_tensor."""
+    name = func_name.split(".")[1] if "." in func_name else func_name
+    return next((op for key, op in _OPS if key in name), None)
+
+
+def wire_bytes(op: str, payload: int, n: int) -> int:
+    """Bytes one rank sends for a collective of ``payload`` bytes over ``n`` ranks (ring)."""
+    if n <= 1 or op == "barrier":
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * payload // n  # reduce-scatter, then all-gather
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+        return (n - 1) * payload // n
+    return payload  # broadcast, reduce, send, recv: the whole payload passes through
+
+
+class CommTracer(TorchDispatchMode):
+    """Records every collective dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CommRecord] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            op = collective_name(str(func.overloadpacket.__name__))
+            if op is not None:
+                self.records.append(_record(op, func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _record(op: str, func: Any, args: Any, kwargs: Any) -> CommRecord:
+    named = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+    group = _group_ranks(named)
+    inputs = sum(_bytes(named[k]) for k in _INPUTS if k in named)
+    outputs = sum(_bytes(named[k]) for k in _OUTPUTS if k in named)
+    if op == "all_gather" and not outputs:  # functional: the output is not an argument
+        outputs = inputs * int(named.get("group_size", len(group)))
+    payload = max(inputs, outputs)
+    return CommRecord(op, group, payload, wire_bytes(op, payload, len(group)))
+
+
+def _group_ranks(named: dict[str, Any]) -> list[int]:
+    pg = None
+    if "group_name" in named:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(named["group_name"])
+    elif "process_group" in named:
+        pg = dist.ProcessGroup.unbox(named["process_group"])
+    try:
+        return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError):
+        return list(range(dist.get_world_size()))
+
+
+def _bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    return 0
+
+
+_active: CommTracer | None = None
+
+
+def start() -> None:
+    """Start tracing on this rank (until stop()); the cluster calls it around a cell."""
+    global _active
+    stop()
+    _active = CommTracer()
+    _active.__enter__()
+
+
+def stop() -> list[CommRecord]:
+    """Stop tracing; the collectives issued since start()."""
+    global _active
+    if _active is None:
+        return []
+    tracer, _active = _active, None
+    tracer.__exit__(None, None, None)
+    return tracer.records
