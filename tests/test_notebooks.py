@@ -34,10 +34,16 @@ def test_notebooks_are_committed_without_outputs(path: Path) -> None:
         f"strip the outputs of {path.name} before committing"
 
 
-def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
-    nb = nbformat.read(NOTEBOOKS[0], as_version=4)
+def execute(name: str, cwd: Path) -> nbformat.NotebookNode:
+    """Run a tour notebook in a real kernel; nbclient raises on any unexpected error."""
+    nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / name, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+                   resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
+    nb = execute("01-quickstart.ipynb", tmp_path)
     shown = {i: texts(c) for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     everything = "\n".join(shown.values())
     assert "4 ranks ready" in everything
@@ -47,3 +53,30 @@ def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
     assert "[ranks 0,2-3] this rank is fine" in everything
     assert "{0: 0.0003, 1: 0.0006, 2: 0.0009, 3: 0.0012}" in everything
     assert "[rank 3] still running after the 1 s time limit" in everything
+
+
+def widget_models(nb: nbformat.NotebookNode) -> list[dict]:
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    return [m["state"] for m in state.values() if "tensor" in m["state"]]
+
+
+def test_mesh_and_sharding_notebook_saves_its_widgets(tmp_path: Path) -> None:
+    nb = execute("02-mesh-and-sharding.ipynb", tmp_path)
+    everything = "\n".join(texts(c) for c in nb.cells if c.cell_type == "code")
+    assert "[0-1]  [2-3]" in everything  # the tp groups in the group table
+    drawn = {m["tensor"]["name"]: m["tensor"] for m in widget_models(nb) if m["tensor"]}
+    assert [b["ranks"] for b in drawn["w"]["blocks"]] == [[0], [1], [2], [3]]
+    assert [(b["r0"], b["r1"]) for b in drawn["rows"]["blocks"]] == [(0, 3), (3, 5), (5, 8),
+                                                                    (8, 10)]
+    assert all(b["replicated"] for b in drawn["cols"]["blocks"])
+    assert all(b["partial"] for b in drawn["partial"]["blocks"])
+    assert [b["ranks"] for b in drawn["w_cols"]["blocks"]] == [[0, 2], [1, 3]]
+    module = next(m for m in widget_models(nb) if m["rows"])
+    assert [r["name"] for r in module["rows"]] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    # without widget support, the same cells still show the blocks as HTML
+    html = [o["data"]["text/html"] for c in nb.cells for o in c.get("outputs", [])
+            if "text/html" in o.get("data", {}) and "meshlab-block" in o["data"]["text/html"]]
+    assert len(html) == 6
+    assert "all_reduce" in everything and "world" in everything
+    outputs = [o for c in nb.cells for o in c.get("outputs", [])]
+    assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 1
