@@ -70,8 +70,10 @@ function drawTensor(model, root) {
   drawDimPickers(model, t, root);
   const nRows = t.dims.length ? Math.max(t.shape[t.dims[0]], 1) : 1;
   const nCols = t.dims.length > 1 ? Math.max(t.shape[t.dims[1]], 1) : 1;
-  const width = 360;
-  const height = Math.max(24, Math.min(360, (width * nRows) / nCols));
+  // Keep the tensor's aspect ratio inside 360 x 360; thin tensors stay visible.
+  const scale = Math.min(360 / nCols, 360 / nRows);
+  const width = Math.max(40, nCols * scale);
+  const height = Math.max(24, nRows * scale);
   const grid = el("div", { class: "meshlab-grid", style: { width: `${width}px`, height: `${height}px` } });
   const detail = el("div", { class: "meshlab-detail" }, "hover or click a block");
   const show = (b) => {

@@ -168,11 +168,13 @@ def _tensor_html(t: dict[str, Any]) -> str:
     shape, dims = t["shape"], t["dims"]
     n_rows = shape[dims[0]] if dims else 1
     n_cols = shape[dims[1]] if len(dims) > 1 else 1
-    width, height = 360, max(24, min(360, 360 * max(n_rows, 1) // max(n_cols, 1)))
+    n_rows, n_cols = max(n_rows, 1), max(n_cols, 1)
+    scale = min(360 / n_cols, 360 / n_rows)  # the tensor's aspect ratio, within 360 x 360
+    width, height = max(40.0, n_cols * scale), max(24.0, n_rows * scale)
     boxes = []
     for b in t["blocks"]:
-        x, w = b["c0"] / max(n_cols, 1) * width, (b["c1"] - b["c0"]) / max(n_cols, 1) * width
-        y, h = b["r0"] / max(n_rows, 1) * height, (b["r1"] - b["r0"]) / max(n_rows, 1) * height
+        x, w = b["c0"] / n_cols * width, (b["c1"] - b["c0"]) / n_cols * width
+        y, h = b["r0"] / n_rows * height, (b["r1"] - b["r0"]) / n_rows * height
         note = " (replicated)" if b["replicated"] else ""
         note += " (partial: pending reduction)" if b["partial"] else ""
         boxes.append(
@@ -186,8 +188,8 @@ def _tensor_html(t: dict[str, Any]) -> str:
                + (f" on mesh {t['mesh_shape']} {t['mesh_axes']}" if t["mesh_shape"] else "")
                + f" &middot; drawing dims {dims}")
     empty = f"<div>holding nothing: {label(t['empty'])}</div>" if t["empty"] else ""
-    return (f"<div>{caption}</div><div style='position:relative;width:{width}px;"
-            f"height:{height}px'>{''.join(boxes)}</div>{empty}")
+    return (f"<div>{caption}</div><div style='position:relative;width:{width:.0f}px;"
+            f"height:{height:.0f}px'>{''.join(boxes)}</div>{empty}")
 
 
 def _size(n: int) -> str:
