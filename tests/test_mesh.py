@@ -113,3 +113,32 @@ def test_mesh_magic_shows_the_group_table_and_grid(shell: Any) -> None:
     assert "tp" in table.data["text/plain"] and "[0-1]  [2-3]" in table.data["text/plain"]
     assert "rank 3: dp_shard=1 tp=1" in grid.data["text/plain"]
     assert shell.run_cell("%%mesh\nmesh['tp'].size()").success
+
+
+@pytest.mark.cluster
+def test_init_without_axes_shows_the_current_mesh_or_says_how_to_make_one(shell: Any,
+                                                                           cluster: Cluster
+                                                                           ) -> None:
+    from IPython.utils.capture import capture_output
+
+    cluster.init_mesh("dp=4")
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "init")
+    assert "rank 3: dp_shard=3" in cap.outputs[-1].data["text/plain"]
+    spec, cluster.mesh_spec = cluster.mesh_spec, None
+    try:
+        with capture_output() as cap:
+            result = shell.run_cell("%mesh init")
+    finally:
+        cluster.mesh_spec = spec
+    assert not result.success and "no mesh yet: %mesh init dp=2 tp=2" in cap.stderr
+
+
+@pytest.mark.cluster
+def test_a_bad_spec_from_the_magic_is_a_usage_error_with_the_numbers(shell: Any) -> None:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        result = shell.run_cell("%mesh init dp=3 tp=2")
+    assert not result.success
+    assert "dp_shard=3 x tp=2 = 6, but the cluster has 4 ranks" in cap.stderr
