@@ -1,0 +1,182 @@
+"""A small Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU (or MoE).
+
+Written the way torchtitan writes it, so the parallel plans read the same: layers live in
+a ModuleDict keyed by index (pipeline stages delete the ones they do not own), attention
+infers its local head count from its weights (tensor parallel shards them), and the
+attention core is one method that context parallelism can replace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of the model; the defaults fit 4 CPU ranks and still shard every weight."""
+
+    dim: int = 64
+    """Hidden size."""
+    n_layers: int = 2
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    vocab_size: int = 256
+    """Tokens in the vocabulary."""
+    ffn_hidden: int = 128
+    """Hidden size of the SwiGLU feed-forward (per expert, for MoE)."""
+    max_seq_len: int = 32
+    """Longest sequence RoPE is precomputed for."""
+    n_experts: int = 0
+    """Experts per MoE layer; 0 means a dense model."""
+    top_k: int = 2
+    """Experts each token is routed to (MoE)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    seed: int = 0
+    """Initial weights are a function of this seed only."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
+            * self.weight
+
+
+def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """Rotation angles as (cos, sin) pairs: (max_seq_len, head_dim // 2, 2)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, T, H, D) by freqs (T, D // 2, 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, freqs), apply_rope(k, freqs)
+        repeat = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, D)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ / √d) v with a causal mask; context parallelism replaces this."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm attention and feed-forward (or MoE) with residuals."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if cfg.n_experts:
+            from meshlab.models.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab). A pipeline stage may lack either end."""
+
+    freqs: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)  # the same weights in every process
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("freqs", rope_frequencies(cfg.head_dim, cfg.max_seq_len,
+                                                       cfg.rope_theta), persistent=False)
+        self.seq_offset = 0  # first position of this rank's tokens (context parallelism)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        freqs = self.freqs[self.seq_offset:self.seq_offset + seq]
+        for layer in self.layers.values():
+            h = layer(h, freqs)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

@@ -1,0 +1,58 @@
+"""Mixture of experts: a linear router picks top_k SwiGLU experts per token.
+
+Experts are stored stacked (E, ...) so expert parallelism can keep a slice of them. The
+layer records how many tokens each expert got (load-balancing statistics).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from meshlab.models.llama import ModelConfig
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts."""
+
+    tokens_per_expert: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        scale = cfg.dim ** -0.5
+        self.w1 = nn.Parameter(torch.randn(cfg.n_experts, cfg.ffn_hidden, cfg.dim) * scale)
+        self.w3 = nn.Parameter(torch.randn(cfg.n_experts, cfg.ffn_hidden, cfg.dim) * scale)
+        self.w2 = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.ffn_hidden)
+                               * cfg.ffn_hidden ** -0.5)
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.long),
+                             persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, dim) tokens -> top-k expert ids (N, k) and their weights (N, k)."""
+        scores = self.router(x).float()
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        weights = F.softmax(weights, dim=-1).type_as(x)
+        self.tokens_per_expert += torch.bincount(experts.flatten(),
+                                                 minlength=self.n_experts).detach()
+        return experts, weights
+
+    def experts(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert ``expert`` (a local index) applied to tokens x (n, dim)."""
+        return F.silu(x @ self.w1[expert].T) * (x @ self.w3[expert].T) @ self.w2[expert].T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts, weights = self.route(tokens)
+        out = torch.zeros_like(tokens)
+        for e in range(self.n_experts):
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, self.experts(tokens[rows], e) * weights[rows, slot, None])
+        return out.reshape(shape)
