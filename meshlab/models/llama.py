@@ -81,7 +81,8 @@ def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels of x (B, T, H, D) by freqs (T, D // 2, 2)."""
+    """Rotate pairs of channels of x (B, T, H, D) by the first T rows of freqs."""
+    freqs = freqs[: x.shape[1]]  # (T, D/2, 2)
     pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
@@ -169,8 +170,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        freqs = self.freqs[self.seq_offset:self.seq_offset + seq]
+        # Attention slices what it needs: under sequence parallelism h here holds only this
+        # rank's part of the sequence, while attention sees all of it.
+        freqs = self.freqs[self.seq_offset:]
         for layer in self.layers.values():
             h = layer(h, freqs)
         h = self.norm(h) if self.norm is not None else h
@@ -178,5 +180,7 @@ class Transformer(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean next-token cross-entropy, in at least fp32 (bf16 logits lose too much)."""
+    logits = logits.flatten(0, 1)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return F.cross_entropy(logits, targets.flatten(0, 1))

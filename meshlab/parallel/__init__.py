@@ -1,0 +1,14 @@
+"""Parallelism strategies, one per file, each an ``apply_<x>(model, mesh, ...)`` verb.
+
+``parallelize(model, mesh, ParallelPlan(...))`` composes them in torchtitan's order.
+"""
+
+from meshlab.parallel.checkpoint import apply_ac
+from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.ddp import apply_ddp
+from meshlab.parallel.fsdp import apply_fsdp
+from meshlab.parallel.tensor import apply_tp
+from meshlab.parallel.zero import zero1_optimizer
+
+__all__ = ["ParallelPlan", "apply_ac", "apply_ddp", "apply_fsdp", "apply_tp",
+           "build_optimizer", "parallelize", "zero1_optimizer"]

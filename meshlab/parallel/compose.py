@@ -1,0 +1,85 @@
+"""One entry point that applies the strategies in the order production trainers do.
+
+Pipeline stages are split first (meshlab.parallel.pipeline), then on each stage: tensor
+parallel, activation checkpointing, and data parallel (DDP, ZeRO-1, or FSDP2 for
+ZeRO-2/3 and HSDP) last, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshlab.parallel.checkpoint import MODES, apply_ac
+from meshlab.parallel.ddp import apply_ddp
+from meshlab.parallel.fsdp import apply_fsdp
+from meshlab.parallel.tensor import apply_tp
+from meshlab.parallel.zero import zero1_optimizer
+
+DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelPlan:
+    """How to parallelize a model on a mesh; the degrees come from the mesh itself."""
+
+    data_parallel: str = "zero3"
+    """none, ddp, zero1 (DDP + sharded optimizer), zero2 or zero3 (FSDP2; HSDP with a
+    dp_replicate axis)."""
+    sequence_parallel: bool = True
+    """With tp > 1, also split norms and the residual stream along the sequence."""
+    activation_checkpoint: str = "none"
+    """none, selective (attention core) or full (every block)."""
+    mixed_precision: bool = False
+    """bf16 parameters and fp32 gradient reduction (FSDP stages only)."""
+
+    def __post_init__(self) -> None:
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"data_parallel={self.data_parallel!r} is not one of "
+                             f"{DATA_PARALLEL}")
+        if self.activation_checkpoint not in MODES:
+            raise ValueError(f"activation_checkpoint={self.activation_checkpoint!r} is not one "
+                             f"of {MODES}")
+        if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
+            raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
+                             "'zero3'")
+
+
+def axis_size(mesh: Any, name: str) -> int:
+    """The size of a mesh axis or view; 1 when the mesh has no such axis."""
+    try:
+        return int(mesh[name].size())
+    except (KeyError, RuntimeError, ValueError):
+        return 1
+
+
+def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
+    """Apply tensor parallel, activation checkpointing and data parallel, in that order."""
+    tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
+    if tp > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
+        raise ValueError(f"{plan.data_parallel} with tp={tp}: DDP does not take tensor-parallel "
+                         "(DTensor) parameters; use data_parallel='zero2' or 'zero3' (FSDP2)")
+    if tp > 1:
+        model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+    model = apply_ac(model, plan.activation_checkpoint)
+    if dp > 1 or axis_size(mesh, "dp_shard_cp") > 1:
+        if plan.data_parallel in ("ddp", "zero1"):
+            model = apply_ddp(model, mesh)
+        elif plan.data_parallel in ("zero2", "zero3"):
+            # mixed precision: bf16 compute, fp32 gradient reduction (the usual recipe)
+            mixed = plan.mixed_precision
+            model = apply_fsdp(model, mesh, reshard_after_forward=plan.data_parallel == "zero3",
+                               param_dtype=torch.bfloat16 if mixed else None,
+                               reduce_dtype=torch.float32 if mixed else None)
+    return model
+
+
+def build_optimizer(model: nn.Module, mesh: Any, plan: ParallelPlan, *, lr: float = 1e-2,
+                    weight_decay: float = 0.1) -> torch.optim.Optimizer:
+    """AdamW, with its states sharded over dp for ZeRO-1."""
+    if plan.data_parallel == "zero1" and axis_size(mesh, "dp") > 1:
+        return zero1_optimizer(model, mesh, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

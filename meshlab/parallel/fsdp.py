@@ -1,0 +1,40 @@
+"""ZeRO-2/3 and HSDP with FSDP2 ``fully_shard`` over the dp_shard (x cp) axis.
+
+reshard_after_forward=True frees the gathered parameters after each block's forward
+(ZeRO-3); False keeps them until backward (ZeRO-2: only gradients and optimizer states stay
+sharded through the step). With a dp_replicate axis the mesh is 2-D and FSDP2 shards within
+dp_shard and replicates across dp_replicate (HSDP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def fsdp_mesh(mesh: Any) -> Any:
+    """The (dp_replicate,) dp_shard_cp part of the mesh that FSDP shards over."""
+    dims = mesh.mesh_dim_names or ()
+    shard = "dp_shard_cp"
+    return mesh[("dp_replicate", shard)] if "dp_replicate" in dims else mesh[shard]
+
+
+def apply_fsdp(model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
+               param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """Shard every transformer block, then the rest, as torchtitan does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp = fsdp_mesh(mesh)
+    # None keeps the parameters' own dtype; mixed precision passes bf16 and fp32
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = getattr(model, "layers", {})
+    for block in layers.values():
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    # The root's parameters (embedding, norm, output) are used last in backward: no point
+    # resharding them after forward.
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+    return model

@@ -1,0 +1,189 @@
+"""Memory estimates checked against the papers' own numbers, and measure() on real modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshlab.memory import MemoryReport, activation_bytes_per_layer, measure, zero_bytes
+
+GB = 1e9  # the ZeRO paper's GB is decimal
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage: int, expected_gb: float) -> None:
+    # Figure 1: a 7.5B-parameter model, Adam (K = 12), 64-way data parallel.
+    got = zero_bytes(int(7.5e9), dp=64, stage=stage)
+    assert round(got["total"] / GB, 1) == expected_gb
+    assert got["total"] == got["params"] + got["grads"] + got["optimizer"]
+
+
+def test_zero_exact_terms() -> None:
+    psi, n = 7_500_000_000, 64
+    s1 = zero_bytes(psi, dp=n, stage=1)
+    assert s1 == {"params": 2 * psi, "grads": 2 * psi, "optimizer": 12 * psi / n,
+                  "total": 4 * psi + 12 * psi / n}  # 31.40625 GB
+    s2 = zero_bytes(psi, dp=n, stage=2)
+    assert s2["total"] == 2 * psi + 14 * psi / n  # 16.640625 GB
+    assert zero_bytes(psi, dp=n, stage=3)["total"] == 16 * psi / n  # 1.875 GB
+    # dp = 1 leaves nothing to shard: every stage costs the same.
+    assert {zero_bytes(psi, dp=1, stage=s)["total"] for s in range(4)} == {16 * psi}
+    fp32 = zero_bytes(10, dp=2, stage=3, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    assert fp32 == {"params": 20.0, "grads": 20.0, "optimizer": 40.0, "total": 80.0}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dp": 8, "stage": 4}, r"stage must be one of \(0, 1, 2, 3\), got 4"),
+    ({"dp": 8, "stage": -1}, r"stage .* got -1"),
+    ({"dp": 0, "stage": 1}, r"dp .* must be >= 1, got 0"),
+])
+def test_zero_rejects_bad_stage_and_dp(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        zero_bytes(1000, **kwargs)
+
+
+def test_zero_rejects_negative_params() -> None:
+    with pytest.raises(ValueError, match=r"params must be >= 0, got -1"):
+        zero_bytes(-1, dp=8, stage=0)
+
+
+# s=2048, b=1, h=4096, a=32, t=8: s*b*h = 2**23 and 5*a*s/h = 80, so every value is exact.
+CFG = {"seq": 2048, "batch": 1, "hidden": 4096, "heads": 32}
+SBH = 2048 * 1 * 4096
+
+
+@pytest.mark.parametrize("tp, sp, recompute, by_hand", [
+    (1, False, "none", SBH * (34 + 80)),  # no parallelism
+    (8, False, "none", SBH * (10 + 24 / 8 + 80 / 8)),  # tensor parallel: 23 sbh
+    (8, True, "none", SBH / 8 * (34 + 80)),  # tensor + sequence parallel
+    (8, False, "selective", SBH * (10 + 24 / 8)),  # TP + selective recompute: 13 sbh
+    (8, True, "selective", SBH * 34 / 8),  # TP + SP + selective recompute
+    (1, False, "selective", SBH * 34),
+    (1, False, "full", 2 * SBH),
+    (8, False, "full", 2 * SBH),
+    (8, True, "full", 2 * SBH / 8),
+])
+def test_korthikanti_table_2(tp: int, sp: bool, recompute: str, by_hand: float) -> None:
+    got = activation_bytes_per_layer(**CFG, tp=tp, sequence_parallel=sp, recompute=recompute)
+    assert got == by_hand
+
+
+def test_korthikanti_relations() -> None:
+    none = activation_bytes_per_layer(**CFG)
+    sp = activation_bytes_per_layer(**CFG, tp=8, sequence_parallel=True)
+    assert sp == none / 8
+    odd = activation_bytes_per_layer(**CFG, tp=3, sequence_parallel=True)
+    assert odd == pytest.approx(none / 3, rel=1e-12)
+    for tp, seq_par in [(1, False), (8, False), (8, True)]:
+        def at(recompute: str, tp: int = tp, seq_par: bool = seq_par) -> float:
+            return activation_bytes_per_layer(**CFG, tp=tp, sequence_parallel=seq_par,
+                                              recompute=recompute)
+        assert at("full") < at("selective") < at("none")
+    # TP alone leaves 10*s*b*h replicated, so it saves less than TP + SP.
+    assert sp < activation_bytes_per_layer(**CFG, tp=8) < none
+
+
+def test_korthikanti_tp_one_ignores_sequence_parallel() -> None:
+    for recompute in ("none", "selective", "full"):
+        plain = activation_bytes_per_layer(**CFG, recompute=recompute)
+        assert activation_bytes_per_layer(**CFG, tp=1, recompute=recompute) == plain
+        assert activation_bytes_per_layer(**CFG, tp=1, sequence_parallel=True,
+                                          recompute=recompute) == plain
+
+
+def test_korthikanti_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"recompute must be one of .*'none'.* got 'some'"):
+        activation_bytes_per_layer(**CFG, recompute="some")
+    with pytest.raises(ValueError, match=r"tp .* must be >= 1, got 0"):
+        activation_bytes_per_layer(**CFG, tp=0)
+    with pytest.raises(ValueError, match=r"heads must be >= 1, got 0"):
+        activation_bytes_per_layer(**{**CFG, "heads": 0})
+
+
+def test_measure_linear_with_adamw() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    report = measure(model, opt)
+    param_bytes = (16 * 8 + 8) * 4
+    assert report.params == param_bytes
+    assert report.grads == param_bytes
+    # exp_avg + exp_avg_sq, plus one small `step` tensor per parameter.
+    assert 2 * param_bytes <= report.optimizer < 2 * param_bytes + 64
+    assert report.total == report.params + report.grads + report.optimizer
+
+
+def test_measure_without_optimizer_or_grads() -> None:
+    assert measure(nn.Linear(16, 8)) == MemoryReport(params=(16 * 8 + 8) * 4, grads=0,
+                                                     optimizer=0)
+
+
+def test_measure_counts_tied_parameters_once() -> None:
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # weight tying, as in GPT-2
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    assert measure(model).params == 10 * 4 * 4
+    # A second Parameter object over the same storage is still the same bytes.
+    alias = nn.ModuleDict({"emb": emb, "head": nn.Linear(4, 10, bias=False)})
+    alias["head"].weight = nn.Parameter(emb.weight.data)
+    assert measure(alias).params == 10 * 4 * 4
+
+
+def test_measure_counts_views_of_one_flat_buffer_separately() -> None:
+    # Like DDP's gradient_as_bucket_view: every grad is a distinct slice of one bucket.
+    model = nn.Linear(16, 8)
+    bucket = torch.zeros(16 * 8 + 8)
+    model.weight.grad = bucket[: 16 * 8].view(8, 16)
+    model.bias.grad = bucket[16 * 8:]
+    assert measure(model).grads == bucket.numel() * 4
+
+
+@pytest.fixture
+def fake_world() -> Iterator[int]:
+    """A 2-rank process group with no peers (torch's fake backend): we are rank 1."""
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group already in this process")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        yield 2
+    finally:
+        dist.destroy_process_group()
+
+
+def test_measure_dtensor_counts_local_shard(fake_world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (fake_world,))
+    model = nn.Linear(16, 8)
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    local = (16 * 8 + 8) // fake_world * 4
+    report = measure(model, opt)
+    assert (report.params, report.grads) == (local, local)
+    assert 2 * local <= report.optimizer < 2 * local + 64
+
+
+def test_measure_zero_redundancy_optimizer_counts_own_shard(fake_world: int) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    # Two equal-sized layers: ZeRO gives one to each rank, so rank 1 holds one layer's state.
+    model = nn.Sequential(nn.Linear(16, 8, bias=False), nn.Linear(8, 16, bias=False))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    layer = 16 * 8 * 4
+    report = measure(model, opt)
+    assert report.params == 2 * layer  # parameters stay replicated under ZeRO-1
+    assert 2 * layer <= report.optimizer < 2 * layer + 64
