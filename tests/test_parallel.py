@@ -31,15 +31,18 @@ CONFIGS = [
     ("dp=2 tp=2", "data_parallel='zero3', sequence_parallel=True"),
     ("dp=4", "data_parallel='zero3', activation_checkpoint='full'"),
     ("dp=2 tp=2", "data_parallel='zero2', activation_checkpoint='selective'"),
+    ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
+    ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe'"),
 ]
 
 
 def check(cluster: Cluster, spec: str, plan: str, dtype: str) -> None:
     cluster.init_mesh(spec)
-    result = cluster.run(CELL.format(plan=plan, dtype=dtype), timeout=300)
-    verdict = result.outputs[0].result or ""
-    assert result.results().startswith("Out[ranks 0-3]:") and verdict.startswith("(True,"), \
-        f"{spec} {plan} {dtype}: {result.results()}"
+    result = cluster.run(CELL.format(plan=plan, dtype=dtype), timeout=120)
+    # every rank checks the parameters it holds (a pipeline stage: only its own layers)
+    verdicts = [out.result or "" for out in result.outputs.values()]
+    assert all(v.startswith("(True,") for v in verdicts), f"{spec} {plan} {dtype}: " \
+        + result.results()
 
 
 @pytest.mark.cluster
@@ -49,8 +52,8 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6]],
-                         ids=["ddp", "zero3", "hsdp", "tp+sp"])
+@pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6],
+                                        CONFIGS[9]], ids=["ddp", "zero3", "hsdp", "tp+sp", "pp"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
 
@@ -82,6 +85,18 @@ def test_ddp_with_tensor_parallel_says_to_use_fsdp(cluster: Cluster) -> None:
 
 
 @pytest.mark.cluster
+def test_ddp_with_pipeline_parallel_says_to_use_fsdp(cluster: Cluster) -> None:
+    from meshlab import MeshError
+
+    cluster.init_mesh("pp=2 dp=2")
+    with pytest.raises(MeshError, match=r"ddp with pp: .* use data_parallel='zero2' or 'zero3'"):
+        cluster.run("from meshlab.parallel import ParallelPlan, parallelize\n"
+                    "from meshlab.models import ModelConfig, Transformer\n"
+                    "parallelize(Transformer(ModelConfig()), mesh, ParallelPlan("
+                    "data_parallel='ddp'))")
+
+
+@pytest.mark.cluster
 def test_mixed_precision_trains_in_bf16_with_fp32_reduction(cluster: Cluster) -> None:
     cluster.init_mesh("dp=4")
     result = cluster.run(
@@ -97,3 +112,11 @@ def test_mixed_precision_trains_in_bf16_with_fp32_reduction(cluster: Cluster) ->
         "(losses[-1] < losses[0], str(m.layers['0'].attention.wq.weight.dtype))")
     assert result.results() == "Out[ranks 0-3]: (True, 'torch.float32')"
     assert parallelize  # the public entry point is importable from meshlab.parallel
+
+
+def test_pipeline_needs_a_layer_per_stage() -> None:
+    from meshlab.parallel.pipeline import stage_layers
+
+    assert [list(stage_layers(5, s, 2)) for s in range(2)] == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ValueError, match="pp=4 stages need at least 4 layers, the model has 2"):
+        stage_layers(2, 0, 4)

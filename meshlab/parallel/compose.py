@@ -1,8 +1,8 @@
 """One entry point that applies the strategies in the order production trainers do.
 
-Pipeline stages are split first (meshlab.parallel.pipeline), then on each stage: tensor
-parallel, activation checkpointing, and data parallel (DDP, ZeRO-1, or FSDP2 for
-ZeRO-2/3 and HSDP) last, as torchtitan does.
+Pipeline stages are split first (meshlab.parallel.pipeline.split_stage), then on each
+stage: tensor parallel, activation checkpointing, and data parallel (DDP, ZeRO-1, or FSDP2
+for ZeRO-2/3 and HSDP) last, as torchtitan does.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class ParallelPlan:
     """none, selective (attention core) or full (every block)."""
     mixed_precision: bool = False
     """bf16 parameters and fp32 gradient reduction (FSDP stages only)."""
+    pipeline_schedule: str = "1f1b"
+    """gpipe or 1f1b, when the mesh has a pp axis."""
+    microbatches: int = 2
+    """Micro-batches per step through the pipeline (must divide the local batch)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -43,6 +47,8 @@ class ParallelPlan:
         if self.activation_checkpoint not in MODES:
             raise ValueError(f"activation_checkpoint={self.activation_checkpoint!r} is not one "
                              f"of {MODES}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches={self.microbatches} must be >= 1")
         if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
             raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
                              "'zero3'")
@@ -62,6 +68,10 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
     if tp > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
         raise ValueError(f"{plan.data_parallel} with tp={tp}: DDP does not take tensor-parallel "
                          "(DTensor) parameters; use data_parallel='zero2' or 'zero3' (FSDP2)")
+    if axis_size(mesh, "pp") > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
+        raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
+                         "all-reduce deadlocks against the pipeline's sends; use "
+                         "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model = apply_ac(model, plan.activation_checkpoint)
@@ -71,7 +81,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
         elif plan.data_parallel in ("zero2", "zero3"):
             # mixed precision: bf16 compute, fp32 gradient reduction (the usual recipe)
             mixed = plan.mixed_precision
-            model = apply_fsdp(model, mesh, reshard_after_forward=plan.data_parallel == "zero3",
+            # With PP, do not reshard after forward: it would all-gather per micro-batch.
+            reshard = plan.data_parallel == "zero3" and axis_size(mesh, "pp") == 1
+            model = apply_fsdp(model, mesh, reshard_after_forward=reshard,
                                param_dtype=torch.bfloat16 if mixed else None,
                                reduce_dtype=torch.float32 if mixed else None)
     return model

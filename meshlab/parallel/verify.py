@@ -23,6 +23,7 @@ import torch.distributed as dist
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.compose import ParallelPlan, axis_size, build_optimizer, parallelize
+from meshlab.parallel.pipeline import build_schedule, pipeline_step, split_stage
 
 
 @dataclass(slots=True)
@@ -85,6 +86,21 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
 TOLERANCES = {torch.float32: (1e-5, 2e-4), torch.float64: (1e-9, 1e-9)}  # (loss, params)
 
 
+def train_pipeline(schedule: Any, mesh: Any, optimizer: torch.optim.Optimizer,
+                   batches: list[Any], average_over: Any | None = None) -> list[float]:
+    """Training steps through a pipeline schedule; every rank returns the same losses."""
+    losses = []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        value = pipeline_step(schedule, mesh, inputs, targets)
+        optimizer.step()
+        if average_over is not None:
+            dist.all_reduce(value, group=average_over)
+            value /= dist.get_world_size(average_over)
+        losses.append(value.item())
+    return losses
+
+
 def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan, *,
                                 steps: int = 5, batch: int = 8, seq: int = 16,
                                 lr: float = 1e-2, dtype: torch.dtype = torch.float32
@@ -96,13 +112,20 @@ def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan,
     ref_losses = train(reference, ref_opt, [global_batch(step=s, **shape) for s in range(steps)])
 
     rank, ranks = data_rank(mesh)
-    model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
-    optimizer = build_optimizer(model, mesh, plan, lr=lr)
     batches = [local_batch(step=s, rank=rank, ranks=ranks, **shape) for s in range(steps)]
     group = mesh["dp"].get_group() if ranks > 1 else None
-    losses = train(model, optimizer, batches, average_over=group)
+    if axis_size(mesh, "pp") > 1:
+        model = parallelize(split_stage(Transformer(cfg).to(dtype), mesh), mesh, plan)
+        optimizer = build_optimizer(model, mesh, plan, lr=lr)
+        schedule = build_schedule(model, mesh, microbatches=plan.microbatches, loss_fn=loss_fn,
+                                  schedule=plan.pipeline_schedule)
+        losses = train_pipeline(schedule, mesh, optimizer, batches, average_over=group)
+    else:
+        model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
+        optimizer = build_optimizer(model, mesh, plan, lr=lr)
+        losses = train(model, optimizer, batches, average_over=group)
 
-    expected = dict(reference.named_parameters())
+    expected = dict(reference.named_parameters())  # a pipeline stage checks only its own
     worst, worst_error = "", 0.0
     for name, value in full_parameters(model).items():
         ref = expected[name].detach()
