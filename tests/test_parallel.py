@@ -6,6 +6,8 @@ float64 runs hold to 1e-9.
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from meshlab import Cluster
@@ -17,7 +19,8 @@ CELL = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.verify import compare_with_single_process
-result = compare_with_single_process(ModelConfig(), mesh, ParallelPlan({plan}), dtype=torch.{dtype})
+result = compare_with_single_process(ModelConfig({model}), mesh, ParallelPlan({plan}),
+                                     dtype=torch.{dtype})
 (result.ok, result.max_loss_error, result.max_param_error, result.worst_param)
 """
 
@@ -36,9 +39,9 @@ CONFIGS = [
 ]
 
 
-def check(cluster: Cluster, spec: str, plan: str, dtype: str) -> None:
+def check(cluster: Cluster, spec: str, plan: str, dtype: str, model: str = "") -> None:
     cluster.init_mesh(spec)
-    result = cluster.run(CELL.format(plan=plan, dtype=dtype), timeout=120)
+    result = cluster.run(CELL.format(plan=plan, dtype=dtype, model=model), timeout=120)
     # every rank checks the parameters it holds (a pipeline stage: only its own layers)
     verdicts = [out.result or "" for out in result.outputs.values()]
     assert all(v.startswith("(True,") for v in verdicts), f"{spec} {plan} {dtype}: " \
@@ -56,6 +59,38 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
                                         CONFIGS[9]], ids=["ddp", "zero3", "hsdp", "tp+sp", "pp"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
+
+
+MOE = "n_experts=4, top_k=2"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("spec", ["dp=4 ep=4", "dp=4 ep=2"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_expert_parallel_matches_one_process(cluster: Cluster, spec: str, dtype: str) -> None:
+    check(cluster, spec, "data_parallel='none'", dtype, model=MOE)
+
+
+@pytest.mark.cluster
+def test_expert_parallel_counts_the_tokens_each_rank_received(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4 ep=4")
+    result = cluster.run(
+        "from meshlab.models import ModelConfig, Transformer, local_batch\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "m = parallelize(Transformer(ModelConfig(n_experts=4)), mesh, "
+        "ParallelPlan(data_parallel='none'))\n"
+        "x, _ = local_batch(step=0, batch=8, seq=16, vocab=256, rank=rank, ranks=4)\n"
+        "m(x)\n"
+        "moe = m.layers['0'].feed_forward\n"
+        "sent = torch.stack([moe.tokens_per_expert])\n"
+        "dist.all_reduce(sent)\n"
+        "(moe.w1.shape[0], int(moe.tokens_received.sum()), sent[0].tolist())")
+    per_rank = [ast.literal_eval(o.result or "") for o in result.outputs.values()]
+    assert all(local == 1 for local, _, _ in per_rank)
+    total = per_rank[0][2]
+    # each rank's one expert received exactly the pairs every rank routed to it
+    assert [received for _, received, _ in per_rank] == total
+    assert sum(total) == 8 * 16 * 2  # every token went to top_k=2 experts
 
 
 def test_tp_degree_must_divide_the_heads() -> None:

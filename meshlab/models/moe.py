@@ -32,6 +32,7 @@ class MoE(nn.Module):
                                * cfg.ffn_hidden ** -0.5)
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.long),
                              persistent=False)
+        self.ep_group: object | None = None  # set by expert parallelism (meshlab.parallel.expert)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, dim) tokens -> top-k expert ids (N, k) and their weights (N, k)."""
@@ -50,9 +51,18 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         experts, weights = self.route(tokens)
-        out = torch.zeros_like(tokens)
-        for e in range(self.n_experts):
-            rows, slot = (experts == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out.index_add_(0, rows, self.experts(tokens[rows], e) * weights[rows, slot, None])
+        if self.ep_group is not None:
+            from meshlab.parallel.expert import dispatch_and_combine
+
+            out = dispatch_and_combine(self, tokens, experts, weights)
+        else:
+            out = torch.zeros_like(tokens)
+            for e in range(self.n_experts):
+                rows, slot = (experts == e).nonzero(as_tuple=True)
+                if rows.numel():
+                    out.index_add_(0, rows,
+                                   self.experts(tokens[rows], e) * weights[rows, slot, None])
+        # Every expert takes part in every step (a zero term if it got no tokens), so each one
+        # has a gradient and AdamW treats them alike, sharded or not.
+        out = out + 0.0 * (self.w1.sum() + self.w2.sum() + self.w3.sum())
         return out.reshape(shape)

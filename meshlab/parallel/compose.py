@@ -72,10 +72,17 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
         raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
                          "all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
+    if axis_size(mesh, "ep") > 1:
+        if plan.data_parallel != "none":
+            raise ValueError("with ep, expert parallelism averages gradients over the data "
+                             "ranks itself: use data_parallel='none'")
+        from meshlab.parallel.expert import apply_ep
+
+        model = apply_ep(model, mesh)
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model = apply_ac(model, plan.activation_checkpoint)
-    if dp > 1 or axis_size(mesh, "dp_shard_cp") > 1:
+    if plan.data_parallel != "none" and (dp > 1 or axis_size(mesh, "dp_shard_cp") > 1):
         if plan.data_parallel in ("ddp", "zero1"):
             model = apply_ddp(model, mesh)
         elif plan.data_parallel in ("zero2", "zero3"):
