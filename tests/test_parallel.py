@@ -36,6 +36,8 @@ CONFIGS = [
     ("dp=2 tp=2", "data_parallel='zero2', activation_checkpoint='selective'"),
     ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe'"),
+    ("dp=2 cp=2", "data_parallel='zero3'"),
+    ("cp=4", "data_parallel='zero2'"),
 ]
 
 
@@ -56,7 +58,8 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6],
-                                        CONFIGS[9]], ids=["ddp", "zero3", "hsdp", "tp+sp", "pp"])
+                                        CONFIGS[9], CONFIGS[11]],
+                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
 

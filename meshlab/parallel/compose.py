@@ -29,6 +29,8 @@ class ParallelPlan:
     data_parallel: str = "zero3"
     """none, ddp, zero1 (DDP + sharded optimizer), zero2 or zero3 (FSDP2; HSDP with a
     dp_replicate axis)."""
+    seq_len: int = 16
+    """Sequence length of a batch; context parallelism splits it over the cp axis."""
     sequence_parallel: bool = True
     """With tp > 1, also split norms and the residual stream along the sequence."""
     activation_checkpoint: str = "none"
@@ -79,6 +81,10 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
         from meshlab.parallel.expert import apply_ep
 
         model = apply_ep(model, mesh)
+    if axis_size(mesh, "cp") > 1:
+        from meshlab.parallel.context import apply_cp
+
+        model = apply_cp(model, mesh, seq_len=plan.seq_len)
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model = apply_ac(model, plan.activation_checkpoint)

@@ -14,7 +14,7 @@ where a real mistake cannot hide, to 1e-9.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -111,9 +111,15 @@ def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan,
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
     ref_losses = train(reference, ref_opt, [global_batch(step=s, **shape) for s in range(steps)])
 
+    plan = replace(plan, seq_len=seq)
     rank, ranks = data_rank(mesh)
     batches = [local_batch(step=s, rank=rank, ranks=ranks, **shape) for s in range(steps)]
     group = mesh["dp"].get_group() if ranks > 1 else None
+    if axis_size(mesh, "cp") > 1:  # each cp rank trains on its slice of every sequence
+        from meshlab.parallel.context import sequence_slice
+
+        batches = [(sequence_slice(x, mesh), sequence_slice(y, mesh)) for x, y in batches]
+        group = mesh["dp_cp"].get_group()
     if axis_size(mesh, "pp") > 1:
         model = parallelize(split_stage(Transformer(cfg).to(dtype), mesh), mesh, plan)
         optimizer = build_optimizer(model, mesh, plan, lr=lr)
