@@ -16,11 +16,12 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from meshlab.charts import comms_chart
+from meshlab.charts import comms_chart, memory_chart
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.widgets import MeshView, ShardingView, group_table
 from meshlab.widgets.comms import comms_frame, comms_totals
+from meshlab.widgets.memory import memory_frame
 
 
 # Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
@@ -54,6 +55,16 @@ def _status(line: str) -> None:
 @argument("--ranks", help="only these ranks, e.g. 0,2-3")
 def _inspect(line: str) -> None:
     """%mesh inspect EXPR: a widget showing which rank holds which block of EXPR."""
+
+
+@magic_arguments()
+@argument("model", help="a module on the ranks (a name or expression without spaces)")
+@argument("optimizer", nargs="?", help="its optimizer on the ranks")
+@argument("--stage", type=int, choices=[0, 1, 2, 3],
+          help="also show the ZeRO paper's per-device formula for this stage")
+@argument("--dp", type=int, help="data-parallel degree for the formula (default: the mesh's)")
+def _memory(line: str) -> None:
+    """%mesh memory MODEL [OPTIMIZER]: bytes of params, grads, optimizer states per rank."""
 
 
 @magic_arguments()
@@ -95,8 +106,8 @@ def _cell(line: str) -> None:
 
 
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
-               "init": _init, "inspect": _inspect, "push": _push, "pull": _pull,
-               "auto": _auto}
+               "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
+               "pull": _pull, "auto": _auto}
 
 
 def _help() -> str:
@@ -177,6 +188,17 @@ class MeshMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         return ShardingView(report)
+
+    def _memory(self, args: Any) -> None:
+        cluster = self._need_cluster()
+        try:
+            reports, params = cluster.memory(args.model, args.optimizer)
+        except ClusterError as e:
+            raise UsageError(str(e)) from None
+        spec = cluster.mesh_spec
+        dp = args.dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
+        frame = memory_frame(reports, params=params, dp=dp, stage=args.stage)
+        display(frame, memory_chart(frame))
 
     def _push(self, args: Any) -> None:
         missing = [n for n in args.names if n not in self.shell.user_ns]

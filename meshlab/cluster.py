@@ -336,6 +336,13 @@ class Cluster:
             raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
         return merge(dict(zip(ranks, reports, strict=True)))
 
+    def memory(self, model: str, optimizer: str | None = None) -> tuple[dict[int, Any], int]:
+        """Bytes each rank holds for ``model`` (an expression) and its optimizer; and Ψ."""
+        self._ranks(None)
+        out = self._apply_each(_measure_memory, lambda r: {"model": model,
+                                                           "optimizer": optimizer})
+        return {r: report for r, (report, _) in out.items()}, out[0][1]
+
     # -- looking at ranks (answered from the engines' control thread, even while busy) ------
 
     def status(self) -> pd.DataFrame:
@@ -443,6 +450,15 @@ def _describe(expr: str) -> Any:
     import meshlab.sharding
 
     return meshlab.sharding.describe(eval(expr, globals()), expr)
+
+
+@ipp.interactive
+def _measure_memory(model: str, optimizer: str | None) -> Any:
+    import meshlab.memory
+
+    module = eval(model, globals())
+    opt = eval(optimizer, globals()) if optimizer else None
+    return meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters())
 
 
 @ipp.interactive

@@ -158,3 +158,47 @@ def test_pipeline_needs_a_layer_per_stage() -> None:
     assert [list(stage_layers(5, s, 2)) for s in range(2)] == [[0, 1], [2, 3, 4]]
     with pytest.raises(ValueError, match="pp=4 stages need at least 4 layers, the model has 2"):
         stage_layers(2, 0, 4)
+
+
+TRAIN_ONE_STEP = """
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
+from meshlab.parallel.verify import train
+plan = ParallelPlan(data_parallel={kind!r})
+model = parallelize(Transformer(ModelConfig()), mesh, plan)
+opt = build_optimizer(model, mesh, plan)
+train(model, opt, [local_batch(step=0, batch=8, seq=16, vocab=256, rank=rank, ranks=4)])
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind, stage", [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_measured_bytes_per_rank_agree_with_the_zero_formula(cluster: Cluster, kind: str,
+                                                             stage: int) -> None:
+    from meshlab.widgets.memory import memory_frame
+
+    cluster.init_mesh("dp=4")
+    cluster.run(TRAIN_ONE_STEP.format(kind=kind))
+    reports, params = cluster.memory("model", "opt")
+    frame = memory_frame(reports, params=params, dp=4, stage=stage)
+    formula = frame.loc[f"ZeRO-{stage} formula"]
+    if stage == 2:
+        # FSDP2 reshards parameters after backward: at rest they are sharded as in stage 3
+        formula = formula.copy()
+        formula["params"] /= 4
+    for rank in "0123":
+        for part in ("params", "grads", "optimizer"):
+            measured = frame.loc[rank, part]
+            assert abs(measured - formula[part]) <= 0.01 * formula[part], (rank, part, measured)
+
+
+@pytest.mark.cluster
+def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[no-untyped-def]
+    from IPython.utils.capture import capture_output
+
+    shell.run_line_magic("mesh", "init dp=4")
+    assert shell.run_cell("%%mesh\n" + TRAIN_ONE_STEP.format(kind="zero3")).success
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "memory model opt --stage 3")
+    table, chart = cap.outputs[-2:]
+    assert "ZeRO-3 formula" in table.data["text/plain"] and "chart" in chart.data["text/plain"]

@@ -1,0 +1,31 @@
+"""Measured bytes per rank beside the ZeRO paper's formula for the same run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from meshlab.memory import zero_bytes
+
+PARTS = ("params", "grads", "optimizer")
+
+
+def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | None,
+                 param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8
+                 ) -> pd.DataFrame:
+    """One row per rank (measured) and, with a stage, one row of the formula.
+
+    The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
+    optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy).
+    """
+    rows = [{"rank": str(r), **{p: getattr(m, p) for p in PARTS}, "source": "measured"}
+            for r, m in sorted(reports.items())]
+    if stage is not None:
+        formula = zero_bytes(params, dp=dp, stage=stage, param_bytes=param_bytes,
+                             grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+        rows.append({"rank": f"ZeRO-{stage} formula", **{p: formula[p] for p in PARTS},
+                     "source": "formula"})
+    frame = pd.DataFrame(rows)
+    frame["total"] = frame[list(PARTS)].sum(axis=1)
+    return frame.set_index("rank")
