@@ -80,3 +80,19 @@ def test_mesh_and_sharding_notebook_saves_its_widgets(tmp_path: Path) -> None:
     assert "all_reduce" in everything and "world" in everything
     outputs = [o for c in nb.cells for o in c.get("outputs", [])]
     assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 1
+
+
+@pytest.mark.parametrize("name, ranks", [
+    ("03-zero-and-fsdp.ipynb", "0-3"),
+    ("04-tensor-and-sequence-parallel.ipynb", "0-3"),
+    ("05-expert-parallel.ipynb", "0-3"),
+    ("06-composed-3d.ipynb", "0-7"),
+])
+def test_parallelism_notebooks_match_one_process(tmp_path: Path, name: str, ranks: str) -> None:
+    nb = execute(name, tmp_path)
+    checks = [texts(c) for c in nb.cells if c.cell_type == "code" and "-o check" in c.source]
+    assert checks, "every parallelism notebook ends with a check against one process"
+    for shown in checks:
+        verdicts = [line for line in shown.splitlines() if line.startswith("Out[")]
+        assert verdicts and all(": (True," in v or v.endswith(": True") for v in verdicts), shown
+    assert any(m["tensor"] for m in widget_models(nb)), "the notebook inspects a parameter"

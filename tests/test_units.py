@@ -88,7 +88,9 @@ def test_clean_traceback_drops_internal_frames() -> None:
 
 def test_engine_side_modules_do_not_import_the_notebook_stack() -> None:
     code = ("import sys, meshlab, meshlab.runtime, meshlab.probe, meshlab.ranks, meshlab.mesh, "
-            "meshlab.sharding, meshlab.comms; "
+            "meshlab.sharding, meshlab.comms, meshlab.models, meshlab.parallel, "
+            "meshlab.parallel.verify, meshlab.parallel.expert, meshlab.parallel.context, "
+            "meshlab.parallel.pipeline, meshlab.memory; "
             "bad = [m for m in ('IPython', 'ipyparallel', 'ipywidgets', 'anywidget', 'altair') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -39,11 +39,14 @@ def apply_tp(model: nn.Module, mesh: Any, *, sequence_parallel: bool = True,
     tp_mesh = mesh[axis]
     check_tp(model.cfg, tp_mesh.size())
     seq = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, tp_mesh, {
+    root = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         **({"norm": SequenceParallel()} if sequence_parallel else {}),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    })
+    }
+    # a pipeline stage lacks the embedding, or the norm and output
+    parallelize_module(model, tp_mesh, {k: v for k, v in root.items()
+                                        if getattr(model, k, None) is not None})
     for block in cast(nn.ModuleDict, model.layers).values():
         plan: dict[str, Any] = {
             "attention.wq": ColwiseParallel(),

@@ -14,6 +14,7 @@ where a real mistake cannot hide, to 1e-9.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,8 +63,14 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (DTensors gathered), under the plain model's names."""
     from torch.distributed.tensor import DTensor
 
-    return {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-            for n, p in model.named_parameters()}
+    # FSDP over TP leaves a _StridedShard that torch gathers in two steps, warning each time
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        return {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                for n, p in model.named_parameters()}
+    finally:
+        quiet.setLevel(level)
 
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],

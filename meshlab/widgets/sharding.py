@@ -44,7 +44,9 @@ def blocks(report: ShardingReport, dims: tuple[int, ...]) -> list[dict[str, Any]
         out.append({
             "r0": r0, "r1": r1, "c0": c0, "c1": c1, "ranks": ranks, "label": label(ranks),
             "color": PALETTE[rank_sets.index(tuple(ranks)) % len(PALETTE)],
-            "replicated": len(ranks) > 1, "partial": report.partial,
+            # plain tensors of the same shape on several ranks may hold different values
+            "replicated": len(ranks) > 1 and report.kind == "dtensor",
+            "partial": report.partial,
             "detail": [asdict(s) for s in group],
         })
     return out
