@@ -148,3 +148,29 @@ def measure(model: torch.nn.Module,
         n_optim = _count((v for state in opt.state.values() for v in state.values()
                           if isinstance(v, torch.Tensor)), seen)
     return MemoryReport(params=n_params, grads=n_grads, optimizer=n_optim)
+
+
+def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward during one forward of ``model`` on this process.
+
+    Parameters that matmuls save are not activations and are left out; a tensor saved
+    twice counts once. Compare plans (checkpointing, sequence parallel) by this number;
+    it is not Korthikanti's per-layer formula, which also counts dropout masks.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[tuple[int, int, int]] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        local = _local(t)
+        ptr = local.untyped_storage().data_ptr()
+        key = (ptr, int(local.storage_offset()), local.numel())
+        if ptr not in params and key not in seen and local.device.type != "meta":
+            seen.add(key)
+            total += local.numel() * local.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return total

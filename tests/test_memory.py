@@ -187,3 +187,15 @@ def test_measure_zero_redundancy_optimizer_counts_own_shard(fake_world: int) -> 
     report = measure(model, opt)
     assert report.params == 2 * layer  # parameters stay replicated under ZeRO-1
     assert 2 * layer <= report.optimizer < 2 * layer + 64
+
+
+def test_activation_bytes_shrink_with_checkpointing() -> None:
+    from meshlab.memory import activation_bytes
+    from meshlab.models import ModelConfig, Transformer, global_batch
+    from meshlab.parallel import apply_ac
+
+    inputs, _ = global_batch(step=0, batch=4, seq=16, vocab=256)
+    sizes = {mode: activation_bytes(apply_ac(Transformer(ModelConfig()), mode), inputs)
+             for mode in ("none", "selective", "full")}
+    assert sizes["full"] < sizes["selective"] < sizes["none"]
+    assert sizes["none"] >= 4 * 16 * 64 * 4  # the output projection saves its input, at least

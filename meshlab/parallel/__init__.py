@@ -5,10 +5,14 @@
 
 from meshlab.parallel.checkpoint import apply_ac
 from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.context import apply_cp
 from meshlab.parallel.ddp import apply_ddp
+from meshlab.parallel.expert import apply_ep
 from meshlab.parallel.fsdp import apply_fsdp
+from meshlab.parallel.pipeline import build_schedule, split_stage
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import zero1_optimizer
 
-__all__ = ["ParallelPlan", "apply_ac", "apply_ddp", "apply_fsdp", "apply_tp",
-           "build_optimizer", "parallelize", "zero1_optimizer"]
+__all__ = ["ParallelPlan", "apply_ac", "apply_cp", "apply_ddp", "apply_ep", "apply_fsdp",
+           "apply_tp", "build_optimizer", "build_schedule", "parallelize", "split_stage",
+           "zero1_optimizer"]
