@@ -63,6 +63,8 @@ def _inspect(line: str) -> None:
 @argument("--stage", type=int, choices=[0, 1, 2, 3],
           help="also show the ZeRO paper's per-device formula for this stage")
 @argument("--dp", type=int, help="data-parallel degree for the formula (default: the mesh's)")
+@argument("--inputs", help="a batch on the ranks: also measure the activations one forward "
+          "saves for backward")
 def _memory(line: str) -> None:
     """%mesh memory MODEL [OPTIMIZER]: bytes of params, grads, optimizer states per rank."""
 
@@ -192,12 +194,14 @@ class MeshMagics(Magics):
     def _memory(self, args: Any) -> None:
         cluster = self._need_cluster()
         try:
-            reports, params = cluster.memory(args.model, args.optimizer)
+            reports, params, activations = cluster.memory(args.model, args.optimizer,
+                                                          args.inputs)
         except ClusterError as e:
             raise UsageError(str(e)) from None
         spec = cluster.mesh_spec
         dp = args.dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
-        frame = memory_frame(reports, params=params, dp=dp, stage=args.stage)
+        frame = memory_frame(reports, params=params, dp=dp, stage=args.stage,
+                             activations=activations)
         display(frame, memory_chart(frame))
 
     def _push(self, args: Any) -> None:

@@ -35,14 +35,15 @@ def comms_chart(frame: pd.DataFrame) -> OfflineChart:
 
 
 def memory_chart(frame: pd.DataFrame) -> OfflineChart:
-    """Stacked bytes per rank: parameters, gradients, optimizer states (and the formula)."""
-    data = frame.reset_index().melt(id_vars=["rank", "source"],
-                                    value_vars=["params", "grads", "optimizer"],
+    """Stacked bytes per rank: parameters, gradients, optimizer states, activations; and
+    the formula's bar beside them."""
+    parts = [p for p in ("params", "grads", "optimizer", "activations") if p in frame]
+    data = frame.reset_index().melt(id_vars=["rank", "source"], value_vars=parts,
                                     var_name="part", value_name="bytes")
     chart = alt.Chart(data, title="bytes per rank").mark_bar().encode(
         x=alt.X("rank:N", title=None, sort=None),
         y=alt.Y("sum(bytes):Q", title="bytes"),
-        color=alt.Color("part:N", sort=["params", "grads", "optimizer"]),
+        color=alt.Color("part:N", sort=parts),
         opacity=alt.condition(alt.datum.source == "formula", alt.value(0.55), alt.value(1.0)),
         tooltip=["rank", "part", "bytes"],
     )

@@ -336,12 +336,15 @@ class Cluster:
             raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
         return merge(dict(zip(ranks, reports, strict=True)))
 
-    def memory(self, model: str, optimizer: str | None = None) -> tuple[dict[int, Any], int]:
-        """Bytes each rank holds for ``model`` (an expression) and its optimizer; and Ψ."""
+    def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
+               ) -> tuple[dict[int, Any], int, dict[int, int]]:
+        """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and the
+        activation bytes one forward on ``inputs`` saves for backward (if given)."""
         self._ranks(None)
-        out = self._apply_each(_measure_memory, lambda r: {"model": model,
-                                                           "optimizer": optimizer})
-        return {r: report for r, (report, _) in out.items()}, out[0][1]
+        out = self._apply_each(_measure_memory, lambda r: {
+            "model": model, "optimizer": optimizer, "inputs": inputs})
+        activations = {r: a for r, (_, _, a) in out.items() if a is not None}
+        return {r: report for r, (report, _, _) in out.items()}, out[0][1], activations
 
     # -- looking at ranks (answered from the engines' control thread, even while busy) ------
 
@@ -453,12 +456,14 @@ def _describe(expr: str) -> Any:
 
 
 @ipp.interactive
-def _measure_memory(model: str, optimizer: str | None) -> Any:
+def _measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any:
     import meshlab.memory
 
     module = eval(model, globals())
     opt = eval(optimizer, globals()) if optimizer else None
-    return meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters())
+    acts = meshlab.memory.activation_bytes(module, eval(inputs, globals())) if inputs else None
+    return (meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters()),
+            acts)
 
 
 @ipp.interactive

@@ -157,14 +157,14 @@ def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
     twice counts once. Compare plans (checkpointing, sequence parallel) by this number;
     it is not Korthikanti's per-layer formula, which also counts dropout masks.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {_data_ptr(_local(p)) for p in model.parameters()}
     seen: set[tuple[int, int, int]] = set()
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
         local = _local(t)
-        ptr = local.untyped_storage().data_ptr()
+        ptr = _data_ptr(local)
         key = (ptr, int(local.storage_offset()), local.numel())
         if ptr not in params and key not in seen and local.device.type != "meta":
             seen.add(key)
@@ -174,3 +174,11 @@ def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(*inputs)
     return total
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    # FSDP frees the storage of unsharded parameters between uses: no pointer to compare
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return -1

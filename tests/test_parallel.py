@@ -167,7 +167,8 @@ from meshlab.parallel.verify import train
 plan = ParallelPlan(data_parallel={kind!r})
 model = parallelize(Transformer(ModelConfig()), mesh, plan)
 opt = build_optimizer(model, mesh, plan)
-train(model, opt, [local_batch(step=0, batch=8, seq=16, vocab=256, rank=rank, ranks=4)])
+batches = [local_batch(step=0, batch=8, seq=16, vocab=256, rank=rank, ranks=4)]
+train(model, opt, batches)
 """
 
 
@@ -179,7 +180,7 @@ def test_measured_bytes_per_rank_agree_with_the_zero_formula(cluster: Cluster, k
 
     cluster.init_mesh("dp=4")
     cluster.run(TRAIN_ONE_STEP.format(kind=kind))
-    reports, params = cluster.memory("model", "opt")
+    reports, params, _ = cluster.memory("model", "opt")
     frame = memory_frame(reports, params=params, dp=4, stage=stage)
     formula = frame.loc[f"ZeRO-{stage} formula"]
     if stage == 2:
@@ -199,6 +200,7 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     shell.run_line_magic("mesh", "init dp=4")
     assert shell.run_cell("%%mesh\n" + TRAIN_ONE_STEP.format(kind="zero3")).success
     with capture_output() as cap:
-        shell.run_line_magic("mesh", "memory model opt --stage 3")
+        shell.run_line_magic("mesh", "memory model opt --stage 3 --inputs batches[0][0]")
     table, chart = cap.outputs[-2:]
     assert "ZeRO-3 formula" in table.data["text/plain"] and "chart" in chart.data["text/plain"]
+    assert "activations" in table.data["text/plain"]

@@ -12,8 +12,8 @@ PARTS = ("params", "grads", "optimizer")
 
 
 def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | None,
-                 param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8
-                 ) -> pd.DataFrame:
+                 activations: dict[int, int] | None = None, param_bytes: int = 4,
+                 grad_bytes: int = 4, optimizer_bytes: int = 8) -> pd.DataFrame:
     """One row per rank (measured) and, with a stage, one row of the formula.
 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
@@ -27,5 +27,10 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
         rows.append({"rank": f"ZeRO-{stage} formula", **{p: formula[p] for p in PARTS},
                      "source": "formula"})
     frame = pd.DataFrame(rows)
-    frame["total"] = frame[list(PARTS)].sum(axis=1)
+    parts = list(PARTS)
+    if activations:  # measured only: bytes saved for backward by one forward
+        frame["activations"] = [activations.get(int(r), 0) if r.isdigit() else 0
+                                for r in frame["rank"]]
+        parts.append("activations")
+    frame["total"] = frame[parts].sum(axis=1)
     return frame.set_index("rank")
