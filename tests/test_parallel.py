@@ -111,23 +111,13 @@ def test_plans_refuse_what_cannot_work() -> None:
 
 
 @pytest.mark.cluster
-def test_ddp_with_tensor_parallel_says_to_use_fsdp(cluster: Cluster) -> None:
+@pytest.mark.parametrize("spec, why", [("dp=2 tp=2", "ddp with tp=2"),
+                                       ("pp=2 dp=2", "ddp with pp")])
+def test_ddp_with_tp_or_pp_says_to_use_fsdp(cluster: Cluster, spec: str, why: str) -> None:
     from meshlab import MeshError
 
-    cluster.init_mesh("dp=2 tp=2")
-    with pytest.raises(MeshError, match="use data_parallel='zero2' or 'zero3'"):
-        cluster.run("from meshlab.parallel import ParallelPlan, parallelize\n"
-                    "from meshlab.models import ModelConfig, Transformer\n"
-                    "parallelize(Transformer(ModelConfig()), mesh, ParallelPlan("
-                    "data_parallel='ddp'))")
-
-
-@pytest.mark.cluster
-def test_ddp_with_pipeline_parallel_says_to_use_fsdp(cluster: Cluster) -> None:
-    from meshlab import MeshError
-
-    cluster.init_mesh("pp=2 dp=2")
-    with pytest.raises(MeshError, match=r"ddp with pp: .* use data_parallel='zero2' or 'zero3'"):
+    cluster.init_mesh(spec)
+    with pytest.raises(MeshError, match=why + r".* use data_parallel='zero2' or 'zero3'"):
         cluster.run("from meshlab.parallel import ParallelPlan, parallelize\n"
                     "from meshlab.models import ModelConfig, Transformer\n"
                     "parallelize(Transformer(ModelConfig()), mesh, ParallelPlan("
