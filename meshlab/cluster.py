@@ -309,9 +309,7 @@ class Cluster:
         try:
             return dict(zip(ranks, ar.get(), strict=True))
         except ipp.CompositeError as e:
-            rank_of = {self._engines[r]: r for r in ranks}
-            failures = [(rank_of[info["engine_id"]], ename, evalue)
-                        for ename, evalue, _, info in e.elist]
+            failures = self._failures(e, ranks)
             missing = [r for r, ename, _ in failures if ename == "NameError"]
             if len(missing) == len(failures):
                 raise KeyError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}: "
@@ -330,9 +328,8 @@ class Cluster:
         try:
             reports = ar.get(timeout=self.profile.pg_timeout)
         except ipp.CompositeError as e:
-            rank_of = {self._engines[r]: r for r in ranks}
-            lines = [f"  rank {rank_of[info['engine_id']]}: {ename}: {evalue}"
-                     for ename, evalue, _, info in e.elist]
+            lines = [f"  rank {r}: {ename}: {evalue}" for r, ename, evalue in
+                     self._failures(e, ranks)]
             raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
         return merge(dict(zip(ranks, reports, strict=True)))
 
@@ -407,6 +404,12 @@ class Cluster:
                 "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
                 + ". `%mesh restart` starts fresh engines.")
         return ranks
+
+    def _failures(self, error: Any, ranks: list[int]) -> list[tuple[int, str, str]]:
+        """(rank, exception name, message) for each engine an ipyparallel call failed on."""
+        rank_of = {self._engines[r]: r for r in ranks}
+        return [(rank_of[info["engine_id"]], ename, evalue)
+                for ename, evalue, _, info in error.elist]
 
     def _apply_each(self, fn: Callable[..., Any], kwargs: Callable[[int], dict[str, Any]] | None
                     = None, timeout: float = 60.0) -> dict[int, Any]:

@@ -15,6 +15,7 @@ where a real mistake cannot hide, to 1e-9.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,15 +75,25 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
-          average_over: Any | None = None) -> list[float]:
-    """Plain training steps; the loss is averaged over ``average_over`` (a process group)."""
+          average_over: Any | None = None,
+          step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+          ) -> list[float]:
+    """Training steps; each returns its loss averaged over ``average_over`` (a process group).
+
+    ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
+    through ``model``, or e.g. through a pipeline schedule.
+    """
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
     losses = []
     for inputs, targets in batches:
         optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
+        value = (step or forward_backward)(inputs, targets).detach().clone()
         optimizer.step()
-        value = loss.detach().clone()
         if average_over is not None:
             dist.all_reduce(value, group=average_over)
             value /= dist.get_world_size(average_over)
@@ -91,21 +102,6 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
 
 
 TOLERANCES = {torch.float32: (1e-5, 2e-4), torch.float64: (1e-9, 1e-9)}  # (loss, params)
-
-
-def train_pipeline(schedule: Any, mesh: Any, optimizer: torch.optim.Optimizer,
-                   batches: list[Any], average_over: Any | None = None) -> list[float]:
-    """Training steps through a pipeline schedule; every rank returns the same losses."""
-    losses = []
-    for inputs, targets in batches:
-        optimizer.zero_grad()
-        value = pipeline_step(schedule, mesh, inputs, targets)
-        optimizer.step()
-        if average_over is not None:
-            dist.all_reduce(value, group=average_over)
-            value /= dist.get_world_size(average_over)
-        losses.append(value.item())
-    return losses
 
 
 def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan, *,
@@ -132,7 +128,8 @@ def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan,
         optimizer = build_optimizer(model, mesh, plan, lr=lr)
         schedule = build_schedule(model, mesh, microbatches=plan.microbatches, loss_fn=loss_fn,
                                   schedule=plan.pipeline_schedule)
-        losses = train_pipeline(schedule, mesh, optimizer, batches, average_over=group)
+        losses = train(model, optimizer, batches, average_over=group,
+                       step=lambda x, y: pipeline_step(schedule, mesh, x, y))
     else:
         model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
         optimizer = build_optimizer(model, mesh, plan, lr=lr)
