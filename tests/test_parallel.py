@@ -37,7 +37,7 @@ CONFIGS = [
     ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe'"),
     ("dp=2 cp=2", "data_parallel='zero3'"),
-    ("cp=4", "data_parallel='zero2'"),
+    ("cp=4", "data_parallel='zero2', context_parallel='meshlab'"),
 ]
 
 
@@ -108,20 +108,25 @@ def test_plans_refuse_what_cannot_work() -> None:
         ParallelPlan(data_parallel="ddp", mixed_precision=True)
     with pytest.raises(ValueError, match="activation_checkpoint='some'"):
         ParallelPlan(activation_checkpoint="some")
+    with pytest.raises(ValueError, match="context_parallel='ring' is not one of"):
+        ParallelPlan(context_parallel="ring")
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("spec, why", [("dp=2 tp=2", "ddp with tp=2"),
-                                       ("pp=2 dp=2", "ddp with pp")])
-def test_ddp_with_tp_or_pp_says_to_use_fsdp(cluster: Cluster, spec: str, why: str) -> None:
+@pytest.mark.parametrize("spec, plan, why", [
+    ("dp=2 tp=2", "data_parallel='ddp'", r"ddp with tp=2.* use data_parallel='zero2' or 'zero3'"),
+    ("pp=2 dp=2", "data_parallel='ddp'", r"ddp with pp.* use data_parallel='zero2' or 'zero3'"),
+    ("cp=4", "context_parallel='torch'", r"no cpu sharding strategy .* use impl='meshlab'"),
+], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu"])
+def test_plans_the_mesh_cannot_run_say_the_fix(cluster: Cluster, spec: str, plan: str,
+                                               why: str) -> None:
     from meshlab import MeshError
 
     cluster.init_mesh(spec)
-    with pytest.raises(MeshError, match=why + r".* use data_parallel='zero2' or 'zero3'"):
+    with pytest.raises(MeshError, match=why):
         cluster.run("from meshlab.parallel import ParallelPlan, parallelize\n"
                     "from meshlab.models import ModelConfig, Transformer\n"
-                    "parallelize(Transformer(ModelConfig()), mesh, ParallelPlan("
-                    "data_parallel='ddp'))")
+                    f"parallelize(Transformer(ModelConfig()), mesh, ParallelPlan({plan}))")
 
 
 @pytest.mark.cluster

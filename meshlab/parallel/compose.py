@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from meshlab.parallel.checkpoint import MODES, apply_ac
+from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.tensor import apply_tp
@@ -41,6 +42,9 @@ class ParallelPlan:
     """gpipe or 1f1b, when the mesh has a pp axis."""
     microbatches: int = 2
     """Micro-batches per step through the pipeline (must divide the local batch)."""
+    context_parallel: str = "auto"
+    """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
+    CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -49,6 +53,9 @@ class ParallelPlan:
         if self.activation_checkpoint not in MODES:
             raise ValueError(f"activation_checkpoint={self.activation_checkpoint!r} is not one "
                              f"of {MODES}")
+        if self.context_parallel not in IMPLEMENTATIONS:
+            raise ValueError(f"context_parallel={self.context_parallel!r} is not one of "
+                             f"{IMPLEMENTATIONS}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
         if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
@@ -84,7 +91,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
     if axis_size(mesh, "cp") > 1:
         from meshlab.parallel.context import apply_cp
 
-        model = apply_cp(model, mesh, seq_len=plan.seq_len)
+        model = apply_cp(model, mesh, seq_len=plan.seq_len, impl=plan.context_parallel)
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model = apply_ac(model, plan.activation_checkpoint)

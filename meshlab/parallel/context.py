@@ -2,9 +2,12 @@
 
 Attention needs every earlier key, so each rank all-gathers K and V along the sequence and
 masks causally from its own offset. torch's context_parallel has no CPU sharding strategy
-for the flash-attention op (causal or backward) in 2.13, so this is meshlab's own, exact
-implementation; its backward sums the key/value gradients from every rank. (A ring pass
-would keep only one remote chunk in memory at a time; the all-gather is simpler.)
+for the flash-attention op (causal or backward) in 2.13, so on CPU this is meshlab's own,
+exact implementation ("meshlab"); its backward sums the key/value gradients from every rank.
+(A ring pass would keep only one remote chunk in memory at a time; the all-gather is
+simpler.) On CUDA ranks the default is torch's own ring attention ("torch"), attached to the
+attention core the way torchtitan does, with contiguous slices (no load balancing) so the
+RoPE offsets stay those of meshlab's slices.
 """
 
 from __future__ import annotations
@@ -40,26 +43,67 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return cast(torch.Tensor, _GatherSequence.apply(x, group, dim))
 
 
-def apply_cp(model: nn.Module, mesh: Any, *, seq_len: int, axis: str = "cp") -> nn.Module:
-    """Make every attention layer attend across the cp ranks' slices of the sequence."""
+IMPLEMENTATIONS = ("auto", "meshlab", "torch")
+
+
+def apply_cp(model: nn.Module, mesh: Any, *, seq_len: int, axis: str = "cp",
+             impl: str = "auto") -> nn.Module:
+    """Make every attention layer attend across the cp ranks' slices of the sequence.
+
+    impl: "meshlab" (all-gather K/V, any device), "torch" (torch's ring attention, CUDA
+    only) or "auto" (torch's on CUDA, meshlab's elsewhere).
+    """
     cp = mesh[axis]
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
     if seq_len % size:
         raise ValueError(f"cp={size} must divide the sequence length {seq_len}")
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS}")
+    if impl == "auto":
+        impl = "torch" if cp.device_type == "cuda" else "meshlab"
+    if impl == "torch" and cp.device_type != "cuda":
+        raise ValueError(f"impl='torch': torch's context parallel attention has no "
+                         f"{cp.device_type} sharding strategy in torch {torch.__version__}; "
+                         "use impl='meshlab' (or 'auto')")
     chunk = seq_len // size
     offset = rank * chunk
     model.seq_offset = offset  # RoPE positions start where our slice does
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)  # (B,H,T,D)
-        query_pos = torch.arange(offset, offset + q.shape[2])[:, None]
-        mask = torch.arange(keys.shape[2])[None, :] <= query_pos  # causal, globally
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        query_pos = torch.arange(offset, offset + q.shape[2], device=q.device)[:, None]
+        keys_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=keys_pos <= query_pos)
 
+    if impl == "torch":
+        core = _torch_ring_attention(cp)
     for block in cast(nn.ModuleDict, model.layers).values():
         attention: Any = block.attention
         attention.core = core
     return model
+
+
+class _CausalAttention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _torch_ring_attention(cp: Any) -> Any:
+    """torch's context-parallel SDPA on local (B, H, T/cp, D) slices, as torchtitan wires it."""
+    from torch.distributed.tensor.experimental._attention import (
+        _ContextParallel,
+        _cp_options,
+        _enable_context_parallel_dispatcher,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    # Our slices are contiguous (rank r holds positions [r*T/cp, (r+1)*T/cp)); with load
+    # balancing on, torch would assume its head-tail layout and mask the wrong blocks.
+    _cp_options.enable_load_balance = False
+    _enable_context_parallel_dispatcher()
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+    ring = parallelize_module(_CausalAttention(), cp, style)
+    return ring.__call__  # a bound method: nn.Module would register a module as a child
 
 
 def sequence_slice(tokens: torch.Tensor, mesh: Any, *, axis: str = "cp") -> torch.Tensor:
