@@ -48,3 +48,35 @@ def memory_chart(frame: pd.DataFrame) -> OfflineChart:
         tooltip=["rank", "part", "bytes"],
     )
     return OfflineChart(chart)
+
+
+KIND_COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b"}
+
+
+def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> OfflineChart:
+    """A Gantt chart: ranks as rows, actions as bars coloured by kind and labelled with
+    their micro-batch. Optional columns: ``view`` (one panel per value, e.g. two schedules,
+    or plan vs measured) and ``state`` (pending actions faded)."""
+    data = frame.assign(mid=(frame["start"] + frame["end"]) / 2,
+                        label=frame["microbatch"].astype(str))
+    if "state" not in data:
+        data = data.assign(state="done")
+    kinds = [k for k in KIND_COLOURS if k in set(data["kind"])]
+    x_title = "time" if "unit" not in data else str(data["unit"].iloc[0])
+    bars = alt.Chart().mark_bar(stroke="white", strokeWidth=0.5).encode(
+        x=alt.X("start:Q", title=x_title), x2="end:Q",
+        y=alt.Y("rank:O", title="rank"),
+        color=alt.Color("kind:N", title="action",
+                        scale=alt.Scale(domain=kinds, range=[KIND_COLOURS[k] for k in kinds])),
+        opacity=alt.condition(alt.datum.state == "pending", alt.value(0.25), alt.value(1.0)),
+        tooltip=["rank", "action", "start", "end", "state"],
+    )
+    labels = alt.Chart().mark_text(color="white", fontSize=9).encode(
+        x="mid:Q", y="rank:O", text="label:N")
+    size = {"width": 560, "height": max(50, 22 * data["rank"].nunique())}
+    layers = alt.layer(bars, labels, data=data).properties(**size)
+    if "view" not in data:
+        return OfflineChart(layers.properties(title=title))
+    views = list(dict.fromkeys(data["view"]))
+    chart = layers.facet(row=alt.Row("view:N", title=None, sort=views))
+    return OfflineChart(chart.resolve_scale(x="independent").properties(title=title))
