@@ -16,9 +16,11 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from meshlab.charts import comms_chart, memory_chart
+from meshlab.charts import comms_chart, memory_chart, timeline_chart
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
+from meshlab.schedules import BUILDERS, Costs, ScheduleError
+from meshlab.stepping import SteppedPipeline, compare, plan_frame, resolve
 from meshlab.widgets import MeshView, ShardingView, group_table
 from meshlab.widgets.comms import comms_frame, comms_totals
 from meshlab.widgets.memory import memory_frame
@@ -97,6 +99,39 @@ def _auto(line: str) -> None:
 
 
 @magic_arguments()
+@argument("names", metavar="NAME", help="a builder (" + ", ".join(BUILDERS) + ") or a notebook "
+          "variable holding a Schedule, a text table or rows; several, comma-separated, "
+          "to compare")
+@argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
+@argument("--microbatches", type=int, default=8, help="micro-batches m (default 8)")
+@argument("--virtual", type=int, default=1, help="stages per rank v (interleaved, looped)")
+@argument("--costs", default="1,2", help="F,B or F,I,W times (default 1,2)")
+@argument("--comm", type=float, default=0.0, help="time of one hop between ranks")
+@argument("-o", dest="output", metavar="NAME", help="keep the (first) Schedule as NAME")
+def _schedule(line: str) -> None:
+    """%mesh schedule: build, validate, simulate and chart pipeline schedules."""
+
+
+@magic_arguments()
+@argument("model", help="a meshlab Transformer on the ranks, split into the schedule's stages")
+@argument("--schedule", required=True, help="a builder name or a notebook Schedule variable")
+@argument("--microbatches", type=int, default=4, help="micro-batches, for a builder name")
+@argument("--virtual", type=int, default=1, help="stages per rank, for a builder name")
+@argument("--batch", default="batch", help="(inputs, targets) on the ranks (default: batch)")
+@argument("--loss", help="loss function on the ranks (default: next-token cross-entropy)")
+@argument("--costs", default="1,2", help="F,B or F,I,W for the plan chart")
+def _pipeline(line: str) -> None:
+    """%mesh pipeline: bind a schedule to a model over the pp axis; `pipeline` on the ranks."""
+
+
+@magic_arguments()
+@argument("n", nargs="?", type=int, default=1, help="slots of the schedule to run (default 1)")
+@argument("--all", action="store_true", help="run the rest of the step")
+def _step(line: str) -> None:
+    """%mesh step: run the next N slots of the bound pipeline on every rank, and chart it."""
+
+
+@magic_arguments()
 @argument("--ranks", help="run on these ranks only, e.g. 0,2-3 (default: all)")
 @argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
 @argument("-o", dest="output", metavar="NAME",
@@ -109,7 +144,8 @@ def _cell(line: str) -> None:
 
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
                "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
-               "pull": _pull, "auto": _auto}
+               "pull": _pull, "auto": _auto, "schedule": _schedule, "pipeline": _pipeline,
+               "step": _step}
 
 
 def _help() -> str:
@@ -128,6 +164,7 @@ class MeshMagics(Magics):
         super().__init__(shell)
         self.cluster: Cluster | None = None
         self.auto = False
+        self.pipeline: SteppedPipeline | None = None
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -229,6 +266,54 @@ class MeshMagics(Magics):
             transformers.remove(_auto_transform)
         print("every cell now runs on the ranks; %mesh auto off returns to the notebook"
               if self.auto else "cells run in the notebook again")
+
+    def _schedule(self, args: Any) -> None:
+        try:
+            costs = Costs.parse(args.costs, comm=args.comm)
+            schedules = [resolve(n, ranks=args.stages, microbatches=args.microbatches,
+                                 virtual=args.virtual, namespace=self.shell.user_ns)
+                         for n in args.names.split(",")]
+            timelines, table = compare(schedules, costs)
+        except ValueError as e:  # ScheduleError too: its message holds the grid
+            raise UsageError(str(e)) from None
+        if args.output:
+            self.shell.user_ns[args.output] = schedules[0]
+        display(table, timeline_chart(plan_frame(timelines)))
+
+    def _pipeline(self, args: Any) -> None:
+        cluster = self._need_cluster()
+        spec = cluster.mesh_spec
+        if spec is None or spec.pp < 2:
+            raise UsageError("the mesh has no pp axis: %mesh init pp=N (times the other axes)")
+        try:
+            schedule = resolve(args.schedule, ranks=spec.pp, microbatches=args.microbatches,
+                               virtual=args.virtual, namespace=self.shell.user_ns)
+            self.pipeline = SteppedPipeline(cluster, schedule, model=args.model,
+                                            batch=args.batch, loss=args.loss,
+                                            costs=Costs.parse(args.costs))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(f"{schedule.name} bound to {args.model}: {schedule.stages} stages on "
+              f"{schedule.ranks} pp ranks, {schedule.microbatches} micro-batches; "
+              "%mesh step N runs the next N slots")
+        display(timeline_chart(self.pipeline.frame()))
+
+    def _step(self, args: Any) -> None:
+        if self.pipeline is None:
+            raise UsageError("no pipeline is bound: %mesh pipeline MODEL --schedule NAME")
+        try:
+            ran = self.pipeline.step(None if args.all else args.n)
+        except ScheduleError as e:
+            raise UsageError(str(e)) from None
+        by_rank: dict[int, list[str]] = {}
+        for r in ran:
+            if r["kind"] in ("F", "B", "I", "W"):
+                by_rank.setdefault(r["rank"], []).append(r["action"])
+        for rank in sorted(by_rank):
+            print(f"[pp rank {rank}] ran {' '.join(by_rank[rank])}")
+        if self.pipeline.done:
+            print(f"step complete: loss {self.pipeline.loss:.6f}")
+        display(timeline_chart(self.pipeline.frame()))
 
     def _run_cell(self, line: str, cell: str) -> None:
         args = parse_argstring(_cell, line)

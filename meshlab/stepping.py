@@ -1,0 +1,137 @@
+"""Notebook side of pipeline schedules: plan and compare them, and step one on the ranks.
+
+The ranks run meshlab.schedules.execute; this module only resolves schedules, sends them,
+collects what ran, and turns it into frames for meshlab.charts.timeline_chart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from meshlab.cluster import Cluster
+from meshlab.schedules import BUILDERS, Costs, Schedule, ScheduleError, Timeline, build, parse
+
+
+def resolve(name: str | Schedule, *, ranks: int, microbatches: int, virtual: int = 1,
+            namespace: Mapping[str, Any] | None = None) -> Schedule:
+    """A Schedule from a builder name, a notebook variable (Schedule, text or rows), or a
+    Schedule itself. ``virtual`` applies to the builders that take it (so one value can be
+    given when comparing several)."""
+    if isinstance(name, Schedule):
+        return name
+    if namespace is not None and name in namespace and name not in BUILDERS:
+        value = namespace[name]
+        schedule = value if isinstance(value, Schedule) else parse(value, name=name)
+        return schedule
+    looped = name in ("interleaved_1f1b", "looped_bfs")  # the others fix their placement
+    return build(name, ranks=ranks, microbatches=microbatches, virtual=virtual if looped else 1)
+
+
+def compare(schedules: list[Schedule], costs: Costs) -> tuple[list[Timeline], pd.DataFrame]:
+    """Simulate each schedule; their timelines and a summary table (one row each)."""
+    timelines = [s.simulate(costs) for s in schedules]
+    table = pd.DataFrame([t.summary() for t in timelines]).set_index("schedule")
+    return timelines, table
+
+
+def plan_frame(timelines: list[Timeline]) -> pd.DataFrame:
+    """All timelines in one frame, one chart panel (``view``) per schedule."""
+    frames = []
+    for t in timelines:
+        s = t.schedule
+        view = f"{s.name}: p={s.ranks} m={s.microbatches} v={s.virtual}, " \
+               f"bubble {t.bubble_fraction:.1%}"
+        frames.append(t.to_frame().assign(view=view))
+    return pd.concat(frames, ignore_index=True)
+
+
+class SteppedPipeline:
+    """A schedule bound to a model on the ranks, advanced a few slots at a time."""
+
+    def __init__(self, cluster: Cluster, schedule: Schedule, *, model: str,
+                 batch: str = "batch", loss: str | None = None, costs: Costs | None = None,
+                 name: str = "pipeline") -> None:
+        schedule.validate()
+        self.cluster, self.schedule, self.name = cluster, schedule, name
+        self.plan = schedule.simulate(costs or Costs())
+        self.records: list[dict[str, Any]] = []
+        self.loss: float | None = None
+        cluster.push({"_meshlab_schedule": schedule})
+        loss_arg = f", loss_fn={loss}" if loss else ""
+        cluster.run(f"from meshlab.schedules.execute import bind as _meshlab_bind\n"
+                    f"{name} = _meshlab_bind({model}, mesh, _meshlab_schedule, "
+                    f"batch={batch}{loss_arg})")
+
+    @property
+    def done(self) -> bool:
+        return self.loss is not None
+
+    @property
+    def slots_done(self) -> int:
+        return max((r["slot"] + 1 for r in self.records), default=0)
+
+    def step(self, slots: int | None = None) -> list[dict[str, Any]]:
+        """Run the next ``slots`` slots on every rank (the rest of the step when None)."""
+        if self.done:
+            raise ScheduleError(f"this step is complete (loss {self.loss:.6g}): bind the "
+                                "pipeline again for the next batch")
+        count = "None" if slots is None else int(slots)
+        result = self.cluster.run(f"{self.name}.advance({count}), {self.name}.loss",
+                                  keep_values=True)
+        ran: list[dict[str, Any]] = []
+        seen = set()
+        for value in result.values.values():  # ranks of other pp groups repeat the records
+            records, loss = value
+            for r in records:
+                if (r["rank"], r["action"]) not in seen:
+                    seen.add((r["rank"], r["action"]))
+                    ran.append(r)
+            self.loss = loss if loss is not None else self.loss
+        self.records += ran
+        return ran
+
+    def frame(self) -> pd.DataFrame:
+        """The plan (executed actions solid, the rest faded), what ran as measured (ms),
+        and, once the step is complete, the plan re-simulated with the measured costs."""
+        done = {(r["rank"], r["action"]) for r in self.records}
+        plan = self.plan.to_frame()
+        plan["state"] = ["done" if (r, a) in done else "pending"
+                         for r, a in zip(plan["rank"], plan["action"], strict=True)]
+        frames = [plan.assign(view=f"plan ({self.slots_done} of "
+                                   f"{self.plan.to_frame()['slot'].max() + 1} slots run)")]
+        measured = self.measured()
+        if not measured.empty:
+            frames.append(measured.assign(view="measured on the ranks (ms)", state="done"))
+        if self.done and not measured.empty:
+            costs = measured_costs(measured, self.schedule)
+            again = self.schedule.simulate(costs).to_frame()
+            frames.append(again.assign(view=f"simulated with measured costs: {_costs(costs)}",
+                                       state="done"))
+        return pd.concat(frames, ignore_index=True)
+
+    def measured(self) -> pd.DataFrame:
+        """Compute actions that ran, with start and end in ms since the step began."""
+        rows = [r for r in self.records if r["kind"] in ("F", "B", "I", "W")]
+        frame = pd.DataFrame(rows, columns=["rank", "slot", "stage", "kind", "microbatch",
+                                            "action", "start", "end", "wait"])
+        return frame.assign(start=frame["start"] * 1e3, end=frame["end"] * 1e3)
+
+
+def measured_costs(measured: pd.DataFrame, schedule: Schedule) -> Costs:
+    """Median measured time per kind, scaled back to a rank's whole share of the model."""
+    per_kind = (measured["end"] - measured["start"]).groupby(measured["kind"]).median()
+    scale = schedule.stages / schedule.ranks
+    kinds = {k: float(v) * scale for k, v in per_kind.items()}
+    if "I" in kinds:
+        return Costs(forward=kinds["F"], backward_input=kinds["I"],
+                     backward_weight=kinds.get("W", 0.0))
+    return Costs(forward=kinds["F"], backward=kinds.get("B", 2 * kinds["F"]))
+
+
+def _costs(costs: Costs) -> str:
+    if costs.backward_input is not None:
+        return f"F {costs.forward:.2f}, I {costs.of('I'):.2f}, W {costs.of('W'):.2f} ms"
+    return f"F {costs.forward:.2f}, B {costs.of('B'):.2f} ms"
