@@ -119,7 +119,6 @@ def _schedule(line: str) -> None:
 @argument("--virtual", type=int, default=1, help="stages per rank, for a builder name")
 @argument("--batch", default="batch", help="(inputs, targets) on the ranks (default: batch)")
 @argument("--loss", help="loss function on the ranks (default: next-token cross-entropy)")
-@argument("--costs", default="1,2", help="F,B or F,I,W for the plan chart")
 def _pipeline(line: str) -> None:
     """%mesh pipeline: bind a schedule to a model over the pp axis; `pipeline` on the ranks."""
 
@@ -289,8 +288,7 @@ class MeshMagics(Magics):
             schedule = resolve(args.schedule, ranks=spec.pp, microbatches=args.microbatches,
                                virtual=args.virtual, namespace=self.shell.user_ns)
             self.pipeline = SteppedPipeline(cluster, schedule, model=args.model,
-                                            batch=args.batch, loss=args.loss,
-                                            costs=Costs.parse(args.costs))
+                                            batch=args.batch, loss=args.loss)
         except ValueError as e:
             raise UsageError(str(e)) from None
         print(f"{schedule.name} bound to {args.model}: {schedule.stages} stages on "

@@ -78,5 +78,7 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
     if "view" not in data:
         return OfflineChart(layers.properties(title=title))
     views = list(dict.fromkeys(data["view"]))
-    chart = layers.facet(row=alt.Row("view:N", title=None, sort=views))
+    header = alt.Header(labelAngle=0, labelAlign="left", labelAnchor="start",
+                        labelOrient="top", labelFontWeight="bold")
+    chart = layers.facet(row=alt.Row("view:N", title=None, sort=views, header=header))
     return OfflineChart(chart.resolve_scale(x="independent").properties(title=title))

@@ -52,11 +52,11 @@ class SteppedPipeline:
     """A schedule bound to a model on the ranks, advanced a few slots at a time."""
 
     def __init__(self, cluster: Cluster, schedule: Schedule, *, model: str,
-                 batch: str = "batch", loss: str | None = None, costs: Costs | None = None,
+                 batch: str = "batch", loss: str | None = None,
                  name: str = "pipeline") -> None:
         schedule.validate()
         self.cluster, self.schedule, self.name = cluster, schedule, name
-        self.plan = schedule.simulate(costs or Costs())
+        self.plan = grid_frame(schedule)
         self.records: list[dict[str, Any]] = []
         self.loss: float | None = None
         cluster.push({"_meshlab_schedule": schedule})
@@ -97,11 +97,10 @@ class SteppedPipeline:
         """The plan (executed actions solid, the rest faded), what ran as measured (ms),
         and, once the step is complete, the plan re-simulated with the measured costs."""
         done = {(r["rank"], r["action"]) for r in self.records}
-        plan = self.plan.to_frame()
-        plan["state"] = ["done" if (r, a) in done else "pending"
-                         for r, a in zip(plan["rank"], plan["action"], strict=True)]
-        frames = [plan.assign(view=f"plan ({self.slots_done} of "
-                                   f"{self.plan.to_frame()['slot'].max() + 1} slots run)")]
+        plan = self.plan.assign(state=["done" if (r, a) in done else "pending" for r, a in
+                                       zip(self.plan["rank"], self.plan["action"], strict=True)])
+        frames = [plan.assign(view=f"the grid being stepped: {self.slots_done} of "
+                                   f"{self.plan['slot'].max() + 1} slots run")]
         measured = self.measured()
         if not measured.empty:
             frames.append(measured.assign(view="measured on the ranks (ms)", state="done"))
@@ -118,6 +117,16 @@ class SteppedPipeline:
         frame = pd.DataFrame(rows, columns=["rank", "slot", "stage", "kind", "microbatch",
                                             "action", "start", "end", "wait"])
         return frame.assign(start=frame["start"] * 1e3, end=frame["end"] * 1e3)
+
+
+def grid_frame(schedule: Schedule) -> pd.DataFrame:
+    """The schedule's grid as a timeline: each action in its slot, one unit long."""
+    from meshlab.schedules.validate import slots
+
+    rows = [{"rank": schedule.stage_to_rank[stage], "slot": slot, "stage": stage, "kind": kind,
+             "microbatch": m, "action": f"{stage}{kind}{m}", "start": slot, "end": slot + 1}
+            for (stage, kind, m), slot in slots(schedule).items()]
+    return pd.DataFrame(rows).sort_values(["rank", "slot"], ignore_index=True)
 
 
 def measured_costs(measured: pd.DataFrame, schedule: Schedule) -> Costs:

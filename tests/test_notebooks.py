@@ -82,11 +82,28 @@ def test_mesh_and_sharding_notebook_saves_its_widgets(tmp_path: Path) -> None:
     assert sum("image/svg+xml" in o.get("data", {}) for o in outputs) == 1
 
 
+def test_pipeline_schedules_notebook_compares_breaks_and_steps(tmp_path: Path) -> None:
+    nb = execute("05-pipeline-schedules.ipynb", tmp_path)
+    shown = [texts(c) for c in nb.cells if c.cell_type == "code"]
+    everything = "\n".join(shown)
+    for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "mine"):
+        assert name in everything
+    assert "(0.2727272727272727, 0.2727272727272727)" in everything  # (p-1)/(m+p-1)
+    assert "deadlock: rank 0 waits at 0I0 for 1I0" in everything
+    assert "[pp rank 0] ran" in everything and "step complete: loss" in everything
+    check = next(t for c, t in zip([c for c in nb.cells if c.cell_type == "code"], shown,
+                                   strict=True) if "-o check" in c.source)
+    assert check.strip() == "Out[ranks 0-3]: True", check
+    charts = sum("image/svg+xml" in o.get("data", {}) for c in nb.cells
+                 for o in c.get("outputs", []))
+    assert charts == 5  # 2 comparisons, the bound plan, 2 steps (the broken one shows none)
+
+
 @pytest.mark.parametrize("name, ranks", [
     ("03-zero-and-fsdp.ipynb", "0-3"),
     ("04-tensor-and-sequence-parallel.ipynb", "0-3"),
-    ("05-expert-parallel.ipynb", "0-3"),
-    ("06-composed-3d.ipynb", "0-7"),
+    ("08-expert-parallel.ipynb", "0-3"),
+    ("09-composed-3d.ipynb", "0-7"),
 ])
 def test_parallelism_notebooks_match_one_process(tmp_path: Path, name: str, ranks: str) -> None:
     nb = execute(name, tmp_path)

@@ -116,31 +116,35 @@ class Executor:
         self.position = self.clock = 0
         self.records, self.losses, self.loss = [], [], None
         self.backwards_left = Counter({s: self.schedule.microbatches for s in self.stages})
-        self.t0 = time.perf_counter()
+        self.elapsed = 0.0
         self._started = True
 
     def advance(self, slots: int | None = None) -> list[dict[str, Any]]:
         """Run the next ``slots`` slots of the grid (all that remain when None); return
-        what ran: action, slot, start and end seconds since the step began (start after any
-        wait for inputs; ``wait`` says how long that was)."""
+        what ran: action, slot, start and end in seconds of the step's own clock (time
+        spent inside advance calls; start after any wait for inputs, ``wait`` says how long
+        that was)."""
         if not self._started:
             raise ScheduleError("call begin(inputs, targets) first")
         self.clock = self.slots if slots is None else min(self.slots, self.clock + slots)
         ran = []
+        # the step's clock runs only inside advance(): pauses between calls do not count
+        base, t0 = self.elapsed, time.perf_counter()
         while self.position < len(self.actions) and self.slot_of[self.position] < self.clock:
             action = self.actions[self.position]
-            start = time.perf_counter() - self.t0
+            start = base + time.perf_counter() - t0
             self.waited = 0.0
             self._perform(action)
             record = {"rank": self.rank, "slot": self.slot_of[self.position],
                       "stage": action.stage, "kind": action.kind,
                       "microbatch": action.microbatch, "action": str(action),
-                      "start": start + self.waited, "end": time.perf_counter() - self.t0,
+                      "start": start + self.waited, "end": base + time.perf_counter() - t0,
                       "wait": self.waited}
             ran.append(record)
             self.position += 1
         if self.clock >= self.slots and self.loss is None:  # the same call on every rank
             self._finish()
+        self.elapsed = base + time.perf_counter() - t0
         self.records += ran
         return ran
 
