@@ -90,7 +90,8 @@ def test_engine_side_modules_do_not_import_the_notebook_stack() -> None:
     code = ("import sys, meshlab, meshlab.runtime, meshlab.probe, meshlab.ranks, meshlab.mesh, "
             "meshlab.sharding, meshlab.comms, meshlab.models, meshlab.parallel, "
             "meshlab.parallel.verify, meshlab.parallel.expert, meshlab.parallel.context, "
-            "meshlab.parallel.pipeline, meshlab.memory; "
+            "meshlab.parallel.pipeline, meshlab.memory, meshlab.schedules, "
+            "meshlab.schedules.execute; "
             "bad = [m for m in ('IPython', 'ipyparallel', 'ipywidgets', 'anywidget', 'altair') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
