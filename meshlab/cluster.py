@@ -229,7 +229,7 @@ class Cluster:
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
             try:
-                result.values = self.pull("_", ranks=with_values) if with_values else {}
+                result.values = self._last_values(with_values) if with_values else {}
             except ClusterError as e:  # e.g. a value that cannot be pickled
                 result.notes.append(f"values not kept: {e}")
         if on_output:
@@ -237,6 +237,18 @@ class Cluster:
         if not result.ok:
             raise MeshError(result)
         return result
+
+    def _last_values(self, ranks: list[int]) -> dict[int, Any]:
+        # the newest entry of IPython's output history: `_` stops following outputs once a
+        # cell assigns it (`x, _ = batch`)
+        view = self._client.direct_view([self._engines[r] for r in ranks])
+        try:
+            values = view.apply_sync(_newest_output, ipp.Reference("_oh"))
+        except ipp.CompositeError as e:
+            r, ename, evalue = self._failures(e, ranks)[0]
+            raise ClusterError(f"could not pull the value from rank {r}: {ename}: {evalue}") \
+                from None
+        return dict(zip(ranks, values, strict=True))
 
     def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
         alive = [r for r in ranks if r not in self._dead]
@@ -487,3 +499,9 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@ipp.interactive
+def _newest_output(history: dict[int, Any]) -> Any:
+    """Runs on a rank: the value of the last cell that had one."""
+    return history[max(history)]

@@ -199,3 +199,10 @@ def test_the_profile_gives_the_default_time_limit(cluster: Cluster) -> None:
             cluster.run("import time\ntime.sleep(30)", ranks="0")
     finally:
         cluster.profile.cell_timeout = None
+
+
+@pytest.mark.cluster
+def test_kept_values_are_the_cells_own_even_after_a_cell_assigns_underscore(
+        cluster: Cluster) -> None:
+    cluster.run("first, _ = 'a', 'b'")  # IPython stops updating `_` after this
+    assert cluster.run("rank * 3", keep_values=True).values == {0: 0, 1: 3, 2: 6, 3: 9}
