@@ -135,41 +135,36 @@ def test_apply_kernels_keeps_the_transformers_loss_and_gradients() -> None:
     """)
 
 
-BAD_INPUTS = {
-    "weight_shape": "rmsnorm(torch.randn(2, 64), torch.ones(48))",
-    "bf16_on_cpu": "softmax(torch.randn(2, 8, dtype=torch.bfloat16))",
-    "integer_dtype": "softmax(torch.arange(8))",
-    "swiglu_shapes": "swiglu(torch.randn(2, 8), torch.randn(2, 9))",
-    "target_shape": "cross_entropy(torch.randn(4, 10), torch.zeros(3, dtype=torch.long))",
-    "target_range": "cross_entropy(torch.randn(2, 10), torch.tensor([3, 10]))",
+BAD_INPUTS = {  # case: (call, the start of its error message)
+    "weight_shape": ("rmsnorm(torch.randn(2, 64), torch.ones(48))",
+                     "weight has shape (48,) but x has shape (2, 64): weight must be (64,)"),
+    "bf16_on_cpu": ("softmax(torch.randn(2, 8, dtype=torch.bfloat16))",
+                    "x is bfloat16 on CPU"),
+    "integer_dtype": ("softmax(torch.arange(8))", "x has dtype torch.int64"),
+    "swiglu_shapes": ("swiglu(torch.randn(2, 8), torch.randn(2, 9))",
+                      "gate is (2, 8) torch.float32 on cpu but up is (2, 9)"),
+    "target_shape": ("cross_entropy(torch.randn(4, 10), torch.zeros(3, dtype=torch.long))",
+                     "logits (4, 10) and target (3,) do not fit"),
+    "target_range": ("cross_entropy(torch.randn(2, 10), torch.tensor([3, 10]))",
+                     "target holds 10, outside 0..9"),
 }
 
 
 @pytest.fixture(scope="module")
 def bad_input_errors() -> dict[str, str]:
-    """The ValueError message each of BAD_INPUTS raises, from one subprocess."""
-    calls = "\n".join(f"""
-try:
-    {call}
-    print({name!r}, "no error")
-except ValueError as e:
-    print({name!r}, str(e).replace(chr(10), " "))""" for name, call in BAD_INPUTS.items())
-    out = run_interpreted("from meshlab.kernels import cross_entropy, rmsnorm, softmax, swiglu\n"
-                          + calls)
-    return dict(line.split(" ", 1) for line in out.splitlines())
+    """The ValueError message each of BAD_INPUTS raises, all from one subprocess."""
+    code = "from meshlab.kernels import cross_entropy, rmsnorm, softmax, swiglu\n"
+    for case, (call, _) in BAD_INPUTS.items():
+        code += (f"try:\n    {call}\n    print({case!r}, 'no error')\n"
+                 f"except ValueError as e:\n    print({case!r}, str(e).replace(chr(10), ' '))\n")
+    lines = [line.partition(" ") for line in run_interpreted(code).splitlines()]
+    return {case: message for case, _, message in lines}
 
 
-@pytest.mark.parametrize("case, message", [
-    ("weight_shape", r"weight has shape (48,) but x has shape (2, 64): weight must be (64,)"),
-    ("bf16_on_cpu", "x is bfloat16 on CPU"),
-    ("integer_dtype", "x has dtype torch.int64"),
-    ("swiglu_shapes", "gate is (2, 8) torch.float32 on cpu but up is (2, 9)"),
-    ("target_shape", "logits (4, 10) and target (3,) do not fit"),
-    ("target_range", "target holds 10, outside 0..9"),
-])
-def test_bad_input_raises_a_value_error_naming_it(bad_input_errors: dict[str, str], case: str,
-                                                  message: str) -> None:
-    assert bad_input_errors[case].startswith(message)
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_raises_a_value_error_naming_it(bad_input_errors: dict[str, str],
+                                                  case: str) -> None:
+    assert bad_input_errors[case].startswith(BAD_INPUTS[case][1]), bad_input_errors[case]
 
 
 def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_rows
+from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_tensor
 
 MAX_CHUNK = 32768
 """Vocabulary columns a program holds at once (Liger-Kernel's size); larger vocabularies loop."""
@@ -113,16 +113,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor,
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} do not "
                          "fit: expected logits (N, V) with target (N,), or (B, T, V) with (B, T)")
     if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"target has dtype {target.dtype}; expected class indices as int64")
+        raise ValueError(f"target has dtype {target.dtype}; "
+                         "expected class indices (int64 or int32)")
     if target.device != logits.device:
         raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
     vocab = logits.shape[-1]
     target = target.reshape(-1).contiguous()
-    # The range check costs a host sync on GPU, so only CPU checks; the kernel masks either way
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if target.device.type == "cpu" and bad.any():
-        raise ValueError(f"target holds {target[bad][0].item()}, outside 0..{vocab - 1} "
-                         f"(the vocabulary) and not ignore_index={ignore_index}")
+    if target.device.type == "cpu":  # on GPU the check would cost a sync; the kernel masks
+        bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+        if bad.any():
+            raise ValueError(f"target holds {target[bad][0].item()}, outside 0..{vocab - 1} "
+                             f"(the vocabulary) and not ignore_index={ignore_index}")
     return _CrossEntropy.apply(logits.reshape(-1, vocab).contiguous(), target, ignore_index)
 
 
@@ -137,7 +138,7 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor,
 def _inputs(rows: int, n: int, dtype: torch.dtype,
             device: torch.device) -> tuple[torch.Tensor, ...]:
     target = torch.randint(0, n, (rows,), generator=torch.Generator().manual_seed(1))
-    return random_rows(rows, n, dtype, device, seed=0), target.to(device)
+    return random_tensor((rows, n), dtype, device, seed=0), target.to(device)
 
 
 SPEC = KernelSpec(

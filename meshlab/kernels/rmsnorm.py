@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_rows
+from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_tensor
 from meshlab.models import llama
 
 
@@ -123,14 +123,16 @@ class RMSNorm(llama.RMSNorm):
 
 def _inputs(rows: int, n: int, dtype: torch.dtype,
             device: torch.device) -> tuple[torch.Tensor, ...]:
-    # A weight away from 1 so grad x depends on it
-    return (random_rows(rows, n, dtype, device, seed=0),
-            random_rows(1, n, dtype, device, seed=1, scale=0.1, shift=1.0).detach()[0]
-            .requires_grad_())
+    # A weight away from 1, so that grad x depends on it
+    return (random_tensor((rows, n), dtype, device, seed=0),
+            random_tensor((n,), dtype, device, seed=1, scale=0.1, shift=1.0))
 
 
-SPEC = KernelSpec(
-    name="rmsnorm", kernel=rmsnorm, reference=rmsnorm_reference, inputs=_inputs,
-    # reads x and weight, writes y and the per-row 1/rms (fp32)
-    bytes_moved=lambda args: 2 * nbytes(args[0]) + nbytes(args[1]) + 4 * args[0].numel()
-    // args[0].shape[-1])
+def _bytes_moved(args: tuple[torch.Tensor, ...]) -> int:
+    x, weight = args
+    # x in, y out, the weight, and a float32 1/rms per row
+    return 2 * nbytes(x) + nbytes(weight) + 4 * (x.numel() // x.shape[-1])
+
+
+SPEC = KernelSpec(name="rmsnorm", kernel=rmsnorm, reference=rmsnorm_reference, inputs=_inputs,
+                  bytes_moved=_bytes_moved)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_rows
+from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_tensor
 
 
 @triton.jit
@@ -67,5 +67,5 @@ def softmax_reference(x: torch.Tensor) -> torch.Tensor:
 
 SPEC = KernelSpec(
     name="softmax", kernel=softmax, reference=softmax_reference,
-    inputs=lambda rows, n, dtype, device: (random_rows(rows, n, dtype, device, seed=0),),
+    inputs=lambda rows, n, dtype, device: (random_tensor((rows, n), dtype, device, seed=0),),
     bytes_moved=lambda args: 2 * nbytes(args[0]))  # reads x, writes y

@@ -31,11 +31,10 @@ class KernelSpec:
     memory-bound, so None)."""
 
 
-def random_rows(rows: int, n: int, dtype: torch.dtype, device: torch.device, seed: int,
-                *, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-    """A seeded (rows, n) tensor shift + scale * N(0, 1) that requires grad."""
-    gen = torch.Generator().manual_seed(seed)
-    x = shift + scale * torch.randn(rows, n, generator=gen)
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int,
+                  *, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """A seeded tensor of shift + scale * N(0, 1) values that requires grad."""
+    x = shift + scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     return x.to(device=device, dtype=dtype).requires_grad_()
 
 

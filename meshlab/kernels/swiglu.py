@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_rows
+from meshlab.kernels.spec import KernelSpec, check_rows, nbytes, num_warps, random_tensor
 from meshlab.models import llama
 
 
@@ -37,7 +37,7 @@ def _backward(dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.const
     sig = tl.sigmoid(gate)
     silu = (gate * sig).to(gate_ptr.dtype.element_ty).to(tl.float32)
     # silu'(g) = sig * (1 + g * (1 - sig))
-    dgate = dout * up * sig * (1.0 + gate * (1.01 - sig))
+    dgate = dout * up * sig * (1.0 + gate * (1.0 - sig))
     tl.store(dgate_ptr + offsets, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + offsets, (dout * silu).to(dup_ptr.dtype.element_ty), mask=mask)
 
@@ -88,6 +88,6 @@ class FeedForward(llama.FeedForward):
 
 SPEC = KernelSpec(
     name="swiglu", kernel=swiglu, reference=swiglu_reference,
-    inputs=lambda rows, n, dtype, device: (random_rows(rows, n, dtype, device, seed=0),
-                                           random_rows(rows, n, dtype, device, seed=1)),
+    inputs=lambda rows, n, dtype, device: (random_tensor((rows, n), dtype, device, seed=0),
+                                           random_tensor((rows, n), dtype, device, seed=1)),
     bytes_moved=lambda args: 3 * nbytes(args[0]))  # reads gate and up, writes the product
