@@ -16,8 +16,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from meshlab.charts import comms_chart, memory_chart, timeline_chart
+from meshlab.charts import bench_chart, comms_chart, memory_chart, timeline_chart
 from meshlab.cluster import Cluster, ClusterError
+from meshlab.kernel_bench import run_bench
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.schedules import BUILDERS, Costs, ScheduleError
 from meshlab.stepping import SteppedPipeline, compare, plan_frame, resolve
@@ -131,6 +132,20 @@ def _step(line: str) -> None:
 
 
 @magic_arguments()
+@argument("kernel", help="a built-in kernel (rmsnorm, softmax, swiglu, cross_entropy) or a "
+          "callable on the ranks, e.g. one launching your @triton.jit kernel")
+@argument("--ref", help="the reference on the ranks (default for built-ins: their torch twin)")
+@argument("--sizes", default="256,1024", help="row lengths, comma-separated (default 256,1024)")
+@argument("--dtype", default="float32", help="float32, float16, bfloat16 (default float32)")
+@argument("--mode", choices=["fwd", "bwd", "full"], default="fwd", help="what to time")
+@argument("--rows", type=int, help="rows per problem (default 4096 on GPU, 4 on CPU)")
+@argument("--ranks", help="only these ranks, e.g. 0,2-3")
+@argument("-o", dest="output", metavar="NAME", help="keep the table (a DataFrame) as NAME")
+def _bench(line: str) -> None:
+    """%mesh bench: time a Triton kernel beside torch on every rank; a table and a chart."""
+
+
+@magic_arguments()
 @argument("--ranks", help="run on these ranks only, e.g. 0,2-3 (default: all)")
 @argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
 @argument("-o", dest="output", metavar="NAME",
@@ -144,7 +159,7 @@ def _cell(line: str) -> None:
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
                "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
                "pull": _pull, "auto": _auto, "schedule": _schedule, "pipeline": _pipeline,
-               "step": _step}
+               "step": _step, "bench": _bench}
 
 
 def _help() -> str:
@@ -312,6 +327,26 @@ class MeshMagics(Magics):
         if self.pipeline.done:
             print(f"step complete: loss {self.pipeline.loss:.6f}")
         display(timeline_chart(self.pipeline.frame()))
+
+    def _bench(self, args: Any) -> None:
+        try:
+            sizes = [int(n) for n in args.sizes.split(",")]
+        except ValueError:
+            raise UsageError(f"--sizes {args.sizes!r}: give row lengths like 256,1024") from None
+        # IPython's argument splitter keeps quotes: --ref 'lambda x: x * 2' is an expression
+        ref = args.ref.strip("'\"") if args.ref else None
+        frame = run_bench(self._need_cluster(), args.kernel, ref=ref, sizes=sizes,
+                          dtype=args.dtype, mode=args.mode, rows=args.rows, ranks=args.ranks)
+        failed = frame[frame["error"].notna()]
+        for _, row in failed.iterrows():
+            print(f"[rank {row['rank']}] {row['provider']} at size {row['size']}: "
+                  f"{row['error']}")
+        if args.output:
+            self.shell.user_ns[args.output] = frame
+        table = frame.dropna(axis=1, how="all").set_index(["rank", "provider", "size"])
+        display(table)  # columns empty on this device (peak_pct on CPU) left out
+        if frame["error"].isna().any():
+            display(bench_chart(frame))
 
     def _run_cell(self, line: str, cell: str) -> None:
         args = parse_argstring(_cell, line)

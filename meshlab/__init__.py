@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "ClusterError", "MeshError", "load_ipython_extension",
+__all__ = ["Cluster", "ClusterError", "MeshError", "bench", "load_ipython_extension",
            "unload_ipython_extension"]
 
 if TYPE_CHECKING:
     from meshlab.cluster import Cluster, ClusterError
+    from meshlab.kernels.bench import bench
     from meshlab.output import MeshError
 
 
@@ -23,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from meshlab import cluster
 
         return getattr(cluster, name)
+    if name == "bench":  # engine side: a kernel benchmark on this rank
+        from meshlab.kernels.bench import bench
+
+        return bench
     if name == "MeshError":
         from meshlab.output import MeshError
 

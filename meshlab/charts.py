@@ -82,3 +82,20 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
                         labelOrient="top", labelFontWeight="bold")
     chart = layers.facet(row=alt.Row("view:N", title=None, sort=views, header=header))
     return OfflineChart(chart.resolve_scale(x="independent").properties(title=title))
+
+
+def bench_chart(frame: pd.DataFrame) -> OfflineChart:
+    """GB/s (or time, where bytes are unknown) against size, a line per provider, a panel
+    per rank: a slow rank stands out beside the others."""
+    data = frame[frame["error"].isna()]
+    y = "gbps" if data["gbps"].notna().any() else "median_ms"
+    title = {"gbps": "GB/s", "median_ms": "median ms"}[y]
+    timer = ", ".join(sorted(set(data["timer"])))
+    chart = alt.Chart(data).mark_line(point=True).encode(
+        x=alt.X("size:Q", scale=alt.Scale(type="log", base=2), title="size (row length)"),
+        y=alt.Y(f"{y}:Q", title=title),
+        color=alt.Color("provider:N"),
+        tooltip=["rank", "provider", "size", "median_ms", "gbps", "correct"],
+    ).properties(width=220, height=160).facet(column=alt.Column("rank:N", title="rank"))
+    return OfflineChart(chart.properties(
+        title=f"{data['kernel'].iloc[0] if len(data) else ''} ({timer})"))

@@ -83,6 +83,9 @@ def pin_device(local_rank: int) -> torch.device:
         index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
+    # Triton reads this when @triton.jit decorates: kernels defined later on this CPU rank
+    # (meshlab's or a cell's) run in its interpreter instead of failing for want of a GPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     return torch.device("cpu")
 
 

@@ -91,7 +91,7 @@ def test_engine_side_modules_do_not_import_the_notebook_stack() -> None:
             "meshlab.sharding, meshlab.comms, meshlab.models, meshlab.parallel, "
             "meshlab.parallel.verify, meshlab.parallel.expert, meshlab.parallel.context, "
             "meshlab.parallel.pipeline, meshlab.memory, meshlab.schedules, "
-            "meshlab.schedules.execute; "
+            "meshlab.schedules.execute, meshlab.kernels, meshlab.kernels.bench; "
             "bad = [m for m in ('IPython', 'ipyparallel', 'ipywidgets', 'anywidget', 'altair') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
