@@ -343,9 +343,14 @@ class MeshMagics(Magics):
                   f"{row['error']}")
         if args.output:
             self.shell.user_ns[args.output] = frame
-        table = frame.dropna(axis=1, how="all").set_index(["rank", "provider", "size"])
-        display(table)  # columns empty on this device (peak_pct on CPU) left out
-        if frame["error"].isna().any():
+        # columns the same on every row go in one caption line; empty ones (peak_pct on CPU) go
+        same = [c for c in ("kernel", "mode", "dtype", "device") if frame[c].nunique() == 1]
+        print(" · ".join(str(frame[c].iloc[0]) for c in same)
+              + ("  (interpreter rows: Triton's CPU interpreter, not kernel speed)"
+                 if (frame["timer"] == "interpreter").any() else ""))
+        table = frame.drop(columns=same).dropna(axis=1, how="all")
+        display(table.set_index(["rank", "provider", "size"]))
+        if frame["median_ms"].notna().any():
             display(bench_chart(frame))
 
     def _run_cell(self, line: str, cell: str) -> None:

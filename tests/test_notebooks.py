@@ -99,6 +99,23 @@ def test_pipeline_schedules_notebook_compares_breaks_and_steps(tmp_path: Path) -
     assert charts == 5  # 2 comparisons, the bound plan, 2 steps (the broken one shows none)
 
 
+def test_triton_kernels_notebook_benches_built_ins_and_a_users_kernel(tmp_path: Path) -> None:
+    nb = execute("06-triton-kernels.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = {c.source.splitlines()[0]: texts(c) for c in code}
+    everything = "\n".join(shown.values())
+    assert "rmsnorm · full · float32 · cpu  (interpreter rows: Triton's CPU interpreter" \
+        in everything
+    assert shown["%%mesh -o check"].strip() == "Out[ranks 0-3]: True"
+    verdict = shown['mine.groupby("provider")["correct"].all()']
+    assert "torch     True" in verdict and "triton    True" in verdict, verdict
+    for rank in range(4):
+        assert f"[rank {rank}] triton at size 1024: wrong result: max error" in everything
+    assert "[rank 1] triton at size 256: ValueError: x is bfloat16 on CPU" in everything
+    charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
+    assert charts == 4  # rmsnorm, squared_relu, forgot_the_relu, softmax's torch rows
+
+
 @pytest.mark.parametrize("name, ranks", [
     ("03-zero-and-fsdp.ipynb", "0-3"),
     ("04-tensor-and-sequence-parallel.ipynb", "0-3"),
