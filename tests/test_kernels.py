@@ -192,3 +192,14 @@ def test_kernels_compile_for_an_h100_without_a_gpu(tmp_path: Path) -> None:
                     source = ASTSource(kernel, signature, constexprs={(block,): 1024})
                     compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     """, env={"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)})
+
+
+def test_importing_triton_first_on_cpu_is_refused_with_the_fix() -> None:
+    # triton decorates tl.sigmoid & co. at its import: without the interpreter chosen by then,
+    # every kernel would fail later with "Cannot call @triton.jit'd outside of the scope..."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "import triton; import meshlab.kernels"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert "ImportError: triton was imported before meshlab.kernels without TRITON_INTERPRET=1" \
+        in proc.stderr, proc.stderr
+    assert "import meshlab.kernels first" in proc.stderr

@@ -6,13 +6,21 @@ per program instance, so keep CPU problems to a few rows.
 """
 
 import os
+import sys
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-# Triton picks interpreter or GPU when @triton.jit runs, at import: choose before importing.
+# Triton picks interpreter or GPU when @triton.jit decorates, and decorates its own library
+# (tl.sigmoid, tl.maximum...) when triton is imported: choose before triton is imported.
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError(
+            "triton was imported before meshlab.kernels without TRITON_INTERPRET=1 (torch.compile "
+            "and torch._dynamo import it), so its library is compiled for a GPU this machine does "
+            "not have: import meshlab.kernels first, or set os.environ['TRITON_INTERPRET'] = '1' "
+            "before anything imports triton (meshlab's CPU ranks do this when they start)")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from meshlab.kernels import cross_entropy as _cross_entropy

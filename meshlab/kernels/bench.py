@@ -97,7 +97,7 @@ def bench(fn: str | Callable[..., torch.Tensor], ref: Callable[..., torch.Tensor
                 row["gbps"] = factor * moved / (row["median_ms"] * 1e-3) / 1e9
                 if flops is not None and mode == "fwd":
                     row["tflops"] = flops(args) / (row["median_ms"] * 1e-3) / 1e12
-                peak = _peak_bandwidth(device)
+                peak = peak_bandwidth(device)
                 row["peak_pct"] = 100 * row["gbps"] * 1e9 / peak if peak else None
                 row["_result"] = result
             except Exception as e:  # a compile error or a bad dtype: report, go on
@@ -196,7 +196,8 @@ def _timer(provider: str, gpu: bool) -> str:
     return "interpreter" if interpreted else "cpu wall clock"
 
 
-def _peak_bandwidth(device: torch.device) -> float | None:
+def peak_bandwidth(device: torch.device) -> float | None:
+    """The device's HBM bandwidth in bytes/s, where PEAK_BANDWIDTH knows it."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
