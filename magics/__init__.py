@@ -18,8 +18,10 @@ from IPython.display import display
 
 from meshlab.charts import bench_chart, comms_chart, memory_chart, timeline_chart
 from meshlab.cluster import Cluster, ClusterError
+from meshlab.export import ExportError, Journal, export
 from meshlab.kernel_bench import run_bench
 from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
+from meshlab.ranks import parse_ranks
 from meshlab.schedules import BUILDERS, Costs, ScheduleError
 from meshlab.stepping import SteppedPipeline, compare, plan_frame, resolve
 from meshlab.widgets import MeshView, ShardingView, group_table
@@ -146,6 +148,17 @@ def _bench(line: str) -> None:
 
 
 @magic_arguments()
+@argument("path", help="the script to write, e.g. train.py; launch.sh goes beside it")
+@argument("--sbatch", action="store_true", help="also write job.sbatch for Slurm")
+@argument("--nodes", type=int, default=1, help="nodes to run on (default 1)")
+@argument("--gpus-per-node", type=int, help="processes per node, one per GPU (default: the "
+          "session's ranks on one node, on its device kind)")
+@argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 or 12- (default: all)")
+def _export(line: str) -> None:
+    """%mesh export: the session's successful %%mesh cells as a torchrun script."""
+
+
+@magic_arguments()
 @argument("--ranks", help="run on these ranks only, e.g. 0,2-3 (default: all)")
 @argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
 @argument("-o", dest="output", metavar="NAME",
@@ -156,10 +169,13 @@ def _cell(line: str) -> None:
     """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
 
 
+cell_arguments = _cell  # %%mesh's options, for reading saved notebooks (meshlab.export)
+
+
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
                "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
                "pull": _pull, "auto": _auto, "schedule": _schedule, "pipeline": _pipeline,
-               "step": _step, "bench": _bench}
+               "step": _step, "bench": _bench, "export": _export}
 
 
 def _help() -> str:
@@ -179,6 +195,7 @@ class MeshMagics(Magics):
         self.cluster: Cluster | None = None
         self.auto = False
         self.pipeline: SteppedPipeline | None = None
+        self.journal: Journal | None = None  # what %mesh export writes; new at %mesh start
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -207,6 +224,7 @@ class MeshMagics(Magics):
             raise UsageError(str(e)) from None
         started = time.perf_counter()
         self.cluster = cluster.start()
+        self.journal = Journal(cluster.world_size, cluster.backend)
         print(f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
               f"{cluster.describe()}")
 
@@ -228,9 +246,10 @@ class MeshMagics(Magics):
         cluster = self._need_cluster()
         if args.axes:
             try:
-                cluster.init_mesh(" ".join(args.axes))
+                spec = cluster.init_mesh(" ".join(args.axes))
             except ValueError as e:
                 raise UsageError(str(e)) from None
+            self._journal().record_mesh(spec, self.shell.execution_count)
         if cluster.mesh_spec is None:
             raise UsageError("no mesh yet: %mesh init dp=2 tp=2 (axes multiply to the world size)")
         display(group_table(cluster.mesh_spec), MeshView(cluster.mesh_spec))
@@ -259,7 +278,10 @@ class MeshMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"not defined in the notebook: {', '.join(missing)}")
-        self._need_cluster().push({n: self.shell.user_ns[n] for n in args.names}, args.ranks)
+        values = {n: self.shell.user_ns[n] for n in args.names}
+        self._need_cluster().push(values, args.ranks)
+        ranks = parse_ranks(args.ranks, self._need_cluster().world_size) if args.ranks else None
+        self._journal().record_push(values, self.shell.execution_count, ranks)
 
     def _pull(self, args: Any) -> dict[int, Any]:
         try:
@@ -306,6 +328,8 @@ class MeshMagics(Magics):
                                             batch=args.batch, loss=args.loss)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        self._journal().record_pipeline(args.model, schedule, self.shell.execution_count,
+                                        batch=args.batch, loss=args.loss)
         print(f"{schedule.name} bound to {args.model}: {schedule.stages} stages on "
               f"{schedule.ranks} pp ranks, {schedule.microbatches} micro-batches; "
               "%mesh step N runs the next N slots")
@@ -318,6 +342,7 @@ class MeshMagics(Magics):
             ran = self.pipeline.step(None if args.all else args.n)
         except ScheduleError as e:
             raise UsageError(str(e)) from None
+        self._journal().record_step(self.shell.execution_count)
         by_rank: dict[int, list[str]] = {}
         for r in ran:
             if r["kind"] in ("F", "B", "I", "W"):
@@ -353,6 +378,14 @@ class MeshMagics(Magics):
         if frame["median_ms"].notna().any():
             display(bench_chart(frame))
 
+    def _export(self, args: Any) -> None:
+        try:
+            written = export(self._journal(), args.path, sbatch=args.sbatch, nodes=args.nodes,
+                             gpus_per_node=args.gpus_per_node, cells=args.cells)
+        except ExportError as e:
+            raise UsageError(str(e)) from None
+        print(f"wrote {', '.join(map(str, written))}; run it with: bash {written[1]}")
+
     def _run_cell(self, line: str, cell: str) -> None:
         args = parse_argstring(_cell, line)
         cluster = self._need_cluster()
@@ -368,12 +401,20 @@ class MeshMagics(Magics):
                 self.shell.user_ns[args.output] = e.result.values
             raise
         live.finish(result)
+        self._journal().record_cell(cell, self.shell.execution_count, result.ranks)
         if args.output:
             self.shell.user_ns[args.output] = result.values
         if args.comms:
             frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
             display(frame.set_index(["rank", "op", "axis"]), comms_totals(frame),
                     comms_chart(frame))
+
+    def _journal(self) -> Journal:
+        """The session's journal (begun on first use when the cluster came from elsewhere)."""
+        if self.journal is None:
+            cluster = self._need_cluster()
+            self.journal = Journal(cluster.world_size, cluster.backend)
+        return self.journal
 
     def _need_cluster(self) -> Cluster:
         if self.cluster is None or not self.cluster.running:
@@ -416,4 +457,4 @@ def rank_matcher(magics: MeshMagics) -> Any:
     return match
 
 
-__all__ = ["ClusterError", "MeshMagics", "rank_matcher"]
+__all__ = ["SUBCOMMANDS", "ClusterError", "MeshMagics", "cell_arguments", "rank_matcher"]

@@ -116,6 +116,19 @@ def test_triton_kernels_notebook_benches_built_ins_and_a_users_kernel(tmp_path: 
     assert charts == 4  # rmsnorm, squared_relu, forgot_the_relu, softmax's torch rows
 
 
+def test_export_notebook_runs_its_script_with_torchrun_and_gets_the_same_losses(
+        tmp_path: Path) -> None:
+    nb = execute("07-export-to-batch.ipynb", tmp_path)
+    shown = [texts(c) for c in nb.cells if c.cell_type == "code"]
+    everything = "\n".join(shown)
+    assert "wrote train.py, launch.sh, job.sbatch" in everything
+    script = (tmp_path / "train.py").read_text()
+    assert "meshlab: skip" not in script and "inspect" not in script
+    assert 'mesh = build_mesh("dp_shard=2 tp=2")' in script and "lr = 0.01" in script
+    verdict = next(t for t in shown if "batch_losses ==" in t or t.rstrip().endswith("True)"))
+    assert verdict.rstrip().endswith("True)"), verdict
+
+
 @pytest.mark.parametrize("name, ranks", [
     ("03-zero-and-fsdp.ipynb", "0-3"),
     ("04-tensor-and-sequence-parallel.ipynb", "0-3"),
