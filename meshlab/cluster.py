@@ -6,10 +6,13 @@ Notebook side. Rank r is engine ``self._engines[r]``; every rank is bootstrapped
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,9 @@ from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 class ClusterError(RuntimeError):
     """The cluster could not start, or is not in a state to run this request."""
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class Cluster:
@@ -94,20 +100,22 @@ class Cluster:
         if self.running:
             raise ClusterError(f"the cluster is already running with {self.world_size} ranks")
         n = self.n or self.profile.ranks or _visible_gpus() or 4
-        local = self.profile.launcher == "local"
         self._ipp = ipp.Cluster(
             n=n, engines=self.profile.launcher, log_level=logging.ERROR,
-            controller_ip="127.0.0.1" if local else "*",
+            controller_ip=self.profile.controller_ip,
         )
         self._processes = EngineProcesses(self._ipp)
         for key, value in self.profile.launcher_options.items():
             setattr(self._ipp.config[self._ipp.engine_launcher_class.__name__], key, value)
         try:
-            self._ipp.start_cluster_sync()
+            # a batch launcher writes its job script (slurm_engine.sbatch) to the working
+            # directory: not into the notebook's folder
+            with _working_directory(tempfile.mkdtemp(prefix="meshlab-")):
+                self._ipp.start_cluster_sync()
             self._client = self._ipp.connect_client_sync()
             self._wait_for_engines(n, progress)
             self._engines = sorted(self._client.ids)[:n]
-            self._bootstrap(local)
+            self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
         except BaseException:
             self.stop()
             raise
@@ -161,10 +169,10 @@ class Cluster:
         finally:
             bar.close()
 
-    def _bootstrap(self, local: bool) -> None:
+    def _bootstrap(self, loopback: bool) -> None:
         hosts = self._apply_each(runtime.host_info)
         self._hosts = [hosts[r] for r in range(self.world_size)]
-        master = "127.0.0.1" if local else self._hosts[0]["host"]
+        master = "127.0.0.1" if loopback else self._hosts[0]["host"]  # rank 0 serves the store
         port = self._client[self._engines[0]].apply_sync(
             runtime.serve_store, master, self.profile.pg_timeout)
         per_host: dict[str, list[int]] = {}
@@ -447,6 +455,16 @@ class Cluster:
                                         or self._engines[r] not in self._client.ids):
                 self._dead[r] = self._processes.cause_of_death(h["pid"])
         return dict(self._dead)
+
+
+@contextlib.contextmanager
+def _working_directory(path: str) -> Iterator[None]:
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 # -- functions that run on the engines ---------------------------------------------------------

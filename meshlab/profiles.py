@@ -35,6 +35,10 @@ class Profile:
     """Set TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (mismatched collectives raise at once)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set on every rank before torch initialises."""
+    controller_ip: str = "127.0.0.1"
+    """The address the controller (and, off loopback, the rendezvous store) listens on. Local
+    profiles keep loopback; a multi-host profile names its cluster network's interface, never
+    all interfaces by default."""
     launcher_options: dict[str, Any] = field(default_factory=dict)
     """Traits for the ipyparallel engine launcher class, e.g. {"timelimit": "1:00:00"}."""
 
@@ -90,7 +94,8 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
             "expected [cluster], [env], [launcher]"
         )
     cluster = dict(data.get("cluster", {}))
-    known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug"}
+    known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug",
+             "controller_ip"}
     unknown = set(cluster) - known
     if unknown:
         raise ValueError(

@@ -1,0 +1,87 @@
+"""Real Slurm: the exported job.sbatch reproduces the session, and a cluster on Slurm engines.
+
+They need the single-node Slurm that `.ci/slurm-up.sh` installs and starts (CI runs it). When
+Slurm is not there the tests fail and say so: they do not skip.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshlab import Cluster
+from meshlab.export import Journal
+
+pytestmark = pytest.mark.slurm
+
+TRAIN = """%%mesh
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.verify import data_rank, train
+
+torch.manual_seed(0)
+cfg = ModelConfig()
+plan = ParallelPlan(data_parallel="zero2")
+model = parallelize(Transformer(cfg), mesh, plan)
+optimizer = build_optimizer(model, mesh, plan, lr=0.01)
+dp_rank, dp_ranks = data_rank(mesh)
+batches = [local_batch(step=s, batch=8, seq=16, vocab=cfg.vocab_size, rank=dp_rank,
+                       ranks=dp_ranks) for s in range(3)]
+losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group())
+if rank == 0:
+    print("losses", losses)
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm() -> str:
+    """The node's state; fails with the reason when there is no working Slurm."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        pytest.fail("Slurm is not installed: run .ci/slurm-up.sh (as root), which installs "
+                    "Debian's slurmctld, slurmd and munge and starts a single-node Slurm")
+    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    states = done.stdout.split()
+    if done.returncode or not set(states) & {"idle", "mixed", "allocated", "completing"}:
+        pytest.fail(f"Slurm is not up (sinfo: {done.stdout.strip() or done.stderr.strip()}): "
+                    "run .ci/slurm-up.sh")
+    return states[0]
+
+
+@pytest.mark.cluster
+def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
+        slurm: str, shell: Any, tmp_path: Path) -> None:
+    magics = shell.magics_manager.registry["MeshMagics"]
+    magics.journal = Journal(4, magics.cluster.backend)
+    for cell in ["%mesh init dp=4", TRAIN, f"%mesh export {tmp_path / 'train.py'} --sbatch"]:
+        assert shell.run_cell(cell, store_history=True).success, cell
+    interactive = shell.run_line_magic("mesh", "pull losses")[0]
+    job = tmp_path / "job.sbatch"
+    assert "#SBATCH --nodes=1" in job.read_text()
+    done = subprocess.run(["sbatch", "--wait", "--parsable", str(job)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    job_id = done.stdout.strip().split(";")[0]
+    out = tmp_path / f"train-{job_id}.out"
+    log = out.read_text() if out.exists() else "(no output file)"
+    assert done.returncode == 0, f"sbatch: {done.stderr}\n{log[-4000:]}"
+    printed = [ast.literal_eval(line.removeprefix("losses ")) for line in log.splitlines()
+               if line.startswith("losses ")]
+    assert printed == [interactive], log[-4000:]
+
+
+@pytest.mark.cluster
+def test_a_cluster_on_slurm_engines_runs_a_collective(slurm: str) -> None:
+    with Cluster(2, profile="slurm") as cluster:
+        result = cluster.run("import os\nx = torch.ones(1) * (rank + 1)\ndist.all_reduce(x)\n"
+                             "x.item(), os.environ['SLURM_JOB_ID']", keep_values=True)
+        values = result.values
+        assert sorted(values) == [0, 1]
+        assert {v[0] for v in values.values()} == {3.0}  # 1 + 2, across the two engines
+        job = {v[1] for v in values.values()}
+        assert len(job) == 1  # both engines are tasks of one Slurm job
+        queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+        assert job <= set(queue.stdout.split())
