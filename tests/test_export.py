@@ -109,6 +109,33 @@ def test_a_bigger_job_scales_the_data_parallel_axis_or_says_why_not() -> None:
     assert 'runtime.init_from_env(backend="auto")' in text  # NCCL on the GPUs, not gloo
 
 
+def test_a_bound_pipeline_becomes_the_same_bind_and_its_steps_one_whole_step() -> None:
+    from meshlab.schedules import build, parse
+
+    j = journal(mesh="pp=2 dp=2")
+    j.record_pipeline("model", build("1f1b", ranks=2, microbatches=4), 2)
+    for number in (3, 4, 5):  # %mesh step 1, step 1, step --all
+        j.record_step(number)
+    j.record_cell("print(pipeline.loss)", 6)
+    mine = parse("0F0 0B0\n.   1F0 1B0", name="mine")
+    j.record_pipeline("model", mine, 7, batch="other", loss="my_loss")
+    j.record_step(8)
+    text = script(j, Layout(1, 4))
+    assert ('pipeline = bind(model, mesh, build("1f1b", ranks=2, microbatches=4, virtual=1), '
+            "batch=batch)\n") in text
+    assert text.count("pipeline.advance(None)  # the whole step") == 2
+    assert text.index("# In [3]: %mesh step") < text.index("print(pipeline.loss)")
+    assert "# In [4]" not in text and "# In [5]" not in text  # later slots of the same step
+    bound = text.split("# In [7]: %mesh pipeline model\n")[1].split("\n\n")[0]
+    namespace: dict[str, Any] = {}
+    exec(bound.split("pipeline = bind(")[0], namespace)  # the imports
+    call = bound.split("bind(model, mesh, ")[1].rsplit(", batch=other", 1)[0]
+    rebuilt = eval(call, namespace)
+    assert (rebuilt.actions, rebuilt.stage_to_rank, rebuilt.name) == (
+        mine.actions, mine.stage_to_rank, "mine")
+    assert bound.endswith(", batch=other, loss_fn=my_loss)")
+
+
 def test_launch_files_follow_torchrun_and_slurm_conventions() -> None:
     assert "exec torchrun --standalone --nproc-per-node 4 train.py" in launch_script(Layout(1, 4))
     many = launch_script(Layout(2, 8, gpus=True))

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from IPython.utils.capture import capture_output
 
-from meshlab import Cluster
 from meshlab.export import Journal
 
 pytestmark = pytest.mark.slurm
@@ -74,14 +74,25 @@ def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
 
 
 @pytest.mark.cluster
-def test_a_cluster_on_slurm_engines_runs_a_collective(slurm: str) -> None:
-    with Cluster(2, profile="slurm") as cluster:
-        result = cluster.run("import os\nx = torch.ones(1) * (rank + 1)\ndist.all_reduce(x)\n"
-                             "x.item(), os.environ['SLURM_JOB_ID']", keep_values=True)
-        values = result.values
+def test_mesh_start_with_the_slurm_profile_runs_a_collective(slurm: str, shell: Any) -> None:
+    magics = shell.magics_manager.registry["MeshMagics"]
+    shared, journal = magics.cluster, magics.journal
+    magics.cluster = None  # the session's local cluster steps aside, untouched
+    try:
+        with capture_output() as cap:
+            shell.run_line_magic("mesh", "start 2 --profile slurm")
+        assert "2 ranks ready" in cap.stdout and "profile slurm" in cap.stdout
+        assert shell.run_cell("%%mesh -o reduced\nimport os\nx = torch.ones(1) * (rank + 1)\n"
+                              "dist.all_reduce(x)\nx.item(), os.environ['SLURM_JOB_ID']").success
+        values = shell.user_ns["reduced"]
         assert sorted(values) == [0, 1]
         assert {v[0] for v in values.values()} == {3.0}  # 1 + 2, across the two engines
         job = {v[1] for v in values.values()}
         assert len(job) == 1  # both engines are tasks of one Slurm job
         queue = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
         assert job <= set(queue.stdout.split())
+        shell.run_line_magic("mesh", "stop")
+    finally:
+        if magics.cluster is not None:
+            magics.cluster.stop()
+        magics.cluster, magics.journal = shared, journal

@@ -109,3 +109,16 @@ def test_magics_and_extension_install_under_the_meshlab_namespace(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path)
     assert done.stdout.split() == ["None", "None"], done.stdout + done.stderr
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    # setuptools installs only the packages listed: a missing one works in an editable
+    # checkout and fails in `pip install .` on the cluster the exported script runs on
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "meshlab").rglob("__init__.py")}
+    assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"

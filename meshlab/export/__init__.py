@@ -1,0 +1,25 @@
+"""From notebook to batch job: the session journal, and the torchrun script, launch.sh and
+job.sbatch written from it (``%mesh export``), or from a saved notebook (``meshlab export``).
+
+Notebook side, without IPython at import. The script it writes imports ``meshlab.runtime`` and
+``meshlab.mesh``, the engine-side modules the cluster's ranks run, plus whatever the cells
+import: never IPython, ipyparallel or widgets, so it runs under plain ``torchrun``.
+"""
+
+from meshlab.export.journal import Entry, ExportError, Journal, parse_cells, select
+from meshlab.export.notebook import main, read_notebook
+from meshlab.export.script import (
+    Layout,
+    export,
+    launch_script,
+    layout,
+    python,
+    rescale,
+    sbatch_script,
+    script,
+    torchrun_args,
+)
+
+__all__ = ["Entry", "ExportError", "Journal", "Layout", "export", "launch_script", "layout",
+           "main", "parse_cells", "python", "read_notebook", "rescale", "sbatch_script",
+           "script", "select", "torchrun_args"]

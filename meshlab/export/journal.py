@@ -1,0 +1,151 @@
+"""The session journal: what a session ran on its ranks that succeeded, and which of it to
+export. Notebook side, plain Python (no IPython)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlab.mesh import MeshSpec
+from meshlab.schedules import BUILDERS, Schedule
+
+MARKS = {"# meshlab: skip": "skip", "# meshlab: export": "export"}
+"""Comment lines that take a cell out of the export, or put it in (then only marked cells go)."""
+
+
+class ExportError(ValueError):
+    """The session cannot be written as a script as it stands; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing the session did on the ranks that the script must do too."""
+
+    kind: str
+    """"cell", "mesh" (code is the spec), or "code" (statements meshlab wrote for a magic)."""
+    number: int
+    """The notebook's In [number] it ran in (the order, and what --cells selects)."""
+    code: str
+    ranks: tuple[int, ...] | None = None
+    """A cell run on these ranks only; None for all."""
+    mark: str | None = None
+    """"skip" or "export" when the user marked the cell."""
+    note: str = ""
+    """What the entry came from, for the comment above it in the script."""
+    problem: str | None = None
+    """Why this entry cannot be written (say, a pushed value with no literal form)."""
+
+
+@dataclass
+class Journal:
+    """What a session ran on its ranks that succeeded, in order, with the cluster's shape."""
+
+    world_size: int
+    backend: str = "auto"
+    source: str = field(default_factory=lambda: _notebook_name() or "a meshlab session")
+    entries: list[Entry] = field(default_factory=list)
+
+    def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
+                    mark: str | None = None) -> None:
+        """A %%mesh cell that succeeded on every rank it ran on."""
+        lines = [line.strip() for line in code.splitlines()]
+        mark = mark or next((m for line, m in MARKS.items() if line in lines), None)
+        taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
+        self.entries.append(Entry("cell", number, code, taken, mark))
+
+    def record_mesh(self, spec: MeshSpec | str, number: int) -> None:
+        self.entries.append(Entry("mesh", number, str(spec), note="%mesh init"))
+
+    def record_push(self, values: dict[str, Any], number: int,
+                    ranks: list[int] | None = None) -> None:
+        """%mesh push: the values become literals in the script."""
+        for name, value in values.items():
+            text, problem = repr(value), None
+            try:
+                same = ast.literal_eval(text) == value
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                same = False
+            if not same:
+                problem = (f"%mesh push {name} (In [{number}]): a {type(value).__name__} has no "
+                           f"literal form for the script: build {name} in a %%mesh cell instead, "
+                           "or leave out the cells that use it with --cells")
+            taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
+            self.entries.append(Entry("code", number, f"{name} = {text}", taken,
+                                      note=f"%mesh push {name}", problem=problem))
+
+    def record_pipeline(self, model: str, schedule: Schedule, number: int, *,
+                        batch: str = "batch", loss: str | None = None,
+                        name: str = "pipeline") -> None:
+        """%mesh pipeline: the same bind() call on the ranks."""
+        if schedule.name in BUILDERS:
+            made = (f'build("{schedule.name}", ranks={schedule.ranks}, '
+                    f"microbatches={schedule.microbatches}, virtual={schedule.virtual})")
+            imports = "from meshlab.schedules import build"
+        else:  # the user's own: its table, exactly
+            made = (f"parse({schedule.to_csv()!r}, stage_to_rank={schedule.stage_to_rank}, "
+                    f"microbatches={schedule.microbatches}, name={schedule.name!r})")
+            imports = "from meshlab.schedules import parse"
+        loss_arg = f", loss_fn={loss}" if loss else ""
+        code = (f"{imports}\nfrom meshlab.schedules.execute import bind\n"
+                f"{name} = bind({model}, mesh, {made}, batch={batch}{loss_arg})")
+        self.entries.append(Entry("code", number, code, note=f"%mesh pipeline {model}"))
+
+    def record_step(self, number: int, name: str = "pipeline") -> None:
+        """%mesh step: in a script, the first step of a binding runs the whole step."""
+        bound = next((e for e in reversed(self.entries) if e.note.startswith("%mesh pipeline")),
+                     None)
+        stepped = bound and any(e.note == "%mesh step" for e in
+                                self.entries[self.entries.index(bound):])
+        if bound and not stepped:
+            self.entries.append(Entry("code", number, f"{name}.advance(None)  # the whole step",
+                                      note="%mesh step"))
+
+
+def _notebook_name() -> str | None:
+    """The notebook this kernel serves, where Jupyter says (JupyterLab sets the variable)."""
+    path = os.environ.get("JPY_SESSION_NAME")
+    return Path(path).name if path else None
+
+
+def parse_cells(spec: str) -> list[tuple[int, int | None]]:
+    """``"3-7,9,12-"`` -> [(3, 7), (9, 9), (12, None)]: In [n] numbers, ranges inclusive."""
+    ranges: list[tuple[int, int | None]] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        match = re.fullmatch(r"(\d+)(?:(-)(\d*))?", part)
+        if not match:
+            raise ExportError(f"--cells {spec!r}: {part!r} is not N, N-M or N- (In [n] numbers)")
+        first = int(match[1])
+        last = first if not match[2] else int(match[3]) if match[3] else None
+        if last is not None and last < first:
+            raise ExportError(f"--cells {spec!r}: {part!r} runs backwards; write {last}-{first}")
+        ranges.append((first, last))
+    if not ranges:
+        raise ExportError(f"--cells {spec!r} selects nothing: give In [n] numbers like 3-7,9")
+    return ranges
+
+
+def select(journal: Journal, cells: str | None = None) -> list[Entry]:
+    """The entries the script repeats: the chosen cells, and the mesh in force before them."""
+    ranges = parse_cells(cells) if cells else [(0, None)]
+
+    def chosen(e: Entry) -> bool:
+        return any(a <= e.number and (b is None or e.number <= b) for a, b in ranges)
+
+    entries = [e for e in journal.entries if chosen(e) and e.mark != "skip"]
+    if any(e.mark == "export" for e in entries):
+        entries = [e for e in entries if e.kind != "cell" or e.mark == "export"]
+    if not any(e.kind == "cell" for e in entries):
+        raise ExportError("no %%mesh cell to export: run some (only those that succeed on every "
+                          "rank are recorded), or widen --cells")
+    if entries[0].kind != "mesh":  # the script needs the mesh the first cell saw
+        first = journal.entries.index(entries[0])
+        in_force = [e for e in journal.entries[:first] if e.kind == "mesh"]
+        entries = in_force[-1:] + entries
+    for e in entries:
+        if e.problem:
+            raise ExportError(e.problem)
+    return entries

@@ -1,0 +1,226 @@
+"""The torchrun script, launch.sh and job.sbatch written from a journal."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import io
+import tokenize
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from meshlab.export.journal import ExportError, Journal, select
+from meshlab.mesh import MeshSpec
+from meshlab.ranks import format_ranks
+
+PORT = 29500  # torchrun's default rendezvous port
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the script runs: nodes x processes per node, and the device kind."""
+
+    nodes: int = 1
+    per_node: int = 4
+    gpus: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def layout(journal: Journal, nodes: int = 1, gpus_per_node: int | None = None) -> Layout:
+    """The session's size unless --nodes / --gpus-per-node say otherwise."""
+    if nodes < 1 or (gpus_per_node is not None and gpus_per_node < 1):
+        raise ExportError(f"--nodes {nodes} --gpus-per-node {gpus_per_node}: both must be >= 1")
+    if gpus_per_node is not None:
+        return Layout(nodes, gpus_per_node, gpus=True)
+    if journal.world_size % nodes:
+        raise ExportError(f"{journal.world_size} ranks do not split over {nodes} nodes: give "
+                          "--gpus-per-node G for a job of nodes x G ranks")
+    return Layout(nodes, journal.world_size // nodes, gpus=journal.backend == "nccl")
+
+
+def rescale(spec: MeshSpec, world_size: int) -> MeshSpec:
+    """The mesh for another world size: data parallelism takes up the difference."""
+    if world_size == spec.size:
+        return spec
+    if world_size % spec.size:
+        raise ExportError(f"the mesh {spec} holds {spec.size} ranks, which does not divide "
+                          f"{world_size}: choose --nodes / --gpus-per-node whose product is a "
+                          f"multiple of {spec.size}")
+    factor = world_size // spec.size
+    if spec.dp_shard > 1 or spec.dp_replicate == 1:
+        return replace(spec, dp_shard=spec.dp_shard * factor)
+    return replace(spec, dp_replicate=spec.dp_replicate * factor)
+
+
+def script(journal: Journal, where: Layout, *, cells: str | None = None,
+           files: tuple[str, str, str | None] = ("train.py", "launch.sh", None)) -> str:
+    """The standalone torchrun script for the chosen entries."""
+    entries = select(journal, cells)
+    train, launch, sbatch = files
+    run_lines = [f"torchrun {torchrun_args(where)} {train}", f"bash {launch}"]
+    if sbatch:
+        run_lines.append(f"sbatch {sbatch}")
+    numbers = sorted({e.number for e in entries if e.kind == "cell"})
+    backend = journal.backend
+    if where.gpus and backend == "gloo":
+        backend = "auto"  # a CPU session going to GPUs: NCCL there
+    mesh = next((rescale(MeshSpec.parse(e.code), where.world_size) for e in entries
+                 if e.kind == "mesh"), None)
+    lines = [
+        f'"""Training script exported by meshlab from {journal.source} on '
+        f'{datetime.date.today()}.',
+        "",
+        *(f"    {line}" for line in run_lines),
+        "",
+        f"{where.world_size} ranks ({where.nodes} node{'s' * (where.nodes > 1)} x "
+        f"{where.per_node}), backend {backend}"
+        + (", as in the session." if where.world_size == journal.world_size
+           else f"; the session had {journal.world_size}."),
+        f"Cells In {_numbers(numbers)}, in the order they ran; each runs on every rank unless",
+        "it says otherwise, as under %%mesh.",
+        *([f"The mesh {mesh} is the session's, its data-parallel axis scaled to the world size."]
+          if mesh and journal.world_size != where.world_size else []),
+        '"""',
+        "",
+        "import torch",
+        "import torch.distributed as dist",
+        "",
+        "from meshlab import runtime",
+        "from meshlab.mesh import build as build_mesh",
+        "",
+        "# The bootstrap the notebook's ranks ran: process group from torchrun's environment,",
+        "# one GPU per process (else the CPU), the same CPU threads per process",
+        f'names = runtime.init_from_env(backend="{backend}")',
+        'rank, world_size, device = names["rank"], names["world_size"], names["device"]',
+    ]
+    for e in entries:
+        lines += ["", ""]
+        if e.kind == "mesh":
+            spec = rescale(MeshSpec.parse(e.code), where.world_size)
+            lines += [f"# In [{e.number}]: %mesh init", f'mesh = build_mesh("{spec}")']
+            continue
+        on = f", ranks {format_ranks(e.ranks)}" if e.ranks is not None else ""
+        lines.append(f"# In [{e.number}]" + (f": {e.note}" if e.note else "") + on)
+        body = python(e.code, e.number)
+        lines += _only_on(body, e.ranks).splitlines()
+    lines += ["", "",
+              "# Every rank finishes before any closes its connections (gloo aborts a process",
+              "# whose peer hangs up mid-teardown)",
+              "dist.barrier()",
+              "dist.destroy_process_group()", ""]
+    return "\n".join(lines)
+
+
+def python(code: str, number: int) -> str:
+    """A cell's code as plain Python: notebook-only lines (``%magic``, ``!shell``) commented."""
+    lines = code.splitlines()
+    if lines and lines[0].startswith("%%mesh"):
+        lines = lines[1:]
+    inside = _string_continuations("\n".join(lines))
+    out = []
+    for i, line in enumerate(lines, 1):
+        if i not in inside and line.lstrip().startswith(("%", "!")):
+            line = line.replace(line.lstrip(), f"# (notebook only) {line.lstrip()}")
+        out.append(line)
+    text = "\n".join(out).strip("\n")
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as e:
+        raise ExportError(f"In [{number}] is not Python on line {e.lineno}: {e.msg}; fix it or "
+                          "mark it '# meshlab: skip'") from None
+    return text if tree.body else text + "\npass"
+
+
+def _only_on(body: str, ranks: tuple[int, ...] | None) -> str:
+    """``body`` under ``if rank in ranks:``, lines inside multi-line strings left as they are."""
+    if ranks is None:
+        return body
+    inside = _string_continuations(body)
+    indented = [line if i in inside or not line.strip() else "    " + line
+                for i, line in enumerate(body.splitlines(), 1)]
+    return f"if rank in {tuple(ranks)!r}:\n" + "\n".join(indented)
+
+
+def _string_continuations(code: str) -> set[int]:
+    """Line numbers that continue a multi-line string (re-indenting them changes the string)."""
+    lines: set[int] = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(code).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                lines.update(range(tok.start[0] + 1, tok.end[0] + 1))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass  # python() reports the syntax error with the cell's number
+    return lines
+
+
+def _numbers(numbers: list[int]) -> str:
+    return "[" + "], [".join(map(str, numbers)) + "]"
+
+
+def torchrun_args(where: Layout) -> str:
+    if where.nodes == 1:
+        return f"--standalone --nproc-per-node {where.per_node}"
+    return (f"--nnodes {where.nodes} --nproc-per-node {where.per_node} --rdzv-backend c10d "
+            f'--rdzv-endpoint "$MASTER_ADDR:{PORT}" --rdzv-id "${{RUN_ID:-meshlab}}"')
+
+
+def launch_script(where: Layout, train: str = "train.py") -> str:
+    """launch.sh: torchrun on this node, or on each node with the first one's address."""
+    lines = ["#!/usr/bin/env bash", "# Exported by meshlab."]
+    if where.nodes == 1:
+        lines.append(f"# Runs {train} on {where.per_node} processes of this machine.")
+    else:
+        lines += [f"# Run this on each of the {where.nodes} nodes, with MASTER_ADDR set to the "
+                  "first node's address", "# (and the same RUN_ID on all of them)."]
+    lines += ["set -euo pipefail", 'cd "$(dirname "$0")"']
+    if where.nodes > 1:
+        lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the first node\'s address}"')
+    lines.append(f'exec torchrun {torchrun_args(where)} {train} "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab") -> str:
+    """job.sbatch: one task per node, each running torchrun, rendezvous on the first node."""
+    lines = [
+        "#!/usr/bin/env bash",
+        f"#SBATCH --job-name={job}",
+        f"#SBATCH --nodes={where.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *([f"#SBATCH --gpus-per-node={where.per_node}"] if where.gpus else []),
+        f"#SBATCH --cpus-per-task={where.per_node if not where.gpus else 8 * where.per_node}",
+        "#SBATCH --output=%x-%j.out",
+        "# Exported by meshlab: srun starts one torchrun per node, which starts "
+        f"{where.per_node} processes.",
+        "set -euo pipefail",
+        'cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"',
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc-per-node {where.per_node} \\",
+        f'    --rdzv-backend c10d --rdzv-endpoint "$head_node:{PORT}" '
+        '--rdzv-id "$SLURM_JOB_ID" \\',
+        f"    {train}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def export(journal: Journal, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
+           gpus_per_node: int | None = None, cells: str | None = None) -> list[Path]:
+    """Write the script (``path``), launch.sh beside it, and job.sbatch if asked."""
+    train = Path(path)
+    if train.suffix != ".py":
+        raise ExportError(f"{train}: the script's name must end in .py, e.g. train.py")
+    where = layout(journal, nodes, gpus_per_node)
+    launch, job = train.with_name("launch.sh"), train.with_name("job.sbatch")
+    text = script(journal, where, cells=cells,
+                  files=(train.name, launch.name, job.name if sbatch else None))
+    train.parent.mkdir(parents=True, exist_ok=True)
+    train.write_text(text)
+    launch.write_text(launch_script(where, train.name))
+    launch.chmod(0o755)
+    written = [train, launch]
+    if sbatch:
+        job.write_text(sbatch_script(where, train.name, job=train.stem))
+        written.append(job)
+    return written
