@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -20,8 +21,24 @@ from meshlab.charts import bench_chart, comms_chart, memory_chart, timeline_char
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.export import ExportError, Journal, export
 from meshlab.kernel_bench import run_bench
-from meshlab.output import LiveOutput, MeshError, strip_ansi, summary_lines
+from meshlab.output import (
+    LiveOutput,
+    MeshError,
+    postmortem_text,
+    stacks_text,
+    strip_ansi,
+    summary_lines,
+)
 from meshlab.ranks import parse_ranks
+from meshlab.restore import (
+    DEFAULT_NAMES,
+    RestoreError,
+    load_code,
+    plan,
+    read_manifest,
+    replay,
+    save_code,
+)
 from meshlab.schedules import BUILDERS, Costs, ScheduleError
 from meshlab.stepping import SteppedPipeline, compare, plan_frame, resolve
 from meshlab.widgets import MeshView, ShardingView, group_table
@@ -46,8 +63,39 @@ def _stop(line: str) -> None:
 
 
 @magic_arguments()
+@argument("--from-checkpoint", metavar="DIR", help="load this checkpoint (saved in this "
+          "session) and replay only the cells after it, plus the setup they need")
+@argument("--upto", type=int, metavar="N", help="replay up to In [N] only (default: everything, "
+          "or up to the last cell marked `# meshlab: restore-point`)")
 def _restart(line: str) -> None:
-    """%mesh restart: fresh engines, same size and profile (variables on ranks are lost)."""
+    """%mesh restart: fresh engines of the same size and profile, the mesh and the session's
+    successful %%mesh cells replayed."""
+
+
+@magic_arguments()
+@argument("action", choices=["save", "load"])
+@argument("path", help="a folder; each rank writes its own shards there")
+@argument("names", nargs="*", help="objects on the ranks (default: those of model, optimizer, "
+          "step defined; on load, every name the checkpoint holds)")
+@argument("--async", dest="background", action="store_true",
+          help="save in the background (torch.distributed.checkpoint.async_save)")
+def _checkpoint(line: str) -> None:
+    """%mesh checkpoint save|load DIR [NAME...]: sharded torch.distributed.checkpoint of named
+    objects on every rank; loads into another mesh shape or world size."""
+
+
+@magic_arguments()
+@argument("--ranks", help="only these ranks, e.g. 0,2-3")
+def _stacks(line: str) -> None:
+    """%mesh stacks: every rank's current Python stack (identical ones once) and its last
+    collectives; answers while a cell runs or hangs."""
+
+
+@magic_arguments()
+@argument("rank", type=int, help="the rank whose last failed cell to examine")
+def _debug(line: str) -> None:
+    """%mesh debug RANK: post-mortem of the last failed cell on RANK (traceback, the failing
+    frame's variables)."""
 
 
 @magic_arguments()
@@ -175,7 +223,8 @@ cell_arguments = _cell  # %%mesh's options, for reading saved notebooks (meshlab
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
                "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
                "pull": _pull, "auto": _auto, "schedule": _schedule, "pipeline": _pipeline,
-               "step": _step, "bench": _bench, "export": _export}
+               "step": _step, "bench": _bench, "export": _export, "checkpoint": _checkpoint,
+               "stacks": _stacks, "debug": _debug}
 
 
 def _help() -> str:
@@ -196,6 +245,8 @@ class MeshMagics(Magics):
         self.auto = False
         self.pipeline: SteppedPipeline | None = None
         self.journal: Journal | None = None  # what %mesh export writes; new at %mesh start
+        self.optimizer_steps = 0  # on the ranks after the last cell: did the next one train?
+        self.line = ""  # the %mesh line being run, for the journal to run again on restart
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:
@@ -207,6 +258,7 @@ class MeshMagics(Magics):
                              f"{', '.join(SUBCOMMANDS)} (see %mesh?)" if sub else
                              f"%mesh needs a subcommand: {', '.join(SUBCOMMANDS)} (see %mesh?)")
         args = parse_argstring(SUBCOMMANDS[sub], rest)
+        self.line = line.strip()
         return getattr(self, f"_{sub}")(args)
 
     mesh.__doc__ = _help()
@@ -225,6 +277,7 @@ class MeshMagics(Magics):
         started = time.perf_counter()
         self.cluster = cluster.start()
         self.journal = Journal(cluster.world_size, cluster.backend)
+        self.optimizer_steps = 0
         print(f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
               f"{cluster.describe()}")
 
@@ -236,8 +289,59 @@ class MeshMagics(Magics):
             self.auto = False
 
     def _restart(self, args: Any) -> None:
-        self._need_cluster().restart()
-        print(f"{self._need_cluster().world_size} fresh ranks ready")
+        cluster, journal = self._need_cluster(), self._journal()
+        try:  # before stopping anything: a bad request loses nothing
+            steps = plan(journal, upto=args.upto, checkpoint=args.from_checkpoint)
+        except RestoreError as e:
+            raise UsageError(str(e)) from None
+        started = time.perf_counter()
+        cluster.restart()
+        self.pipeline = None
+        print(f"{cluster.world_size} fresh ranks ready in {time.perf_counter() - started:.1f} s"
+              f"; replaying {len(steps.entries) + bool(steps.load)} recorded entries")
+        for entry in steps.skipped:
+            print(f"  In [{entry.number}] skipped: it trained, {args.from_checkpoint} holds "
+                  "that")
+        self.journal = Journal(cluster.world_size, cluster.backend)  # replays record nothing
+        try:
+            replay(cluster, steps, run_line=lambda line: self.mesh(line))
+        except RestoreError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            self.journal = journal
+        self.optimizer_steps = cluster.optimizer_steps()
+        print(f"session restored in {time.perf_counter() - started:.1f} s")
+
+    def _checkpoint(self, args: Any) -> None:
+        cluster, journal = self._need_cluster(), self._journal()
+        path, number = os.path.abspath(args.path), self.shell.execution_count
+        try:
+            names = args.names or (cluster.defined(list(DEFAULT_NAMES)) if args.action == "save"
+                                   else read_manifest(path)["names"])
+        except RestoreError as e:
+            raise UsageError(str(e)) from None
+        if not names:
+            raise UsageError("nothing to save: none of model, optimizer, step is defined on rank "
+                             "0; name the objects: %mesh checkpoint save DIR model optimizer")
+        code = (save_code(path, names, journal, number, background=args.background)
+                if args.action == "save" else load_code(path, names))
+        cluster.run(code)  # a failure shows as any cell's would
+        journal.record_checkpoint(code, number, args.action, path)
+        print(f"{'saving' if args.background else 'saved' if args.action == 'save' else 'loaded'}"
+              f" {', '.join(names)} {'to' if args.action == 'save' else 'from'} {path} on "
+              f"{cluster.world_size} ranks")
+
+    def _stacks(self, args: Any) -> None:
+        cluster = self._need_cluster()
+        print(stacks_text(cluster.stacks(args.ranks), cluster.collectives(args.ranks),
+                          parse_ranks(args.ranks, cluster.world_size)))
+
+    def _debug(self, args: Any) -> None:
+        try:
+            report = self._need_cluster().postmortem(args.rank)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(postmortem_text(args.rank, report))
 
     def _status(self, args: Any) -> Any:
         return self._need_cluster().status()
@@ -329,7 +433,7 @@ class MeshMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         self._journal().record_pipeline(args.model, schedule, self.shell.execution_count,
-                                        batch=args.batch, loss=args.loss)
+                                        batch=args.batch, loss=args.loss, line=self.line)
         print(f"{schedule.name} bound to {args.model}: {schedule.stages} stages on "
               f"{schedule.ranks} pp ranks, {schedule.microbatches} micro-batches; "
               "%mesh step N runs the next N slots")
@@ -342,7 +446,7 @@ class MeshMagics(Magics):
             ran = self.pipeline.step(None if args.all else args.n)
         except ScheduleError as e:
             raise UsageError(str(e)) from None
-        self._journal().record_step(self.shell.execution_count)
+        self._journal().record_step(self.shell.execution_count, line=self.line)
         by_rank: dict[int, list[str]] = {}
         for r in ran:
             if r["kind"] in ("F", "B", "I", "W"):
@@ -401,7 +505,9 @@ class MeshMagics(Magics):
                 self.shell.user_ns[args.output] = e.result.values
             raise
         live.finish(result)
-        self._journal().record_cell(cell, self.shell.execution_count, result.ranks)
+        steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
+        self._journal().record_cell(cell, self.shell.execution_count, result.ranks,
+                                    trained=self.optimizer_steps > steps)
         if args.output:
             self.shell.user_ns[args.output] = result.values
         if args.comms:

@@ -91,6 +91,8 @@ class CellRun:
             if self.metadata[r]["status"] != "ok":  # not finished within the grace period
                 self.result.outputs[r].status = why
                 self.result.outputs[r].stack = stacks.get(r)
+        if stacks:  # a hang: what each rank last asked of the process group, finished or not
+            self.result.collectives = self.cluster.collectives(self.result.ranks)
 
     def _classify(self) -> None:
         for r, md in self.metadata.items():

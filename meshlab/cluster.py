@@ -233,7 +233,8 @@ class Cluster:
         if self._dead:
             result.notes.append(
                 "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
-                "engines (variables on the ranks are lost).")
+                "engines and replays this session's successful %%mesh cells (or `%mesh restart "
+                "--from-checkpoint DIR` from a saved checkpoint).")
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
             try:
@@ -383,6 +384,24 @@ class Cluster:
         """The main-thread Python stack of each rank: where a running cell is right now."""
         return self._probe(self._ranks(ranks, check_dead=False), "stack")
 
+    def collectives(self, ranks: str | list[int] | None = None, limit: int = 8
+                    ) -> dict[int, list[dict[str, Any]]]:
+        """The last collectives each rank issued (torch's flight recorder), oldest first."""
+        return self._probe(self._ranks(ranks, check_dead=False), "collectives", limit=limit)
+
+    def optimizer_steps(self, ranks: str | list[int] | None = None) -> int:
+        """optimizer.step() calls so far, most on any of the ranks."""
+        return max(self._probe(self._ranks(ranks), "optimizer_steps").values(), default=0)
+
+    def postmortem(self, rank: int) -> dict[str, Any] | None:
+        """The last failed cell on ``rank``: traceback, failing frame and its variables."""
+        self._ranks([rank])
+        return self._probe([rank], "postmortem", timeout=10.0).get(rank)
+
+    def defined(self, names: list[str], rank: int = 0) -> list[str]:
+        """Those of ``names`` defined in ``rank``'s namespace."""
+        return self._probe([rank], "defined", names=names).get(rank, [])
+
     def complete(self, text: str) -> list[str]:
         """Completions of ``text`` in rank 0's namespace (for tab completion in cells)."""
         return self._probe([0], "complete", text=text, timeout=1.0).get(0) or []
@@ -422,7 +441,7 @@ class Cluster:
         if check_dead and dead:
             raise ClusterError(
                 "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
-                + ". `%mesh restart` starts fresh engines.")
+                + ". `%mesh restart` starts fresh engines and replays the session's cells.")
         return ranks
 
     def _failures(self, error: Any, ranks: list[int]) -> list[tuple[int, str, str]]:

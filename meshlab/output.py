@@ -58,6 +58,7 @@ class CellResult:
     notes: list[str] = field(default_factory=list)
     values: dict[int, Any] = field(default_factory=dict)  # last-expression values, if pulled
     comms: dict[int, list[Any]] = field(default_factory=dict)  # traced collectives, if asked
+    collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # on a hang
 
     @property
     def ok(self) -> bool:
@@ -87,6 +88,7 @@ class CellResult:
         stacks = {r: o.stack for r, o in self.outputs.items() if o.stack}
         for ranks, stack in group(stacks):
             lines += [f"{label(ranks)} stack when stopped:", stack]
+        lines += collective_lines(self.collectives)
         lines += self.notes
         return "\n".join(lines)
 
@@ -143,6 +145,46 @@ def render_groups(values: dict[int, str], prefix: str = "", colon: bool = False)
     return "\n".join(blocks)
 
 
+def collective_lines(collectives: dict[int, list[dict[str, Any]]], last: int = 3) -> list[str]:
+    """Each rank's last collectives (identical histories once), then where the ranks part."""
+    if not any(collectives.values()):
+        return []
+    texts = {r: " · ".join(_collective(c) for c in rows[-last:]) or "(none)"
+             for r, rows in collectives.items()}
+    lines = ["last collectives per rank (flight recorder, oldest first):"]
+    lines += [f"  {label(ranks)} {text}" for ranks, text in group(texts)]
+    parted = first_mismatch(collectives)
+    return lines + ([f"  {parted}"] if parted else [])
+
+
+def first_mismatch(collectives: dict[int, list[dict[str, Any]]]) -> str | None:
+    """The first collective (by group and sequence number) the ranks did not all issue alike:
+    the usual cause of a hang is one rank skipping a collective or calling it with other
+    sizes."""
+    issued = {r: {(c["group"], c["seq"]): c for c in rows} for r, rows in collectives.items()}
+    order = sorted({k for d in issued.values() for k in d}, key=lambda k: (k[1], k[0]))
+    for group_name, seq in order:
+        calls: dict[int, str] = {}
+        for r, d in issued.items():
+            seqs = [s for g, s in d if g == group_name]
+            if not seqs or seq < min(seqs):
+                continue  # not in this group, or its history no longer reaches back this far
+            call = d.get((group_name, seq))
+            calls[r] = f"{call['op']}{_sizes(call)}" if call else "never issued it"
+        if len(set(calls.values())) > 1:
+            parts = " · ".join(f"{label(ranks)} {text}" for ranks, text in group(calls))
+            return f"ranks part at collective #{seq} on {group_name}: {parts}"
+    return None
+
+
+def _collective(c: dict[str, Any]) -> str:
+    return f"#{c['seq']} {c['op']}{_sizes(c)} on {c['group']} ({c['state']})"
+
+
+def _sizes(c: dict[str, Any]) -> str:
+    return ",".join("[" + "x".join(map(str, s)) + "]" for s in c.get("sizes", []))
+
+
 def clean_traceback(lines: Iterable[str]) -> list[str]:
     """Drop traceback chunks that point into ipyparallel, ipykernel or meshlab itself."""
     kept = []
@@ -184,6 +226,26 @@ class LiveOutput:
             self._handles[key] = display(bundle, raw=True, display_id=True)
 
 
+def stacks_text(stacks: dict[int, str], collectives: dict[int, list[dict[str, Any]]],
+                ranks: list[int]) -> str:
+    """``%mesh stacks``: identical stacks once under their rank set, then the collectives."""
+    lines = [f"{label(group_ranks)}\n{stack}" for group_ranks, stack in group(stacks)]
+    silent = [r for r in ranks if r not in stacks]
+    if silent:
+        lines.append(f"{label(silent)} did not answer (dead, or its process is frozen)")
+    return "\n".join(lines + collective_lines(collectives))
+
+
+def postmortem_text(rank: int, report: dict[str, Any] | None) -> str:
+    """``%mesh debug RANK``: the traceback, then the failing frame's variables."""
+    if report is None:
+        return f"rank {rank} has no failed cell to examine"
+    width = max((len(n) for n in report["locals"]), default=0)
+    variables = [f"  {name:<{width}} = {value}" for name, value in report["locals"].items()]
+    return "\n".join([f"rank {rank}: {report['error']}", "", report["traceback"].rstrip(), "",
+                      f"variables in {report['frame']}:", *(variables or ["  (none)"])])
+
+
 def summary_lines(result: CellResult) -> list[str]:
     """The error summary, then the lowest failing rank's traceback (for IPython's display)."""
     head, _, rest = result.summary().partition("\n")
@@ -192,5 +254,6 @@ def summary_lines(result: CellResult) -> list[str]:
 
 __all__ = [
     "CellResult", "LiveOutput", "MeshError", "RankError", "RankOutput",
-    "clean_traceback", "group", "render_groups", "strip_ansi", "summary_lines",
+    "clean_traceback", "collective_lines", "first_mismatch", "group", "postmortem_text",
+    "render_groups", "stacks_text", "strip_ansi", "summary_lines",
 ]

@@ -7,6 +7,7 @@ collective. Plain Python and torch only.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import rlcompleter
@@ -28,7 +29,6 @@ def main_thread_stack(limit: int = 60) -> str:
     # Start at the user's cell: the engine's event-loop frames above it are noise.
     cell = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "cell ')]
     return "".join(lines[cell[0]:] if cell else lines).rstrip()
-    return "".join(lines).rstrip()
 
 
 def _short_paths(line: str) -> str:
@@ -73,7 +73,16 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         return rank_status(runtime._state)
     if what == "complete":
         return complete(namespace, str(request.get("text", "")))
-    raise ValueError(f"unknown probe {what!r}: expected stack, status or complete")
+    if what == "collectives":
+        return recent_collectives(int(request.get("limit", 8)))
+    if what == "optimizer_steps":
+        return runtime.optimizer_steps
+    if what == "postmortem":
+        return postmortem()
+    if what == "defined":
+        return [n for n in request.get("names", []) if n in namespace]
+    raise ValueError(f"unknown probe {what!r}: expected stack, status, complete, collectives, "
+                     "optimizer_steps, postmortem or defined")
 
 
 def serve(kernel: Any, namespace: dict[str, Any]) -> None:
@@ -103,3 +112,69 @@ def complete(namespace: dict[str, Any], text: str, limit: int = 200) -> list[str
             break
         matches.append(match.rstrip("("))
     return sorted(set(matches))
+
+
+def recent_collectives(limit: int = 8) -> list[dict[str, Any]]:
+    """The last collectives this rank issued, oldest first, from torch's flight recorder.
+
+    On a hang the ranks' lists differ at the collective one of them skipped or called with
+    other sizes. Empty when the recorder is off (runtime.setup turns it on).
+    """
+    recorder = torch._C._distributed_c10d
+    try:  # private API (FACTS.md): gloo keeps the entries too
+        dump = json.loads(recorder._dump_fr_trace_json(  # type: ignore[attr-defined]
+            includeCollectives=True))
+    except Exception:
+        return []
+    rows = []
+    for e in dump.get("entries", [])[-limit:]:
+        group = e.get("process_group") or ["?", ""]
+        rows.append({
+            "seq": e.get("collective_seq_id"),
+            "op": str(e.get("profiling_name", "?")).split(":")[-1],
+            "sizes": [list(s) for s in e.get("input_sizes", [])],
+            "dtype": ",".join(e.get("input_dtypes", [])),
+            "group": group[1] if len(group) > 1 and group[1] not in ("", "undefined")
+            else f"pg {group[0]}",
+            "state": "done" if e.get("retired") else "in flight",
+        })
+    return rows
+
+
+def postmortem(limit: int = 40) -> dict[str, Any] | None:
+    """The last failed cell on this rank: its traceback and the failing frame's variables.
+
+    IPython keeps the last exception in sys.last_value; None when no cell has failed.
+    """
+    error = getattr(sys, "last_value", None)
+    if error is None or error.__traceback__ is None:
+        return None
+    tb = error.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    # the innermost frame of the user's code (cells and their modules), not torch's internals
+    user = [f for f in frames if "site-packages" not in f.tb_frame.f_code.co_filename]
+    frame = (user or frames)[-1].tb_frame
+    local = {name: _short_repr(value) for name, value in list(frame.f_locals.items())[:limit]
+             if not name.startswith("__")}
+    return {
+        "error": f"{type(error).__name__}: {error}",
+        "traceback": "".join(_short_paths(line) for line in
+                             traceback.format_exception(type(error), error, error.__traceback__)),
+        "frame": f"{_short_paths(frame.f_code.co_filename)}:{frame.f_lineno} in "
+                 f"{frame.f_code.co_name}",
+        "locals": local,
+    }
+
+
+def _short_repr(value: Any, width: int = 120) -> str:
+    if isinstance(value, torch.Tensor):
+        kind = type(value).__name__
+        return f"{kind}(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    try:
+        text = repr(value)
+    except Exception as e:
+        text = f"<repr failed: {e!r}>"
+    return text if len(text) <= width else text[:width - 3] + "..."

@@ -35,6 +35,11 @@ class RankState:
 
 _store: dist.Store | None = None  # one long-lived rendezvous store per cluster
 _state: RankState | None = None
+optimizer_steps = 0  # optimizer.step() calls in this process: which cells trained
+_step_hook: Any = None  # the global hook that counts them, installed once
+
+FLIGHT_RECORDER_ENTRIES = "64"
+"""Collectives each rank remembers (torch's flight recorder), for the table shown on a hang."""
 
 
 def state() -> RankState:
@@ -121,6 +126,9 @@ def setup(
         dist.set_debug_level_from_env()  # torch read the variable when it was imported
     if threads:
         torch.set_num_threads(threads)  # more ranks than cores: do not thrash
+    # read when a process group is created: on before the first one
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+    _count_optimizer_steps()
     device = pin_device(local_rank)
     if _store is None:
         _store = dist.TCPStore(
@@ -134,6 +142,21 @@ def setup(
     )
     _init_group(rank, world_size)
     return namespace()
+
+
+def _count_optimizer_steps() -> None:
+    """Count every optimizer.step() (a restore skips cells a checkpoint already holds)."""
+    global _step_hook
+
+    def count(*_: Any) -> None:
+        global optimizer_steps
+        optimizer_steps += 1
+
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(count)
+
 
 
 def _init_group(rank: int, world_size: int) -> None:

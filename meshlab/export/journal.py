@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,13 @@ class Entry:
     """What the entry came from, for the comment above it in the script."""
     problem: str | None = None
     """Why this entry cannot be written (say, a pushed value with no literal form)."""
+    replay: str | None = None
+    """What `%mesh restart` does instead of running ``code``: a %mesh line to run again
+    (pipeline, step), or "" to leave it out (a checkpoint save)."""
+    trained: bool = False
+    """The cell stepped an optimizer: a restore from a later checkpoint need not run it."""
+    value: Any = field(default=None, compare=False, repr=False)
+    """A pushed value itself: what a restart pushes again."""
 
 
 @dataclass
@@ -48,14 +56,16 @@ class Journal:
     backend: str = "auto"
     source: str = field(default_factory=lambda: _notebook_name() or "a meshlab session")
     entries: list[Entry] = field(default_factory=list)
+    session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Names this session in the checkpoints it saves (a restore replays only its own)."""
 
     def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
-                    mark: str | None = None) -> None:
+                    mark: str | None = None, trained: bool = False) -> None:
         """A %%mesh cell that succeeded on every rank it ran on."""
         lines = [line.strip() for line in code.splitlines()]
         mark = mark or next((m for line, m in MARKS.items() if line in lines), None)
         taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
-        self.entries.append(Entry("cell", number, code, taken, mark))
+        self.entries.append(Entry("cell", number, code, taken, mark, trained=trained))
 
     def record_mesh(self, spec: MeshSpec | str, number: int) -> None:
         self.entries.append(Entry("mesh", number, str(spec), note="%mesh init"))
@@ -75,12 +85,13 @@ class Journal:
                            "or leave out the cells that use it with --cells")
             taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
             self.entries.append(Entry("code", number, f"{name} = {text}", taken,
-                                      note=f"%mesh push {name}", problem=problem))
+                                      note=f"%mesh push {name}", problem=problem, value=value))
 
     def record_pipeline(self, model: str, schedule: Schedule, number: int, *,
                         batch: str = "batch", loss: str | None = None,
-                        name: str = "pipeline") -> None:
-        """%mesh pipeline: the same bind() call on the ranks."""
+                        name: str = "pipeline", line: str | None = None) -> None:
+        """%mesh pipeline: the same bind() call on the ranks; ``line`` binds it again on
+        restart."""
         if schedule.name in BUILDERS:
             made = (f'build("{schedule.name}", ranks={schedule.ranks}, '
                     f"microbatches={schedule.microbatches}, virtual={schedule.virtual})")
@@ -92,17 +103,24 @@ class Journal:
         loss_arg = f", loss_fn={loss}" if loss else ""
         code = (f"{imports}\nfrom meshlab.schedules.execute import bind\n"
                 f"{name} = bind({model}, mesh, {made}, batch={batch}{loss_arg})")
-        self.entries.append(Entry("code", number, code, note=f"%mesh pipeline {model}"))
+        self.entries.append(Entry("code", number, code, note=f"%mesh pipeline {model}",
+                                  replay=line))
 
-    def record_step(self, number: int, name: str = "pipeline") -> None:
-        """%mesh step: in a script, the first step of a binding runs the whole step."""
+    def record_step(self, number: int, name: str = "pipeline", line: str = "step") -> None:
+        """%mesh step: in a script, the first step of a binding runs the whole step; a restart
+        runs every ``line`` again."""
         bound = next((e for e in reversed(self.entries) if e.note.startswith("%mesh pipeline")),
                      None)
         stepped = bound and any(e.note == "%mesh step" for e in
                                 self.entries[self.entries.index(bound):])
-        if bound and not stepped:
-            self.entries.append(Entry("code", number, f"{name}.advance(None)  # the whole step",
-                                      note="%mesh step"))
+        code = f"{name}.advance(None)  # the whole step" if bound and not stepped else ""
+        self.entries.append(Entry("code", number, code, note="%mesh step", replay=line))
+
+    def record_checkpoint(self, code: str, number: int, action: str, path: str) -> None:
+        """%mesh checkpoint save|load: the same call in the script; a restart loads again but
+        never saves again (it would overwrite a newer checkpoint with older state)."""
+        self.entries.append(Entry("code", number, code, note=f"%mesh checkpoint {action} {path}",
+                                  replay="" if action == "save" else None))
 
 
 def _notebook_name() -> str | None:
@@ -135,7 +153,7 @@ def select(journal: Journal, cells: str | None = None) -> list[Entry]:
     def chosen(e: Entry) -> bool:
         return any(a <= e.number and (b is None or e.number <= b) for a, b in ranges)
 
-    entries = [e for e in journal.entries if chosen(e) and e.mark != "skip"]
+    entries = [e for e in journal.entries if chosen(e) and e.mark != "skip" and e.code]
     if any(e.mark == "export" for e in entries):
         entries = [e for e in entries if e.kind != "cell" or e.mark == "export"]
     if not any(e.kind == "cell" for e in entries):

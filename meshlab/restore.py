@@ -1,0 +1,162 @@
+"""Bring a session back on fresh engines: replay its journal, from the start or from a
+checkpoint it saved.
+
+Notebook side, plain Python. The journal is the one ``%mesh export`` writes from: the
+successful ``%%mesh`` cells, mesh, pushes and pipeline bindings, in order.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from meshlab.export.journal import Entry, Journal
+from meshlab.output import MeshError
+
+if TYPE_CHECKING:
+    from meshlab.cluster import Cluster
+
+RESTORE_POINT = "# meshlab: restore-point"
+"""A comment line that makes a restart replay up to the last cell carrying it."""
+
+DEFAULT_NAMES = ("model", "optimizer", "step")
+"""What ``%mesh checkpoint save DIR`` saves when no names are given (those defined)."""
+
+
+class RestoreError(ValueError):
+    """The session cannot be replayed as asked; the message names the fix."""
+
+
+@dataclass
+class Replay:
+    """What a restart runs on the fresh ranks, in order."""
+
+    entries: list[Entry]
+    skipped: list[Entry] = field(default_factory=list)
+    """Cells before the checkpoint that trained: the checkpoint holds their effect."""
+    load: Entry | None = None
+    """Loading the checkpoint, run after the setup that defines what it loads into."""
+
+
+def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = None) -> Replay:
+    """The entries to run again: all (or those up to In [upto], or to the last restore
+    point); with a checkpoint, its session's setup, the load, then what ran after it."""
+    entries = [e for e in journal.entries if e.replay != ""]
+    marked = [e.number for e in entries if e.kind == "cell" and RESTORE_POINT in e.code]
+    if upto is None and marked:
+        upto = marked[-1]
+    if upto is not None:
+        if upto not in {e.number for e in journal.entries}:
+            known = ", ".join(str(n) for n in sorted({e.number for e in journal.entries}))
+            raise RestoreError(f"--upto {upto}: no recorded cell ran as In [{upto}]; "
+                               f"recorded: {known or 'none'}")
+        entries = [e for e in entries if e.number <= upto]
+    if checkpoint is None:
+        return Replay(entries)
+    saved = read_manifest(checkpoint)
+    extra = saved.get("extra") or {}
+    if extra.get("session") != journal.session:
+        raise RestoreError(
+            f"{checkpoint} was not saved in this session, so no cell of it marks where it "
+            f"was taken: `%mesh restart` replays the session, then `%mesh checkpoint load "
+            f"{checkpoint}` loads it")
+    cell, names = int(extra["cell"]), list(saved["names"])
+    before = [e for e in entries if e.number < cell]
+    setup = [e for e in before if not (e.trained and not _binds(e.code, names))]
+    return Replay(setup + [e for e in entries if e.number > cell],
+                  skipped=[e for e in before if e not in setup],
+                  load=Entry("code", cell, load_code(checkpoint, names),
+                             note=f"%mesh checkpoint load {checkpoint}"))
+
+
+def replay(cluster: Cluster, steps: Replay, run_line: Callable[[str], None],
+           progress: Callable[[str], None] = print) -> list[Entry]:
+    """Run the plan on the cluster; raise RestoreError at the first entry that fails, naming
+    it (what ran before it stays on the ranks)."""
+    entries = list(steps.entries)
+    if steps.load is not None:  # after the last setup entry that came before the save
+        at = next((i for i, e in enumerate(entries) if e.number > steps.load.number),
+                  len(entries))
+        entries.insert(at, steps.load)
+    for e in entries:
+        started = time.perf_counter()
+        try:
+            if e.kind == "mesh":
+                cluster.init_mesh(e.code)
+            elif e.replay:
+                run_line(e.replay)
+            elif e.note.startswith("%mesh push"):
+                name = e.note.removeprefix("%mesh push ")
+                cluster.push({name: e.value}, list(e.ranks) if e.ranks else None)
+            else:
+                cluster.run(e.code, list(e.ranks) if e.ranks else None)
+        except Exception as error:
+            raise RestoreError(f"replay stopped at In [{e.number}] ({e.note or e.kind}): "
+                               f"{_first_line(error)}. The ranks hold what ran before it; "
+                               "fix the cause and run the rest by hand") from error
+        progress(f"  In [{e.number}] {e.note or e.kind}: {time.perf_counter() - started:.2f} s")
+    return entries
+
+
+def read_manifest(path: str | Path) -> dict:
+    """A checkpoint's meshlab.json, or a RestoreError saying why there is none."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise RestoreError(f"no checkpoint at {folder}: save one with %mesh checkpoint save")
+    manifest = folder / "meshlab.json"
+    if not manifest.exists():
+        raise RestoreError(f"{folder} is an incomplete checkpoint (no meshlab.json: its save "
+                           "was interrupted); use an earlier one")
+    data: dict = json.loads(manifest.read_text())
+    return data
+
+
+def save_code(path: str, names: list[str], journal: Journal, number: int, *,
+              background: bool = False) -> str:
+    """The statements every rank runs for ``%mesh checkpoint save`` (and the script too)."""
+    objects = ", ".join(f"{n!r}: {n}" for n in names)
+    extra = {"session": journal.session, "cell": number}
+    return ("import meshlab.checkpoint\n"
+            f"meshlab.checkpoint.save({str(path)!r}, {{{objects}}}, extra={extra!r}"
+            + (", async_save=True)" if background else ")"))
+
+
+def load_code(path: str, names: list[str]) -> str:
+    """The statements every rank runs for ``%mesh checkpoint load``: load in place, rebind."""
+    # a plain value (a step counter) need not exist yet: the checkpoint defines it
+    return ("import meshlab.checkpoint\n"
+            f"globals().update(meshlab.checkpoint.load({str(path)!r}, "
+            f"{{n: globals().get(n) for n in {names!r}}}))")
+
+
+def _binds(code: str, names: list[str]) -> bool:
+    """Does the cell assign one of ``names`` at its top level (so it builds, not only trains)?"""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return True  # cannot tell: run it
+    for node in tree.body:
+        # `step += n` counts training; `model = ...` builds
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for target in targets:
+            if any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(target)):
+                return True
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    """The reason: a failed cell's first line by rank, else the error's first line."""
+    text = error.result.summary() if isinstance(error, MeshError) else str(error)
+    lines = [line.strip() for line in text.strip().splitlines()]
+    return (lines[1] if isinstance(error, MeshError) and len(lines) > 1 else
+            lines[0] if lines else type(error).__name__)
+
+
+__all__ = ["DEFAULT_NAMES", "RESTORE_POINT", "Replay", "RestoreError", "load_code", "plan",
+           "read_manifest", "replay", "save_code"]
