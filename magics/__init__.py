@@ -266,14 +266,14 @@ class MeshMagics(Magics):
     # -- subcommands ----------------------------------------------------------------------
 
     def _start(self, args: Any) -> None:
-        if self.cluster is not None and self.cluster.running:
-            raise UsageError(f"a cluster of {self.cluster.world_size} ranks is already running: "
-                             "%mesh stop first, or %mesh restart")
-        try:
+        try:  # a bad line first: its error is the one to fix
             cluster = Cluster(args.n, profile=args.profile, backend=args.backend,
                               debug=args.debug or None)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.cluster is not None and self.cluster.running:
+            raise UsageError(f"a cluster of {self.cluster.world_size} ranks is already running: "
+                             "%mesh stop first, or %mesh restart")
         started = time.perf_counter()
         self.cluster = cluster.start()
         self.journal = Journal(cluster.world_size, cluster.backend)
@@ -333,8 +333,11 @@ class MeshMagics(Magics):
 
     def _stacks(self, args: Any) -> None:
         cluster = self._need_cluster()
-        print(stacks_text(cluster.stacks(args.ranks), cluster.collectives(args.ranks),
-                          parse_ranks(args.ranks, cluster.world_size)))
+        try:
+            ranks = parse_ranks(args.ranks, cluster.world_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(stacks_text(cluster.stacks(ranks), cluster.collectives(ranks), ranks))
 
     def _debug(self, args: Any) -> None:
         try:
@@ -371,7 +374,7 @@ class MeshMagics(Magics):
             reports, params, activations = cluster.memory(args.model, args.optimizer,
                                                           args.inputs)
         except ClusterError as e:
-            raise UsageError(str(e)) from None
+            raise UsageError(f"cannot measure {args.model!r}:\n{e}") from None
         spec = cluster.mesh_spec
         dp = args.dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
         frame = memory_frame(reports, params=params, dp=dp, stage=args.stage,

@@ -23,9 +23,9 @@ import meshlab.comms
 from meshlab import profiles, runtime
 from meshlab.cell import CellRun
 from meshlab.mesh import MeshSpec
-from meshlab.output import CellResult, MeshError
+from meshlab.output import CellResult, MeshError, group, strip_ansi
 from meshlab.processes import EngineProcesses
-from meshlab.ranks import format_ranks, parse_ranks
+from meshlab.ranks import format_ranks, label, parse_ranks
 from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 
@@ -349,8 +349,8 @@ class Cluster:
         try:
             reports = ar.get(timeout=self.profile.pg_timeout)
         except ipp.CompositeError as e:
-            lines = [f"  rank {r}: {ename}: {evalue}" for r, ename, evalue in
-                     self._failures(e, ranks)]
+            why = {r: f"{ename}: {evalue}" for r, ename, evalue in self._failures(e, ranks)}
+            lines = [f"  {label(group_ranks)} {text}" for group_ranks, text in group(why)]
             raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
         return merge(dict(zip(ranks, reports, strict=True)))
 
@@ -455,15 +455,18 @@ class Cluster:
         """Call ``fn(**kwargs(rank))`` on every rank at once; wait for all."""
         pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
                    for r, eid in enumerate(self._engines)}
-        out = {}
+        out, failed, tracebacks = {}, {}, {}
         for r, ar in pending.items():
             if not ar.wait(max(0.0, timeout)):
                 raise ClusterError(f"rank {r} did not answer within {timeout:g} s")
             try:
                 out[r] = ar.get()
             except ipp.RemoteError as e:
-                raise ClusterError(f"rank {r} failed: {e.ename}: {e.evalue}\n{e.traceback}") \
-                    from None
+                failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
+        if failed:  # one line per group of ranks; the lowest rank's traceback at debug level
+            logging.getLogger("meshlab").debug("rank %d: %s", min(failed),
+                                               strip_ansi(tracebacks[min(failed)]))
+            raise ClusterError("\n".join(f"{label(ranks)} {why}" for ranks, why in group(failed)))
         return out
 
     def dead(self) -> dict[int, str]:

@@ -15,17 +15,16 @@ def parse_ranks(spec: str | Iterable[int] | None, world_size: int) -> list[int]:
             if not part:
                 continue
             try:
-                if "-" in part:
-                    lo, hi = (int(x) for x in part.split("-", 1))
-                    if lo > hi:
-                        raise ValueError
-                    ranks.update(range(lo, hi + 1))
-                else:
-                    ranks.add(int(part))
+                lo, _, hi = part.partition("-")
+                first, last = int(lo), int(hi or lo)
             except ValueError:
                 raise ValueError(
                     f"bad rank set {spec!r}: use comma-separated ranks and ranges, e.g. '0,2-3'"
                 ) from None
+            if first > last:
+                raise ValueError(f"bad rank set {spec!r}: {part!r} runs backwards; write "
+                                 f"{last}-{first}")
+            ranks.update(range(first, last + 1))
     else:
         ranks = {int(r) for r in spec}
     if not ranks:

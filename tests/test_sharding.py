@@ -130,7 +130,8 @@ def test_a_module_reports_every_parameter_per_rank(cluster) -> None:  # type: ig
 def test_inspect_of_something_missing_names_the_ranks(cluster) -> None:  # type: ignore[no-untyped-def]
     from meshlab import ClusterError
 
-    with pytest.raises(ClusterError, match=r"cannot inspect 'nothing_here':\n  rank 0: NameError"):
+    with pytest.raises(ClusterError,
+                       match=r"cannot inspect 'nothing_here':\n  \[ranks 0-3\] NameError"):
         cluster.inspect("nothing_here")
 
 
