@@ -290,8 +290,9 @@ class MeshMagics(Magics):
 
     def _restart(self, args: Any) -> None:
         cluster, journal = self._need_cluster(), self._journal()
+        checkpoint = args.from_checkpoint and os.path.abspath(args.from_checkpoint)
         try:  # before stopping anything: a bad request loses nothing
-            steps = plan(journal, upto=args.upto, checkpoint=args.from_checkpoint)
+            steps = plan(journal, upto=args.upto, checkpoint=checkpoint)
         except RestoreError as e:
             raise UsageError(str(e)) from None
         started = time.perf_counter()

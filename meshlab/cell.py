@@ -80,6 +80,8 @@ class CellRun:
         """Timeout or Ctrl-C: note stacks, SIGINT the ranks still running, give them a moment."""
         running = [r for r in self.result.ranks
                    if not self._done(r) and self.result.outputs[r].status != "died"]
+        if not running:  # the only rank still running just died
+            return
         stacks = self.cluster.stacks(running) if why == "timeout" else {}
         self.cluster.interrupt(running)
         with contextlib.suppress(KeyboardInterrupt):
@@ -98,7 +100,7 @@ class CellRun:
         for r, md in self.metadata.items():
             out, err = self.result.outputs[r], md["error"]
             if out.status in ("timeout", "interrupted", "died"):
-                if not md["status"]:
+                if not md["status"] and out.status != "died":  # a dead rank waits for nothing
                     self.stuck[r] = self.msg_ids[r]
             elif md["status"] == "ok":
                 out.status = "ok"

@@ -187,7 +187,7 @@ class Cluster:
                 rank=r, world_size=self.world_size, local_rank=peers.index(r),
                 master_addr=master, master_port=port, backend=self.backend,
                 timeout=self.profile.pg_timeout, debug=self.debug, threads=threads,
-                env=self.profile.env,
+                env=self.profile.env, cwd=os.getcwd(),
             )
 
         self._apply_each(_setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
@@ -493,11 +493,15 @@ def _working_directory(path: str) -> Iterator[None]:
 
 
 @ipp.interactive
-def _setup_rank(**kwargs: Any) -> None:
+def _setup_rank(cwd: str, **kwargs: Any) -> None:
     """Bootstrap the rank, publish its names, and answer probes from the control thread."""
+    import os
+
     import meshlab.probe
     import meshlab.runtime
 
+    if os.path.isdir(cwd):  # relative paths in cells mean what they mean in the notebook
+        os.chdir(cwd)
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
     meshlab.probe.serve(shell.kernel, shell.user_ns)

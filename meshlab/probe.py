@@ -25,6 +25,8 @@ def main_thread_stack(limit: int = 60) -> str:
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     if frame is None:
         return "(no main thread frame)"
+    if frame.f_code.co_filename.endswith(("selectors.py", "base_events.py")):
+        return "(idle: waiting for the next cell)"  # the engine's event loop, not a cell
     lines = [_short_paths(line) for line in traceback.format_stack(frame, limit=limit)]
     # Start at the user's cell: the engine's event-loop frames above it are noise.
     cell = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "cell ')]

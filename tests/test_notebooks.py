@@ -143,3 +143,18 @@ def test_parallelism_notebooks_match_one_process(tmp_path: Path, name: str, rank
         verdicts = [line for line in shown.splitlines() if line.startswith("Out[")]
         assert verdicts and all(": (True," in v or v.endswith(": True") for v in verdicts), shown
     assert any(m["tensor"] for m in widget_models(nb)), "the notebook inspects a parameter"
+
+
+def test_faults_and_recovery_restores_the_same_losses(tmp_path: Path) -> None:
+    nb = execute("10-faults-and-recovery.ipynb", tmp_path)
+    everything = "\n".join(texts(c) for c in nb.cells if c.cell_type == "code")
+    assert "ranks part at collective" in everything
+    assert "[ranks 0-1,3] all_reduce[4] · [rank 2] never issued it" in everything
+    assert "[rank 2]\n(idle: waiting for the next cell)" in everything  # %mesh stacks
+    assert "session restored" in everything
+    assert "variables in cell" in everything and "factor = 3" in everything  # %mesh debug 1
+    assert "[rank 3] killed by SIGKILL" in everything
+    assert "`%mesh restart` starts fresh engines and replays" in everything
+    assert "skipped: it trained, ckpt holds that" in everything
+    assert "match the uninterrupted run's, bit for bit" in everything
+    assert (tmp_path / "ckpt" / "meshlab.json").exists()
