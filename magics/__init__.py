@@ -328,6 +328,8 @@ class MeshMagics(Magics):
                 if args.action == "save" else load_code(path, names))
         cluster.run(code)  # a failure shows as any cell's would
         journal.record_checkpoint(code, number, args.action, path)
+        # loading a fresh optimizer's state takes a zero-lr step: not the next cell's training
+        self.optimizer_steps = cluster.optimizer_steps()
         print(f"{'saving' if args.background else 'saved' if args.action == 'save' else 'loaded'}"
               f" {', '.join(names)} {'to' if args.action == 'save' else 'from'} {path} on "
               f"{cluster.world_size} ranks")

@@ -1,0 +1,343 @@
+"""Sharded checkpoints of named objects on every rank: complete, or reported incomplete.
+
+Every rank writes its own shards with torch.distributed.checkpoint (DCP) into a folder beside
+the target, ``<path>.partial-<id>``. Once every rank has written, rank 0 adds ``meshlab.json``
+and swaps the folder into place, so a folder at ``path`` either is a whole checkpoint or has
+no manifest and is refused. Modules and optimizers go through DCP's state_dict API: their keys
+are the plain model's names (no DDP/FSDP wrappers) and their tensors DTensor shards, so a
+checkpoint loads into another mesh shape or world size (FSDP2 on 4 ranks -> TP on 2).
+
+    save("ckpt/step100", {"model": model, "optimizer": optimizer, "step": step})
+    globals().update(load("ckpt/step100", {"model": model, "optimizer": optimizer, "step": None}))
+
+Plain torch only: this also runs inside exported torchrun scripts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import pickle
+import shutil
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+MANIFEST = "meshlab.json"
+"""Written last, by rank 0: a folder without it is a save that did not finish."""
+
+FORMAT = 1
+
+# without torch.distributed we pass no_dist=True on purpose; DCP warns about it all the same
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled.*single process")
+
+__all__ = ["MANIFEST", "CheckpointError", "load", "manifest", "save", "wait"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete or does not fit what was asked; the message says why."""
+
+
+_pending: Future[None] | None = None  # this rank's background save, if any
+_background: ThreadPoolExecutor | None = None
+_group_cache: tuple[Any, Any] | None = None  # (default group, its checkpoint group)
+
+
+# -- public API -------------------------------------------------------------------------------
+
+def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: bool = False,
+         extra: dict[str, Any] | None = None) -> None:
+    """Save named objects; every rank calls it (a collective).
+
+    Modules and optimizers are saved sharded (each rank its own shards); an optimizer is
+    saved against the smallest module among ``objects`` holding all its parameters. Any other
+    value (a step counter, a small dict) is saved once, as rank 0 holds it. ``extra`` (JSON)
+    goes into the manifest. With ``async_save`` the state is copied now and written in the
+    background: call ``wait()`` to know it finished (``save`` and ``load`` wait first).
+    """
+    global _pending
+    wait()
+    target = Path(path)
+    kinds = _kinds(objects)
+    pairs = _models_of(objects, kinds)
+    # pickled on every rank so a value that cannot be saved fails everywhere, before any
+    # collective (only rank 0's copy is written)
+    blobs = {n: pickle.dumps(objects[n]) for n, k in kinds.items() if k == "value"}
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra={extra!r} must be JSON (plain dicts, lists, strings, "
+                         f"numbers): {e}") from None
+    _check_replaceable(target)
+    group = _checkpoint_group()
+    rank = dist.get_rank() if group is not None else 0
+    token = _from_rank0(uuid.uuid4().hex[:12], group)  # one folder name on every rank
+    partial = target.with_name(f"{target.name}.partial-{token}")
+    state = _state_dict(objects, kinds, pairs)
+    if rank == 0:
+        state.update(blobs)
+    info = {"format": FORMAT, "names": list(kinds), "kinds": kinds, "optimizers": pairs,
+            "world_size": dist.get_world_size() if group is not None else 1,
+            "torch": torch.__version__, "extra": extra or {}}
+    writer = dcp.FileSystemWriter(partial)
+    if not async_save:
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+        _commit(partial, target, info, group, rank)
+        return
+    # the tensors are copied to CPU here; writing runs on a background thread, whose
+    # collectives go over the checkpoint group, never the group the cells use
+    upload = dcp.async_save(state, storage_writer=writer, process_group=group,
+                            no_dist=group is None)
+    done = upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
+
+    def finish() -> None:
+        done.result()  # DCP has written every rank's shards and its .metadata
+        _commit(partial, target, info, group, rank)
+
+    global _background
+    if _background is None:
+        _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlab-checkpoint")
+    _pending = _background.submit(finish)
+
+
+def wait() -> None:
+    """Block until this rank's background save is done; re-raise its error."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.result()
+
+
+def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any]:
+    """Load a checkpoint into the live objects named in ``objects``, in place; every rank
+    calls it. Returns ``{name: value}`` for each name: the same module or optimizer, or the
+    saved plain value (so a plain name may map to None, or anything, before the load).
+
+    Modules and optimizers are resharded to whatever mesh and world size they live on now;
+    build them first (the same model and optimizer, any parallel plan).
+    """
+    wait()
+    info = manifest(path)
+    saved: dict[str, str] = info["kinds"]
+    unknown = [n for n in objects if n not in saved]
+    if unknown:
+        raise CheckpointError(f"{path} holds no {', '.join(map(repr, unknown))}: it holds "
+                              f"{', '.join(saved)}; ask for those names")
+    wanted = {n: saved[n] for n in objects}
+    unbuilt = [n for n, k in wanted.items() if k != "value" and objects[n] is None]
+    if unbuilt:
+        raise CheckpointError(
+            f"nothing to load {', '.join(map(repr, unbuilt))} into: a saved module or "
+            "optimizer loads into a live one; build it first (same model and optimizer, any "
+            "parallel plan), then load")
+    mismatched = [f"{n!r} is saved as a {k} but given a {type(objects[n]).__name__}"
+                  for n, k in wanted.items() if k != "value" and _kind(n, objects[n]) != k]
+    if mismatched:
+        raise CheckpointError(f"{path}: {'; '.join(mismatched)}; pass the matching objects")
+    pairs = _models_of(objects, wanted)
+    for name, kind in wanted.items():
+        if kind == "optimizer" and not objects[name].state:
+            # DCP creates a fresh optimizer's state (to load into) only when no gradient is set
+            objects[name].zero_grad(set_to_none=True)
+    state = _state_dict(objects, wanted, pairs)
+    state.update({n: b"" for n, k in wanted.items() if k == "value"})  # DCP fills these in
+    try:
+        group = _checkpoint_group()
+        dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+    except Exception as e:
+        raise CheckpointError(f"loading {path} into {', '.join(wanted)} failed (the live "
+                              "objects need the saved ones' parameter names and full shapes): "
+                              f"{e}") from e
+    for name, kind in wanted.items():
+        if kind == "module":
+            set_model_state_dict(objects[name], state[name])
+        elif kind == "optimizer":
+            set_optimizer_state_dict(objects[pairs[name]], objects[name], state[name])
+    return {n: pickle.loads(state[n]) if k == "value" else objects[n] for n, k in wanted.items()}
+
+
+def manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's meshlab.json: names, kinds, world size, when, torch version, extra."""
+    folder = Path(path)
+    if not folder.exists():
+        aside = sorted(folder.parent.glob(f"{glob.escape(folder.name)}.old-*"))
+        hint = (f"; a save was interrupted while replacing it: the previous checkpoint is "
+                f"{aside[-1]}" if aside else "")
+        raise FileNotFoundError(f"no checkpoint at {folder}{hint}")
+    file = folder / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{folder} is an incomplete checkpoint (no {MANIFEST}): a save "
+                              "was interrupted; use an earlier checkpoint")
+    data: dict[str, Any] = json.loads(file.read_text())
+    return data
+
+
+# -- what is saved ----------------------------------------------------------------------------
+
+def _kind(name: str, value: Any) -> str:
+    """module, optimizer or value (saved once, from rank 0)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, nn.Module):
+        return "module"
+    if isinstance(value, torch.optim.Optimizer):
+        if type(value).__name__ == "ZeroRedundancyOptimizer":
+            raise ValueError(f"{name!r} is a ZeroRedundancyOptimizer (zero1), which DCP's "
+                             "state_dict API cannot shard; use data_parallel='zero2' or "
+                             "'zero3' (FSDP2) to checkpoint sharded optimizer states")
+        return "optimizer"
+    if isinstance(value, DTensor):
+        raise ValueError(f"{name!r} is a DTensor outside a module: only rank 0's shard would be "
+                         f"saved; save {name}.full_tensor(), or the module that holds it")
+    return "value"
+
+
+def _kinds(objects: dict[str, Any]) -> dict[str, str]:
+    if not objects:
+        raise ValueError("nothing to save: pass {name: object}, e.g. {'model': model, "
+                         "'optimizer': optimizer, 'step': step}")
+    bad = [n for n in objects if not isinstance(n, str) or not n or "." in n]
+    if bad:
+        raise ValueError(f"names {bad!r}: use non-empty strings without dots (DCP joins keys "
+                         "with dots)")
+    return {n: _kind(n, v) for n, v in objects.items()}
+
+
+def _models_of(objects: dict[str, Any], kinds: dict[str, str]) -> dict[str, str]:
+    """optimizer name -> the module it updates: the smallest among ``objects`` that holds every
+    parameter of the optimizer (its state is keyed by that module's parameter names)."""
+    params = {n: {id(p) for p in objects[n].parameters()}
+              for n, k in kinds.items() if k == "module"}
+    pairs = {}
+    for name, kind in kinds.items():
+        if kind != "optimizer":
+            continue
+        updated = {id(p) for group in objects[name].param_groups for p in group["params"]}
+        holders = [m for m, ids in params.items() if updated <= ids]
+        if not holders:
+            raise ValueError(
+                f"optimizer {name!r} updates parameters of none of the modules given "
+                f"({', '.join(map(repr, params)) or 'none'}): its state is keyed by its model's "
+                f"parameter names, so pass the model too, e.g. {{'model': model, {name!r}: "
+                f"{name}}}")
+        pairs[name] = min(holders, key=lambda m: len(params[m]))
+    return pairs
+
+
+def _state_dict(objects: dict[str, Any], kinds: dict[str, str], pairs: dict[str, str]
+                ) -> dict[str, Any]:
+    """DCP's view of the modules and optimizers: plain names, sharded tensors."""
+    state: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        if kind == "module":
+            state[name] = get_model_state_dict(objects[name])
+        elif kind == "optimizer":
+            state[name] = get_optimizer_state_dict(objects[pairs[name]], objects[name])
+    return state
+
+
+# -- complete or nothing ----------------------------------------------------------------------
+
+def _check_replaceable(target: Path) -> None:
+    """Refuse to swap away a folder that is not a checkpoint (it would be deleted)."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"{target} is a file, not a checkpoint folder: choose another path")
+    if not any(target.iterdir()) or (target / MANIFEST).exists() or (target / ".metadata"
+                                                                     ).exists():
+        return
+    raise ValueError(f"{target} exists and is not a checkpoint (no {MANIFEST}); saving would "
+                     "replace it: choose another path or remove it")
+
+
+def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank: int) -> None:
+    """After every rank's shards are written: rank 0 writes the manifest and swaps the folder
+    in; every rank returns only then, or raises the same error."""
+    error = None
+    if rank == 0:
+        try:
+            info["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            with open(partial / MANIFEST, "w") as f:
+                json.dump(info, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _swap(partial, target)
+        except Exception as e:  # any failure: the other ranks wait for the outcome below
+            error = f"{type(e).__name__}: {e}"
+    error = _from_rank0(error, group)
+    if error is not None:
+        raise CheckpointError(f"saving {target}: rank 0 could not finish it ({error}); "
+                              f"{target} is unchanged or absent, the written shards stay in "
+                              f"{partial}")
+
+
+def _swap(partial: Path, target: Path) -> None:
+    """Put the finished folder at ``target``; the old one is moved aside first, then deleted.
+    A crash between the two renames leaves nothing at ``target``, never a mix."""
+    old = target.with_name(f"{target.name}.old-{partial.name.rsplit('-', 1)[1]}")
+    if target.exists():
+        os.rename(target, old)
+    os.rename(partial, target)
+    _fsync_dir(target.parent)
+    # leftovers of this or earlier interrupted saves: target now holds a newer checkpoint
+    name = glob.escape(target.name)
+    for stale in [old, *target.parent.glob(f"{name}.partial-*"),
+                  *target.parent.glob(f"{name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems cannot sync a directory: the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+# -- collectives ------------------------------------------------------------------------------
+
+def _checkpoint_group() -> Any:
+    """A gloo group over the default group's ranks, made once per default group (None without
+    torch.distributed). Background saves talk over it while cells use the default group."""
+    global _group_cache
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.group.WORLD
+    if _group_cache is None or _group_cache[0] is not default:
+        try:  # the default group's timeout (a dead peer is noticed as fast as in a cell)
+            timeout = default._get_backend(torch.device("cpu")).options._timeout  # type: ignore[union-attr]
+        except (RuntimeError, AttributeError):
+            timeout = None
+        _group_cache = (default, dist.new_group(backend="gloo", timeout=timeout))
+    return _group_cache[1]
+
+
+def _from_rank0(value: Any, group: Any) -> Any:
+    """Rank 0's ``value`` on every rank of ``group``."""
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
