@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -36,9 +37,12 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set on every rank before torch initialises."""
     controller_ip: str = "127.0.0.1"
-    """The address the controller (and, off loopback, the rendezvous store) listens on. Local
-    profiles keep loopback; a multi-host profile names its cluster network's interface, never
-    all interfaces by default."""
+    """The address the controller listens on (on loopback, the rendezvous store and gloo stay
+    there too). Local profiles keep loopback; a multi-host profile names its cluster network's
+    interface, never all interfaces by default."""
+    allow_all_interfaces: bool = False
+    """Let ``controller_ip`` be a wildcard ("*", "0.0.0.0", "::"): off unless written out,
+    since every host that can reach the machine could then knock on the controller."""
     launcher_options: dict[str, Any] = field(default_factory=dict)
     """Traits for the ipyparallel engine launcher class, e.g. {"timelimit": "1:00:00"}."""
 
@@ -53,9 +57,25 @@ class Profile:
             )
         if self.ranks is not None and self.ranks < 1:
             raise ValueError(f"profile {self.name!r}: ranks must be >= 1, got {self.ranks}")
+        if _is_wildcard(self.controller_ip) and not self.allow_all_interfaces:
+            raise ValueError(
+                f"profile {self.name!r}: controller_ip {self.controller_ip!r} listens on all "
+                "interfaces; name the address engines reach the controller on (the cluster "
+                "network's), or add allow_all_interfaces = true to [cluster] to mean it"
+            )
         for key in ("pg_timeout", "start_timeout"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be > 0 seconds")
+
+
+def _is_wildcard(address: str) -> bool:
+    """Whether binding ``address`` listens on every interface."""
+    if address.strip() in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[] ")).is_unspecified
+    except ValueError:
+        return False  # a host name
 
 
 def available() -> dict[str, Path]:
@@ -95,7 +115,7 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
         )
     cluster = dict(data.get("cluster", {}))
     known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug",
-             "controller_ip"}
+             "controller_ip", "allow_all_interfaces"}
     unknown = set(cluster) - known
     if unknown:
         raise ValueError(

@@ -8,9 +8,11 @@ batch job. Plain torch only: no IPython, ipyparallel or widgets.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,9 @@ _state: RankState | None = None
 optimizer_steps = 0  # optimizer.step() calls in this process: which cells trained
 _step_hook: Any = None  # the global hook that counts them, installed once
 
+LOOPBACK_INTERFACE = "lo0" if sys.platform == "darwin" else "lo"
+"""The interface gloo binds to when every rank is on this machine (GLOO_SOCKET_IFNAME)."""
+
 FLIGHT_RECORDER_ENTRIES = "64"
 """Collectives each rank remembers (torch's flight recorder), for the table shown on a hang."""
 
@@ -62,24 +67,59 @@ def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
     """Start the rendezvous store on this rank (rank 0) and return its port.
 
     The port is chosen right before binding and below the ephemeral range: ports
-    picked earlier can be taken by gloo's own connections in the meantime.
+    picked earlier can be taken by gloo's own connections in the meantime. When ``host``
+    is an address the socket is bound to it here and handed to the store: TCPStore on its
+    own listens on every interface, whatever ``host`` says.
     """
     global _store
     if _store is not None:
         return int(_store.port)  # type: ignore[attr-defined]
+    address = bind_address(host)
     floor = ephemeral_port_floor()
     last_error: Exception | None = None
     for _ in range(50):
         port = random.randrange(max(1024, floor - 12000), floor)
         try:
+            fd = None if address is None else _listen_socket(address, port)
             _store = dist.TCPStore(
                 host, port, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd,
             )
             return port
         except (RuntimeError, OSError) as e:  # DistNetworkError: port taken, try another
             last_error = e
     raise RuntimeError(f"could not bind a rendezvous store on {host}: {last_error}")
+
+
+def bind_address(host: str) -> str | None:
+    """The address the store listens on for ``host``; None (all interfaces) for a host name,
+    which may resolve to another address here than on the peers (Debian's 127.0.1.1)."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (then every rank runs here)."""
+    address = bind_address(host)
+    return address is not None and ipaddress.ip_address(address).is_loopback
+
+
+def _listen_socket(address: str, port: int) -> int:
+    """A listening socket on ``address:port``, as a file descriptor the store takes over."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def pin_device(local_rank: int) -> torch.device:
@@ -121,6 +161,9 @@ def setup(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
         MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
     )
+    if is_loopback(master_addr):
+        # every rank is on this machine: keep gloo off the address the hostname resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     if debug:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()  # torch read the variable when it was imported

@@ -1,0 +1,303 @@
+"""Security: what listens where, who can read the keys, and who can run code on the ranks.
+
+Real components only: the shared 4-rank cluster's controller and engines, their sockets as
+the kernel reports them (psutil), their connection files, messages forged with
+jupyter_client's Session and sent over ZeroMQ to the controller as ipyparallel's client
+does, and the files `%mesh export` writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ipyparallel as ipp
+import psutil
+import pytest
+import zmq
+from jupyter_client.session import Session
+
+from meshlab import Cluster, profiles, runtime
+from meshlab.export import Journal
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def security_dir(cluster: Cluster) -> Path:
+    return Path(cluster._ipp.profile_dir, "security")
+
+
+def connection_file(cluster: Cluster, who: str = "client") -> Path:
+    return security_dir(cluster) / f"ipcontroller-{cluster._ipp.cluster_id}-{who}.json"
+
+
+def connection(cluster: Cluster) -> dict[str, Any]:
+    return json.loads(connection_file(cluster).read_text())
+
+
+def with_children(pids: list[int]) -> list[psutil.Process]:
+    """The processes and everything they started (schedulers, engine nannies)."""
+    found = []
+    for pid in pids:
+        process = psutil.Process(pid)
+        found += [process, *process.children(recursive=True)]
+    return found
+
+
+def cluster_processes(cluster: Cluster) -> dict[str, list[psutil.Process]]:
+    return {"controller": with_children([cluster._ipp.controller.process.pid]),
+            "engines": with_children([h["pid"] for h in cluster._hosts])}
+
+
+def listening(process: psutil.Process) -> set[tuple[str, int]]:
+    return {(c.laddr.ip, c.laddr.port) for c in process.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def is_loopback(ip: str) -> bool:
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+
+
+@ipp.interactive
+def _rank_env() -> tuple[int, str | None]:
+    import os
+
+    return int(os.environ["MASTER_PORT"]), os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+# -- 1. everything listens on loopback only ----------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_controller_engines_store_and_gloo_listen_on_loopback_only(cluster: Cluster) -> None:
+    cluster.run("dist.all_reduce(torch.ones(1))")  # gloo has connected every pair
+    store_port, ifname = cluster._client[cluster._engines[0]].apply_sync(_rank_env)
+    exposed, ports, by_role = [], {}, {}
+    for role, processes in cluster_processes(cluster).items():
+        by_role[role] = set()
+        for process in processes:
+            found = listening(process)
+            ports[process.pid] = found
+            by_role[role] |= found
+            exposed += [f"{role} pid {process.pid} ({' '.join(process.cmdline()[1:3])}) "
+                        f"listens on {ip}:{port}" for ip, port in found if not is_loopback(ip)]
+    assert not exposed, "\n".join(exposed)
+    # gloo binds the hostname's address unless told: told, in case the hostname is not loopback
+    assert ifname == runtime.LOOPBACK_INTERFACE
+    # not vacuous: the store and the controller's client-facing ports are among those checked
+    assert ("127.0.0.1", store_port) in ports[cluster._hosts[0]["pid"]]
+    client = connection(cluster)
+    assert {("127.0.0.1", client[k]) for k in ("registration", "mux", "task", "control")} \
+        <= by_role["controller"]
+
+
+def _other_address() -> str | None:
+    """An IPv4 address of this machine that is not loopback."""
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family.name == "AF_INET" and not ipaddress.ip_address(a.address).is_loopback:
+                return str(a.address)
+    return None
+
+
+GLOO_PROBE = """
+import json, psutil, torch, torch.distributed as dist
+from meshlab import runtime
+
+def listening():
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN}
+
+# plain torch: gloo binds to the address the hostname resolves to
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+plain = listening()
+dist.destroy_process_group()
+before = listening()
+port = runtime.serve_store("127.0.0.1", 30)
+runtime.setup(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port,
+              backend="gloo", timeout=30)
+dist.all_reduce(torch.ones(1))
+print(json.dumps({"plain": sorted(plain), "meshlab": sorted(listening() - before),
+                  "store": port}))
+"""
+
+
+def test_gloo_stays_on_loopback_when_the_hostname_resolves_elsewhere() -> None:
+    # gloo picks its address from the hostname; here the hostname resolves to loopback, so
+    # run one rank in its own UTS namespace whose hostname is this machine's outer address
+    address = _other_address()
+    if address is None or shutil.which("unshare") is None:
+        pytest.skip("needs a non-loopback address and unshare(1)")
+    if subprocess.run(["unshare", "-u", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -u is not permitted here (needs CAP_SYS_ADMIN)")
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    done = subprocess.run(
+        ["unshare", "-u", "sh", "-c", f'hostname {address} && exec "$0" -c "$1"',
+         sys.executable, GLOO_PROBE],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    # the hazard is real here: without meshlab, gloo listens on the outer address
+    assert address in {ip for ip, _ in seen["plain"]}, seen
+    assert ["127.0.0.1", seen["store"]] in seen["meshlab"], seen
+    assert len(seen["meshlab"]) >= 2, seen  # the store and gloo's own listener
+    assert all(is_loopback(ip) for ip, _ in seen["meshlab"]), seen
+
+
+def test_the_store_binds_the_address_it_is_given_and_leaves_host_names_to_torch() -> None:
+    assert runtime.bind_address("127.0.0.1") == "127.0.0.1"
+    assert runtime.bind_address("localhost") == "127.0.0.1"
+    assert runtime.bind_address("::1") == "::1"
+    assert runtime.bind_address("node17") is None  # may resolve differently on the peers
+    assert runtime.is_loopback("::1") and runtime.is_loopback("localhost")
+    assert not runtime.is_loopback("10.1.2.3") and not runtime.is_loopback("node17")
+
+
+# -- 2. connection files -------------------------------------------------------------------
+
+
+@pytest.mark.cluster
+def test_connection_files_are_0600_in_a_0700_directory(cluster: Cluster) -> None:
+    folder = security_dir(cluster)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
+    assert folder.stat().st_uid == os.getuid()
+    for who in ("client", "engine"):
+        path = connection_file(cluster, who)
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == 0o600, f"{path.name}: {oct(mode)}"
+        assert path.stat().st_uid == os.getuid()
+        assert json.loads(path.read_text())["key"], f"{path.name} holds no key"
+
+
+# -- 3. signed messages --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def controller_socket(cluster: Cluster, port: str) -> Iterator[zmq.Socket[Any]]:
+    """A DEALER on one of the controller's client-facing ports, as ipyparallel's client has."""
+    info = connection(cluster)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"{info['interface']}:{info[port]}")
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def send_execute(cluster: Cluster, sock: zmq.Socket[Any], port: str, key: bytes, code: str,
+                 rank: int = 3) -> None:
+    """An execute_request for one rank's engine, signed with ``key`` (b"" = unsigned)."""
+    info = connection(cluster)
+    engine = cluster._client._engines[cluster._engines[rank]]  # the engine's ZeroMQ identity
+    session = Session(key=key, signature_scheme=info["signature_scheme"], username="intruder")
+    content = {"code": code, "silent": False, "user_expressions": {}}
+    if port == "mux":  # the mux routes by the identity frame
+        session.send(sock, "execute_request", content=content, ident=engine.encode())
+    else:  # the task scheduler routes by the targets in the metadata
+        session.send(sock, "execute_request", content=content, metadata={"targets": [engine]})
+
+
+def appears(path: Path, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+FORGERIES = {"wrong key": b"not the cluster's key", "unsigned": b""}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("port", ["mux", "task"])
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_a_forged_message_to_the_controller_runs_nothing(
+        cluster: Cluster, tmp_path: Path, forgery: str, port: str) -> None:
+    forged, signed = tmp_path / "forged", tmp_path / "signed"
+    key = connection(cluster)["key"].encode()
+    with controller_socket(cluster, port) as sock:
+        send_execute(cluster, sock, port, FORGERIES[forgery], f"open({str(forged)!r}, 'w')")
+        # the positive control, queued behind the forgery to the same engine: once it has run,
+        # the forgery was read and dropped
+        send_execute(cluster, sock, port, key, f"open({str(signed)!r}, 'w')")
+        assert appears(signed, within=30), "the correctly signed message did not run either"
+        assert not appears(forged, within=1.0), f"a message signed with {forgery!r} ran"
+    assert cluster.run("1").ok
+
+
+# -- 4. no keys in what meshlab and ipyparallel write --------------------------------------
+
+
+@pytest.mark.cluster
+def test_exports_logs_and_command_lines_hold_no_connection_key(
+        cluster: Cluster, shell: Any, tmp_path: Path) -> None:
+    keys = {json.loads(connection_file(cluster, who).read_text())["key"]
+            for who in ("client", "engine")}
+    magics = shell.magics_manager.registry["MeshMagics"]
+    saved, magics.journal = magics.journal, Journal(cluster.world_size, cluster.backend)
+    try:
+        shell.user_ns["lr"] = 0.01
+        assert shell.run_cell("%%mesh\nx = torch.ones(2) * rank\n", store_history=True).success
+        shell.run_line_magic("mesh", "push lr")
+        shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'} --sbatch")
+    finally:
+        magics.journal = saved
+    exported = [tmp_path / name for name in ("train.py", "launch.sh", "job.sbatch")]
+    ipp, cid = cluster._ipp, cluster._ipp.cluster_id
+    logs = {*Path(ipp.profile_dir, "log").glob(f"*{cid}*"),
+            security_dir(cluster) / f"cluster-{cid}.json",  # readable by all (0644)
+            Path(ipp.controller.output_file)}
+    for engine_set in ipp.engines.values():
+        logs |= {Path(launcher.output_file) for launcher in engine_set.launchers.values()}
+    assert all(p.is_file() for p in exported), exported
+    assert len(logs) >= 1 + cluster.world_size, logs  # the controller's, one per engine, ...
+    for path in [*exported, *sorted(logs)]:
+        text = path.read_text(errors="replace")
+        assert not [k for k in keys if k in text], f"{path} holds a connection key"
+    # any user can read a process's command line (ps): the key travels in the 0600 files
+    for processes in cluster_processes(cluster).values():
+        for process in processes:
+            command = " ".join(process.cmdline())
+            assert not [k for k in keys if k in command], f"pid {process.pid}: {command}"
+
+
+# -- 5. profiles name their bind address ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(profiles.available()))
+def test_every_shipped_profile_names_a_bind_address(name: str) -> None:
+    profile = profiles.load(name)
+    assert profile.controller_ip.strip() not in ("", "*", "0.0.0.0", "::", "[::]")
+    assert not ipaddress.ip_address(profile.controller_ip).is_unspecified
+    assert not profile.allow_all_interfaces
+    if profile.launcher == "local":
+        assert ipaddress.ip_address(profile.controller_ip).is_loopback
+
+
+def test_shipped_profiles_are_the_files_in_clusters() -> None:
+    assert set(profiles.available()) == {p.stem for p in (REPO / "clusters").glob("*.toml")}
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "*", "", "::", "[::]"])
+def test_a_profile_binding_all_interfaces_is_refused_unless_allowed(wildcard: str) -> None:
+    data: dict[str, Any] = {"cluster": {"launcher": "slurm", "controller_ip": wildcard}}
+    with pytest.raises(ValueError, match=r"listens on all interfaces.*allow_all_interfaces = true"):
+        profiles.from_dict("open", data)
+    data["cluster"]["allow_all_interfaces"] = True
+    assert profiles.from_dict("open", data).controller_ip == wildcard
+
+
+def test_a_profile_may_name_an_interface_address_or_host() -> None:
+    for address in ("10.0.0.5", "login1.cluster", "fd00::2"):
+        data = {"cluster": {"launcher": "slurm", "controller_ip": address}}
+        assert profiles.from_dict("p", data).controller_ip == address
