@@ -20,7 +20,7 @@ import ipyparallel as ipp
 import pandas as pd
 
 import meshlab.comms
-from meshlab import profiles, runtime
+from meshlab import profiles, reaper, runtime
 from meshlab.cell import CellRun
 from meshlab.mesh import MeshSpec
 from meshlab.output import CellResult, MeshError, group, strip_ansi
@@ -112,6 +112,7 @@ class Cluster:
             # directory: not into the notebook's folder
             with _working_directory(tempfile.mkdtemp(prefix="meshlab-")):
                 self._ipp.start_cluster_sync()
+            reaper.watch(self._ipp)  # a watchdog stops them if this process dies
             self._client = self._ipp.connect_client_sync()
             self._wait_for_engines(n, progress)
             self._engines = sorted(self._client.ids)[:n]
@@ -135,6 +136,7 @@ class Cluster:
                 self._ipp.stop_cluster_sync()
             except Exception as e:  # a half-started cluster: nothing more to stop
                 logging.getLogger("meshlab").debug("stop: %r", e)
+            reaper.release(self._ipp)
         self._ipp = self._client = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()
