@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshlab.schedules.actions import Action, Schedule, ScheduleError
-from meshlab.schedules.validate import dependencies, slots
+from meshlab.schedules.validate import backward_kinds, dependencies, slots
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -143,6 +143,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         raise ScheduleError(f"stage_scale has {len(costs.stage_scale)} values, the schedule "
                             f"has {schedule.stages} stages: give one per stage")
     order = slots(schedule)  # a dependency-respecting order across ranks
+    split = backward_kinds(schedule)
     share = schedule.ranks / schedule.stages
     end: dict[tuple[int, str, int], float] = {}
     free = dict.fromkeys(range(schedule.ranks), 0.0)
@@ -151,7 +152,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
              for r in range(schedule.ranks) for a in schedule.compute_actions(r)]
     for slot, rank, a in sorted(keyed):
         ready = free[rank]
-        for dep in dependencies(a, schedule):
+        for dep in dependencies(a, schedule, split):
             hop = costs.comm if schedule.stage_to_rank[dep[0]] != rank else 0.0
             ready = max(ready, end[dep] + hop)
         scale = costs.stage_scale[a.stage] if costs.stage_scale else 1.0

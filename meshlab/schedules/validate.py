@@ -30,10 +30,16 @@ def grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:
     return "\n".join(lines)
 
 
-def dependencies(action: Action, schedule: Schedule) -> list[Key]:
-    """The compute actions whose results ``action`` needs (forward before backward etc.)."""
+def dependencies(action: Action, schedule: Schedule,
+                 split: dict[tuple[int, int], str] | None = None) -> list[Key]:
+    """The compute actions whose results ``action`` needs (forward before backward etc.).
+
+    ``split`` is ``backward_kinds(schedule)``: pass it when asking for many actions (it
+    reads the whole schedule).
+    """
     s, m, last = action.stage, action.microbatch, schedule.stages - 1
-    split = _backward_kinds(schedule)
+    if split is None:
+        split = backward_kinds(schedule)
     if action.kind == "F":
         return [(s - 1, "F", m)] if s > 0 else []
     if action.kind in ("B", "I"):
@@ -46,7 +52,7 @@ def dependencies(action: Action, schedule: Schedule) -> list[Key]:
     return []
 
 
-def _backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
+def backward_kinds(schedule: Schedule) -> dict[tuple[int, int], str]:
     """For each (stage, microbatch): "I" when its backward is split into I and W, else "B"."""
     kinds: dict[tuple[int, int], str] = {}
     for row in schedule.actions.values():
@@ -119,9 +125,10 @@ def _check_counts(schedule: Schedule, where: dict[Key, tuple[int, int]]) -> None
 
 def _check_order(schedule: Schedule, where: dict[Key, tuple[int, int]]) -> None:
     """Dependencies on the same rank must come earlier in its list."""
+    split = backward_kinds(schedule)
     for key, (rank, slot) in where.items():
         action = Action(*key)
-        for dep in dependencies(action, schedule):
+        for dep in dependencies(action, schedule, split):
             dep_rank, dep_slot = where[dep]
             if dep_rank == rank and dep_slot > slot:
                 _fail(schedule, f"{action} comes before {Action(*dep)} on rank {rank}, but "
@@ -135,6 +142,7 @@ def slots(schedule: Schedule) -> dict[Key, int]:
     action, and after the actions it depends on; a deadlock raises ScheduleError naming
     what each stuck rank waits for.
     """
+    split = backward_kinds(schedule)
     where = {(a.stage, a.kind, a.microbatch): (r, i)
              for r, row in schedule.actions.items() for i, a in enumerate(row) if a}
     rows = {r: [(i, a) for i, a in enumerate(row) if a] for r, row in schedule.actions.items()}
@@ -147,7 +155,7 @@ def slots(schedule: Schedule) -> dict[Key, int]:
         for r, row in rows.items():
             while position[r] < len(row):
                 index, a = row[position[r]]
-                deps = dependencies(a, schedule)
+                deps = dependencies(a, schedule, split)
                 if any(d not in finished for d in deps):
                     break
                 start = max([index, clock[r]] + [finished[d] for d in deps])
@@ -160,7 +168,7 @@ def slots(schedule: Schedule) -> dict[Key, int]:
         waits = []
         for r in stuck:
             index, a = rows[r][position[r]]
-            missing = [d for d in dependencies(a, schedule) if d not in finished]
+            missing = [d for d in dependencies(a, schedule, split) if d not in finished]
             waits.append(f"rank {r} waits at {a} for " + ", ".join(
                 f"{Action(*d)} (rank {where[d][0]} slot {where[d][1]})" for d in missing))
         first = rows[stuck[0]][position[stuck[0]]]
@@ -173,10 +181,11 @@ def lower(schedule: Schedule) -> dict[int, list[Action]]:
     """Per-rank lists with a SEND_F/SEND_B right after each action whose result another
     rank needs, and the matching RECV_F/RECV_B posted on that rank at the same moment (as
     torch's lowering does), so receives are posted in the order the sends happen."""
+    split = backward_kinds(schedule)
     order = slots(schedule)
     consumers: dict[Key, list[Key]] = defaultdict(list)
     for key in order:
-        for dep in dependencies(Action(*key), schedule):
+        for dep in dependencies(Action(*key), schedule, split):
             consumers[dep].append(key)
     rank_of = schedule.stage_to_rank
     lowered: dict[int, list[Action]] = {r: [] for r in range(schedule.ranks)}
