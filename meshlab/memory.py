@@ -12,84 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE_MODES = ("none", "selective", "full")
+from meshlab.plan.formulas import (  # the closed forms live with the planner: no torch there
+    RECOMPUTE_MODES,
+    ZERO_STAGES,
+    activation_bytes_per_layer,
+    zero_bytes,
+)
 
-
-def zero_bytes(params: int, *, dp: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,
-               optimizer_bytes: int = 12) -> dict[str, float]:
-    """Per-device bytes for params, grads and optimizer state under ZeRO stage 0-3.
-
-    Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-    Models", section 5 / Figure 1, with Ψ = params, K = optimizer_bytes, N = dp and mixed
-    precision (2-byte params and grads by default, K = 12 for fp32 Adam master weights,
-    momentum and variance):
-
-    - stage 0 (plain data parallel): (2 + 2 + K)Ψ
-    - stage 1 (optimizer states sharded, P_os): 2Ψ + 2Ψ + KΨ/N
-    - stage 2 (+ gradients sharded, P_os+g): 2Ψ + (2 + K)Ψ/N
-    - stage 3 (+ parameters sharded, P_os+g+p): (2 + 2 + K)Ψ/N
-
-    The 2s are ``param_bytes`` and ``grad_bytes``. Activations and buffers are not included.
-    """
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
-    if dp < 1:
-        raise ValueError(f"dp (data-parallel degree) must be >= 1, got {dp!r}")
-    if params < 0:
-        raise ValueError(f"params must be >= 0, got {params!r}")
-    p = float(param_bytes * params)
-    g = float(grad_bytes * params)
-    o = float(optimizer_bytes * params)
-    # Each stage shards one more of optimizer state, gradients, parameters across the dp ranks.
-    out = {
-        "params": p / dp if stage >= 3 else p,
-        "grads": g / dp if stage >= 2 else g,
-        "optimizer": o / dp if stage >= 1 else o,
-    }
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
-
-
-def activation_bytes_per_layer(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False,
-                               recompute: str = "none") -> float:
-    """Activation bytes one transformer layer keeps for backward, per device.
-
-    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-    section 4 and Table 2 (16-bit activations, s = seq, b = batch, h = hidden, a = heads,
-    t = tp):
-
-    - no parallelism:                     s*b*h*(34 + 5*a*s/h)
-    - tensor parallel:                    s*b*h*(10 + 24/t + 5*a*s/(h*t))
-    - tensor + sequence parallel:         s*b*h/t*(34 + 5*a*s/h)
-    - selective recompute (attention core recomputed, so the 5*a*s/h term is gone):
-      s*b*h*34 with no parallelism, s*b*h*(10 + 24/t) with TP, s*b*h*34/t with TP + SP
-    - full recompute (only the layer's input is kept): 2*s*b*h, or 2*s*b*h/t with SP
-
-    With tp == 1 every variant reduces to the no-parallelism formula, so sequence_parallel
-    changes nothing there. Table 2 lists full recompute as 2*s*b*h whatever t; dividing by t
-    under SP reflects that the stored input is itself sequence-sharded.
-    """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    if tp < 1:
-        raise ValueError(f"tp (tensor-parallel degree) must be >= 1, got {tp!r}")
-    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
-    s, b, h, a, t = seq, batch, hidden, heads, tp
-    sbh = float(s * b * h)
-    sp = sequence_parallel and t > 1
-    if recompute == "full":
-        return 2 * sbh / t if sp else 2 * sbh
-    attention_core = 0.0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        # SP shards the layer-norm and dropout activations that plain TP replicates.
-        return sbh / t * (34 + attention_core)
-    # Plain TP: 10*s*b*h (layer-norm inputs, dropout masks, ...) stays replicated on every rank.
-    return sbh * (10 + 24 / t + attention_core / t)
-
+__all__ = ["RECOMPUTE_MODES", "ZERO_STAGES", "MemoryReport", "activation_bytes",
+           "activation_bytes_per_layer", "measure", "zero_bytes"]
 
 @dataclass(slots=True)
 class MemoryReport:

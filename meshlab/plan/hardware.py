@@ -1,0 +1,197 @@
+"""What a GPU (or a CPU rank) can do, as the planner needs it: built-in profiles and TOML.
+
+Peak numbers are the vendors' dense (no sparsity) figures per GPU; ``matmul_efficiency`` is
+the share of peak a large GEMM reaches in practice, and the links are bus bandwidths (what
+nccl-tests calls busBw: one rank's share of a ring), not the marketing bidirectional totals.
+``%mesh calibrate`` measures all of these on a live mesh and writes a profile like these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from meshlab.plan.formulas import COLLECTIVES
+
+GB = 1e9
+GIB = 2**30
+DTYPES = ("fp32", "tf32", "bf16", "fp8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One kind of connection between ranks, for the alpha-beta model."""
+
+    bandwidth_gbs: float
+    """Bus bandwidth per rank, GB/s (1e9 bytes)."""
+    latency_us: float
+    """Time of one message hop, microseconds."""
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_gbs > 0 and self.latency_us >= 0):
+            raise ValueError(f"a link needs bandwidth_gbs > 0 and latency_us >= 0, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator and the links between accelerators."""
+
+    name: str
+    tflops: dict[str, float]
+    """Peak dense TFLOP/s by compute dtype (fp32, tf32, bf16, fp8); a missing one is not
+    supported (fp8 on an A100)."""
+    matmul_efficiency: float = 0.75
+    """Share of peak a large GEMM reaches (measured profiles: 1, their tflops are achieved)."""
+    memory_gib: float
+    """Device memory, GiB."""
+    reserved_gib: float = 0.0
+    """Memory the planner does not hand out: CUDA context, NCCL buffers, fragmentation."""
+    memory_bandwidth_gbs: float
+    """Device memory bandwidth, GB/s: the speed of the memory-bound (non-matmul) work."""
+    gpus_per_node: int
+    """Ranks that share the fast link."""
+    intra: Link
+    """Between ranks of one node (NVLink, or the loopback a CPU cluster uses)."""
+    inter: Link
+    """Between nodes, per rank (InfiniBand / RoCE NIC)."""
+    collectives: dict[str, Link] = field(default_factory=dict)
+    """Measured links per collective, inside a node (from ``%mesh calibrate``); they
+    override ``intra`` for that collective."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.tflops) - set(DTYPES)
+        if unknown or not self.tflops:
+            raise ValueError(f"{self.name}: tflops takes {', '.join(DTYPES)}, got "
+                             f"{sorted(self.tflops)}")
+        if self.gpus_per_node < 1 or self.memory_gib <= 0 or self.memory_bandwidth_gbs <= 0:
+            raise ValueError(f"{self.name}: gpus_per_node, memory_gib and "
+                             "memory_bandwidth_gbs must be positive")
+        if not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
+        unknown = set(self.collectives) - set(COLLECTIVES)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown collectives {sorted(unknown)}; "
+                             f"choose from {', '.join(COLLECTIVES)}")
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achievable FLOP/s for matmuls in ``dtype``."""
+        if dtype not in self.tflops:
+            raise ValueError(f"{self.name} has no {dtype} peak (it has "
+                             f"{', '.join(self.tflops)}): choose another precision")
+        return self.tflops[dtype] * 1e12 * self.matmul_efficiency
+
+    def link(self, collective: str, *, inter_node: bool) -> Link:
+        """The link a collective runs on: measured for it, else the node's or the network's."""
+        if inter_node:
+            return self.inter
+        return self.collectives.get(collective, self.intra)
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * GIB
+
+
+def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
+         nvlink_gbs: float, nic_gbs: float, efficiency: float) -> Hardware:
+    # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
+    return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency,
+                    memory_gib=memory_gib, reserved_gib=4.0,
+                    memory_bandwidth_gbs=memory_tbs * 1000, gpus_per_node=8,
+                    intra=Link(bandwidth_gbs=nvlink_gbs, latency_us=5.0),
+                    inter=Link(bandwidth_gbs=nic_gbs, latency_us=10.0))
+
+
+# Sources: NVIDIA A100 datasheet (2021), H100 datasheet (SXM5), H200 product brief, DGX B200
+# datasheet. Bus bandwidth inside a node: measured NCCL all-reduce busBw on DGX systems
+# (~230 GB/s A100 NVLink3, ~370 GB/s H100/H200 NVLink4, ~700 GB/s B200 NVLink5). Between nodes:
+# one 200 Gb/s (A100) or 400 Gb/s (H100, H200, B200) NIC per GPU, ~90% of line rate.
+# Efficiency: large bf16 GEMMs reach ~80% of peak on A100 and ~70-75% on H100/H200/B200.
+HARDWARE: dict[str, Hardware] = {
+    "a100-80gb": _gpu("a100-80gb", tflops={"fp32": 19.5, "tf32": 156, "bf16": 312},
+                      memory_gib=80, memory_tbs=2.039, nvlink_gbs=230, nic_gbs=22.5,
+                      efficiency=0.8),
+    "h100-sxm": _gpu("h100-sxm", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
+                     memory_gib=80, memory_tbs=3.35, nvlink_gbs=370, nic_gbs=45,
+                     efficiency=0.75),
+    "h200": _gpu("h200", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
+                 memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45, efficiency=0.75),
+    "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
+                 memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7),
+    # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
+    # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
+    "cpu": Hardware(name="cpu", tflops={"fp32": 0.02, "bf16": 0.004}, matmul_efficiency=1.0,
+                    memory_gib=4, memory_bandwidth_gbs=5, gpus_per_node=4,
+                    intra=Link(bandwidth_gbs=0.5, latency_us=700.0),
+                    inter=Link(bandwidth_gbs=0.1, latency_us=1000.0)),
+}
+
+
+def hardware(name_or_path: str | Path | Hardware) -> Hardware:
+    """A built-in profile by name (any case, '-' or '_'), or one read from a TOML file."""
+    if isinstance(name_or_path, Hardware):
+        return name_or_path
+    key = str(name_or_path).strip().lower().replace("_", "-")
+    if key in HARDWARE:
+        return HARDWARE[key]
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        return load(path)
+    raise ValueError(f"unknown hardware {name_or_path!r}: choose one of "
+                     f"{', '.join(HARDWARE)} or give a .toml file (%mesh calibrate writes one)")
+
+
+def load(path: str | Path) -> Hardware:
+    """Read a hardware profile written by ``save`` (or by hand)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no hardware profile at {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    known = {f.name for f in fields(Hardware)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {sorted(unknown)}; a profile has "
+                         f"{', '.join(sorted(known))}")
+    try:
+        data.setdefault("name", path.stem)
+        for key in ("intra", "inter"):
+            data[key] = Link(**data[key])
+        data["collectives"] = {k: Link(**v) for k, v in data.get("collectives", {}).items()}
+        return Hardware(**data)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: incomplete profile ({e}); see meshlab.plan.HARDWARE for "
+                         "the fields") from None
+
+
+def save(hw: Hardware, path: str | Path) -> Path:
+    """Write ``hw`` as TOML that ``load`` reads back to an equal profile."""
+    data = asdict(hw)
+    lines = [f"# meshlab hardware profile: meshlab.plan.hardware({str(path)!r})"]
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        if key in ("tflops", "intra", "inter"):
+            sections[key] = value
+        elif key == "collectives":
+            sections.update({f"collectives.{k}": v for k, v in value.items()})
+        else:
+            lines.append(f"{key} = {_toml(value)}")
+    for name, values in sections.items():
+        lines += ["", f"[{name}]", *(f"{k} = {_toml(v)}" for k, v in values.items())]
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else "0.0"
+    return repr(value)
+

@@ -1,0 +1,177 @@
+"""How a run is split and trained: parallel degrees, ZeRO stage, batch, precision, recompute."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
+from meshlab.plan.shapes import ModelShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per value of each kind of training state, and the matmul dtype."""
+
+    compute: str
+    params: int
+    grads: int
+    optimizer: int
+    """Adam states per parameter (and fp32 master weights where params are 16-bit)."""
+    activations: int
+
+
+# fp32: Adam's two fp32 moments; bf16 and fp8: ZeRO's mixed-precision 2 + 2 + 12 bytes
+# (FSDP2's MixedPrecisionPolicy keeps fp32 sharded parameters and gathers bf16 copies:
+# the same 16 bytes per parameter). fp8 (as in torchao float8) changes the matmuls only.
+PRECISIONS = {
+    "fp32": Precision(compute="fp32", params=4, grads=4, optimizer=8, activations=4),
+    "bf16": Precision(compute="bf16", params=2, grads=2, optimizer=12, activations=2),
+    "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+
+# mesh order, outermost first, as meshlab.mesh (and torchtitan): tp ranks are neighbours
+AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+_ALIASES = {"dp": "dp_shard", "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
+            "sp": "sequence_parallel", "v": "virtual"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A training layout; gpus = pp x dp_replicate x dp_shard x cp x tp (ep is carved out of
+    dp_shard x cp, as in meshlab.mesh and torchtitan)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    zero: int = 3
+    """0: DDP; 1: optimizer states sharded; 2: + gradients (FSDP2 without resharding after
+    forward); 3: + parameters (FSDP2). Sharded over dp_shard x cp; dp_replicate ranks hold
+    copies of each shard (HSDP)."""
+    sequence_parallel: bool = True
+    """With tp > 1: norms and dropout run on sequence shards (all-gather / reduce-scatter
+    instead of all-reduce, same bytes)."""
+    schedule: str = "1f1b"
+    virtual: int = 1
+    """Pipeline stages per rank (interleaved_1f1b, looped_bfs; 2 for zbv and dualpipev)."""
+    micro_batch: int = 1
+    """Sequences per micro-batch on each data-parallel rank."""
+    microbatches: int = 1
+    """Micro-batches per step (pipeline micro-batches, or gradient accumulation)."""
+    recompute: str = "none"
+    """Activation checkpointing: none, selective (attention core) or full (whole layer)."""
+    precision: str = "bf16"
+    flash_attention: bool = True
+    """Attention kernels that do not store the s x s scores (FlashAttention, SDPA)."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "virtual",
+                     "micro_batch", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero not in ZERO_STAGES:
+            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                             f"got {self.recompute!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp_shard x cp = "
+                             f"{self.dp_shard * self.cp}: experts are spread over data ranks")
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different sequences."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks a ZeRO / FSDP shard is spread over (cp ranks hold the same weights)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.micro_batch * self.microbatches * self.dp
+
+    @property
+    def dtypes(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    def stride(self, axis: str) -> int:
+        """Rank distance between neighbours of ``axis`` (tp: 1; its outer axes: more)."""
+        inner = AXIS_ORDER[AXIS_ORDER.index(axis) + 1:]
+        return math.prod(getattr(self, a) for a in inner)
+
+    def describe(self) -> str:
+        """``pp=4 dp_shard=8 tp=8 zero=1 mbs=1 m=16`` (the degrees > 1 and the choices)."""
+        parts = [f"{a}={getattr(self, a)}" for a in (*AXIS_ORDER, "ep") if getattr(self, a) > 1]
+        parts.append(f"zero={self.zero}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"/v{self.virtual}" if self.virtual > 1 else ""))
+        parts.append(f"mbs={self.micro_batch} m={self.microbatches}")
+        if self.recompute != "none":
+            parts.append(f"ac={self.recompute}")
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("sp=0")
+        return " ".join(parts)
+
+    @classmethod
+    def parse(cls, text: str, **defaults: Any) -> Layout:
+        """``"pp=4 dp=8 tp=8 zero=1 mbs=1 m=16 ac=full"`` (dp means dp_shard)."""
+        values: dict[str, Any] = dict(defaults)
+        types = {f.name: f.type for f in fields(cls)}
+        for token in text.replace(",", " ").split():
+            match = re.fullmatch(r"([a-z_]+)=(\S+)", token)
+            key = _ALIASES.get(match.group(1), match.group(1)) if match else ""
+            if not match or key not in types:
+                raise ValueError(f"layout {token!r}: write NAME=VALUE with NAME one of "
+                                 f"{', '.join([*types, *_ALIASES])}")
+            value = match.group(2)
+            try:
+                if types[key] == "int":
+                    values[key] = int(value)
+                elif types[key] == "bool":
+                    values[key] = value.lower() not in ("0", "false", "no", "off")
+                else:
+                    values[key] = value
+            except ValueError:
+                raise ValueError(f"layout {token!r}: {key} takes a whole number") from None
+        return cls(**values)
+
+
+def check(model: ModelShape, layout: Layout) -> None:
+    """Raise ValueError naming what the layout cannot do with this model."""
+    t = layout.tp
+    for name, value in (("heads", model.heads), ("kv_heads", model.n_kv_heads),
+                        ("ffn", model.ffn)):
+        if value % t:
+            raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
+    stages = layout.pp * layout.virtual
+    if stages > model.layers:
+        raise ValueError(f"pp x virtual = {stages} stages, but {model.name} has "
+                         f"{model.layers} layers")
+    if model.seq_len % (2 * layout.cp if layout.cp > 1 else 1):
+        raise ValueError(f"cp={layout.cp}: the sequence ({model.seq_len}) must split into "
+                         f"2 x cp = {2 * layout.cp} chunks (load-balanced causal attention)")
+    if layout.ep > 1 and (not model.experts or model.experts % layout.ep):
+        raise ValueError(f"ep={layout.ep} must divide the experts ({model.experts}) of "
+                         f"{model.name}")
+    if layout.pp == 1 and (layout.schedule != "1f1b" or layout.virtual != 1):
+        raise ValueError("a schedule and virtual stages need pp > 1")

@@ -1,0 +1,130 @@
+"""Enumerate the layouts of a model on a number of GPUs, keep those that fit, rank them."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from meshlab.plan.estimate import Estimate, estimate
+from meshlab.plan.hardware import Hardware
+from meshlab.plan.layout import Layout
+from meshlab.plan.shapes import ModelShape
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# what the search varies, and the values it tries unless pinned
+SEARCHED = ("tp", "pp", "cp", "ep", "dp_replicate", "zero", "micro_batch", "recompute",
+            "schedule", "virtual")
+_OPS = {"=": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
+        "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def parse_constraints(text: str) -> dict[str, Any]:
+    """``"tp<=8 pp=16 zero=1"`` -> {"tp": ("<=", 8), ...} (dp means dp_shard)."""
+    out: dict[str, Any] = {}
+    for token in text.replace(",", " ").split():
+        match = re.fullmatch(r"([a-z_]+)(<=|>=|=|<|>)(\S+)", token)
+        if not match:
+            raise ValueError(f"constraint {token!r}: write NAME=VALUE, NAME<=VALUE or "
+                             f"NAME>=VALUE, NAME one of {', '.join(SEARCHED)}")
+        name, op, value = match.groups()
+        name = {"dp": "dp_shard", "mbs": "micro_batch", "ac": "recompute"}.get(name, name)
+        if name not in (*SEARCHED, "dp_shard", "sequence_parallel", "precision"):
+            raise ValueError(f"constraint {token!r}: {name} is not searched; choose from "
+                             f"{', '.join(SEARCHED)}")
+        out[name] = (op, value if not value.lstrip("-").isdigit() else int(value))
+    return out
+
+
+def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch: int,
+               constraints: dict[str, Any] | None = None,
+               precision: str = "bf16") -> Iterator[Layout]:
+    """Every layout of ``gpus`` GPUs with ``global_batch`` sequences per step that the model
+    can take (divisibility) and that meets the constraints."""
+    cons = constraints or {}
+
+    def allowed(name: str, values: Iterable[Any]) -> list[Any]:
+        if name not in cons:
+            return list(values)
+        op, bound = cons[name]
+        if op == "=":
+            return [bound]  # pinned: tried even where the default list would not go
+        return [v for v in values if _OPS[op](v, bound)]
+
+    tps = allowed("tp", [t for t in _powers_of_two(hardware.gpus_per_node)
+                         if model.n_kv_heads % t == 0 and model.ffn % t == 0])
+    pps = allowed("pp", [p for p in _powers_of_two(min(gpus, model.layers))])
+    cps = allowed("cp", [c for c in _powers_of_two(16) if model.seq_len % (2 * c) == 0]
+                  if model.seq_len >= 16384 else [1])
+    eps = allowed("ep", [e for e in _powers_of_two(model.experts) if model.experts % e == 0]
+                  if model.experts else [1])
+    zeros = allowed("zero", [1, 2, 3])
+    mbss = allowed("micro_batch", [1, 2, 4])
+    recomputes = allowed("recompute", ["none", "selective", "full"])
+    schedules = allowed("schedule", ["1f1b", "interleaved_1f1b"])
+    for tp, pp, cp, ep, zero, mbs, recompute, schedule in itertools.product(
+            tps, pps, cps, eps, zeros, mbss, recomputes, schedules):
+        if gpus % (tp * pp * cp):
+            continue
+        dp = gpus // (tp * pp * cp)
+        if global_batch % (dp * mbs):
+            continue
+        microbatches = global_batch // (dp * mbs)
+        if pp == 1 and schedule != "1f1b":
+            continue
+        virtuals = [1]
+        if schedule == "interleaved_1f1b":
+            virtuals = [v for v in allowed("virtual", [2, 4]) if model.layers % (pp * v) == 0
+                        and microbatches % pp == 0]
+        if pp > 1 and microbatches < pp:
+            continue  # the pipeline would never fill
+        # HSDP: shard inside a node's worth of data ranks, replicate across
+        reps = {1, max(1, dp // max(1, hardware.gpus_per_node // (tp * cp)))}
+        for dp_replicate in allowed("dp_replicate", sorted(reps)):
+            if dp % dp_replicate:
+                continue
+            dp_shard = dp // dp_replicate
+            if "dp_shard" in cons and not _OPS[cons["dp_shard"][0]](dp_shard,
+                                                                     cons["dp_shard"][1]):
+                continue
+            if (dp_shard * cp) % ep:
+                continue
+            for virtual in virtuals:
+                yield Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,
+                             tp=tp, ep=ep, zero=zero, micro_batch=mbs,
+                             microbatches=microbatches, recompute=recompute,
+                             schedule=schedule, virtual=virtual, precision=precision)
+
+
+def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: int,
+           constraints: dict[str, Any] | str | None = None, precision: str = "bf16",
+           top: int | None = 20, include_unfit: bool = False) -> pd.DataFrame:
+    """Layouts that fit, fastest first: one row per layout (``Estimate.summary()``) with the
+    Estimate itself in column ``estimate``."""
+    import pandas as pd
+
+    if isinstance(constraints, str):
+        constraints = parse_constraints(constraints)
+    rows = []
+    for layout in candidates(model, gpus, hardware, global_batch=global_batch,
+                             constraints=constraints, precision=precision):
+        try:
+            result: Estimate = estimate(model, layout, hardware)
+        except ValueError:
+            continue  # the model cannot take this layout (checked in detail by check())
+        if result.fits or include_unfit:
+            rows.append({**result.summary(), "estimate": result})
+    if not rows:
+        raise ValueError(f"no layout of {model.name} on {gpus} {hardware.name} GPUs with a "
+                         f"global batch of {global_batch} fits in memory: add GPUs, allow "
+                         "more sharding (fewer constraints), or lower the batch")
+    frame = pd.DataFrame(rows).sort_values("tokens_per_s", ascending=False)
+    frame = frame.reset_index(drop=True)
+    return frame.head(top) if top else frame

@@ -1,0 +1,137 @@
+"""Model shapes the planner reasons about: parameter counts by part, and public presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A decoder-only transformer's shape (Llama-style by default: SwiGLU, no biases)."""
+
+    name: str = "custom"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); default: ``heads``."""
+    ffn: int
+    """Feed-forward hidden size (of each expert, for MoE)."""
+    vocab: int
+    seq_len: int
+    """Training sequence length."""
+    experts: int = 0
+    """Experts per MoE layer (every layer); 0: dense."""
+    top_k: int = 1
+    """Experts each token goes to."""
+    gated_ffn: bool = True
+    """SwiGLU (three matrices) rather than a GELU MLP (two, as in GPT-3)."""
+    tied_embeddings: bool = False
+    """The output projection reuses the token embedding."""
+    learned_positions: bool = False
+    """A position-embedding table (GPT-3) rather than RoPE."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{self.name}: {name} must be >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"{self.name}: heads={self.heads} must divide "
+                             f"hidden={self.hidden}")
+        if self.n_kv_heads < 1 or self.heads % self.n_kv_heads:
+            raise ValueError(f"{self.name}: kv_heads={self.kv_heads} must divide "
+                             f"heads={self.heads}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"{self.name}: top_k={self.top_k} must be in 1..{self.experts}")
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and output projections of one layer."""
+        h, d = self.hidden, self.head_dim
+        return 2 * h * self.heads * d + 2 * h * self.n_kv_heads * d
+
+    @property
+    def expert_params(self) -> int:
+        """One feed-forward (one expert of an MoE layer)."""
+        return (3 if self.gated_ffn else 2) * self.hidden * self.ffn
+
+    @property
+    def ffn_params(self) -> int:
+        """All feed-forward weights of one layer: every expert plus the router."""
+        if not self.experts:
+            return self.expert_params
+        return self.experts * self.expert_params + self.hidden * self.experts
+
+    @property
+    def layer_params(self) -> int:
+        return self.attention_params + self.ffn_params + 2 * self.hidden  # + two norms
+
+    @property
+    def embedding_params(self) -> int:
+        """Token (and position) embedding, the output projection unless tied, final norm."""
+        tables = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        positions = self.seq_len * self.hidden if self.learned_positions else 0
+        return tables + positions + self.hidden
+
+    @property
+    def params(self) -> int:
+        """Every parameter."""
+        return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """Weights one token multiplies by: the FLOPs count (the embedding lookup is not a
+        matmul; the output projection is, tied or not; top_k experts of an MoE layer)."""
+        ffn = (self.top_k * self.expert_params + self.hidden * self.experts
+               if self.experts else self.expert_params)
+        return self.layers * (self.attention_params + ffn) + self.vocab * self.hidden
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, seq_len: int | None = None,
+                    name: str = "meshlab") -> ModelShape:
+        """The shape of a ``meshlab.models.ModelConfig`` (read by attribute: no torch)."""
+        return cls(name=name, layers=cfg.n_layers, hidden=cfg.dim, heads=cfg.n_heads,
+                   kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_hidden, vocab=cfg.vocab_size,
+                   seq_len=seq_len or cfg.max_seq_len, experts=cfg.n_experts,
+                   top_k=cfg.top_k if cfg.n_experts else 1)
+
+
+# Public architecture numbers. Llama 3: Dubey et al. 2024, "The Llama 3 Herd of Models",
+# Table 3 (8B, 70B, 405B; pre-training sequence length 8,192). GPT-3: Brown et al. 2020,
+# Table 2.1 (175B: 96 layers, d_model 12,288, 96 heads of 128, context 2,048; the GPT-2
+# architecture, so a 4x GELU MLP, tied embeddings and learned positions).
+MODELS: dict[str, ModelShape] = {
+    "llama3-8b": ModelShape(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                            ffn=14336, vocab=128256, seq_len=8192),
+    "llama3-70b": ModelShape(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                             ffn=28672, vocab=128256, seq_len=8192),
+    "llama3-405b": ModelShape(name="llama3-405b", layers=126, hidden=16384, heads=128,
+                              kv_heads=8, ffn=53248, vocab=128256, seq_len=8192),
+    "gpt3-175b": ModelShape(name="gpt3-175b", layers=96, hidden=12288, heads=96, ffn=49152,
+                            vocab=50257, seq_len=2048, gated_ffn=False, tied_embeddings=True,
+                            learned_positions=True),
+    # meshlab.models.ModelConfig() at the size the benchmarks train (max_seq_len=64)
+    "meshlab": ModelShape(name="meshlab", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+                          vocab=256, seq_len=64),
+}
+
+
+def model_shape(name_or_shape: str | ModelShape) -> ModelShape:
+    """A preset by name (any case), or the shape itself."""
+    if isinstance(name_or_shape, ModelShape):
+        return name_or_shape
+    key = name_or_shape.strip().lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name_or_shape!r}: choose one of {', '.join(MODELS)}, "
+                         "or give a ModelShape (ModelShape.from_config(cfg) for a meshlab "
+                         "model)")
+    return MODELS[key]
