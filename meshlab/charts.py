@@ -102,3 +102,37 @@ def bench_chart(frame: pd.DataFrame) -> OfflineChart:
     ).properties(width=220, height=160).facet(column=alt.Column("rank:N", title="rank"))
     return OfflineChart(chart.properties(
         title=f"{data['kernel'].iloc[0] if len(data) else ''} ({timer})"))
+
+
+def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
+    """GiB per GPU of each planned layout, stacked by part, with the usable memory as a
+    rule: the layouts past the line do not fit."""
+    parts = list(dict.fromkeys(frame["part"]))
+    order = list(dict.fromkeys(frame["layout"]))
+    bars = alt.Chart(frame).mark_bar().encode(
+        y=alt.Y("layout:N", sort=order, title=None),
+        x=alt.X("sum(gib):Q", title="GiB per GPU"),
+        color=alt.Color("part:N", sort=parts, title=None),
+        tooltip=["layout", "part", alt.Tooltip("gib:Q", format=".2f")],
+    )
+    usable = alt.Chart(frame.head(1)).mark_rule(color="black", strokeDash=[4, 3]).encode(
+        x="usable_gib:Q")
+    height = max(60, 22 * len(order))
+    return OfflineChart(alt.layer(bars, usable).properties(
+        title="memory per GPU (dashed: usable)", width=480, height=height))
+
+
+def plan_comm_chart(frame: pd.DataFrame) -> OfflineChart:
+    """Seconds per step of each axis's collectives, split into those hidden behind compute
+    and those on the critical path, coloured by link."""
+    data = frame.assign(kind=frame["overlapped"].map({True: "overlapped", False: "exposed"}))
+    chart = alt.Chart(data, title="communication per step by axis").mark_bar().encode(
+        y=alt.Y("axis:N", title=None),
+        x=alt.X("sum(seconds):Q", title="seconds per step"),
+        color=alt.Color("link:N", title=None),
+        opacity=alt.Opacity("kind:N", title=None, sort=["exposed", "overlapped"],
+                            scale=alt.Scale(range=[1.0, 0.45])),
+        tooltip=["axis", "what", "collective", "ranks", "link", "calls", "mib_each",
+                 alt.Tooltip("seconds:Q", format=".4f"), "kind"],
+    ).properties(width=480, height=max(60, 24 * data["axis"].nunique()))
+    return OfflineChart(chart)

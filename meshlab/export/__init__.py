@@ -7,7 +7,7 @@ import: never IPython, ipyparallel or widgets, so it runs under plain ``torchrun
 """
 
 from meshlab.export.journal import Entry, ExportError, Journal, parse_cells, select
-from meshlab.export.notebook import main, read_notebook
+from meshlab.export.notebook import read_notebook
 from meshlab.export.script import (
     Layout,
     export,
@@ -21,5 +21,5 @@ from meshlab.export.script import (
 )
 
 __all__ = ["Entry", "ExportError", "Journal", "Layout", "export", "launch_script", "layout",
-           "main", "parse_cells", "python", "read_notebook", "rescale", "sbatch_script",
+           "parse_cells", "python", "read_notebook", "rescale", "sbatch_script",
            "script", "select", "torchrun_args"]

@@ -120,21 +120,20 @@ def _pipeline(journal: Journal, args: Any, number: int, literals: dict[str, str]
     journal.record_pipeline(args.model, schedule, number, batch=args.batch, loss=args.loss)
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_command(commands: Any) -> None:
     """``meshlab export NOTEBOOK.ipynb -o train.py [--sbatch] [--nodes N] ...``"""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="meshlab", description="Write a saved meshlab notebook as a torchrun script.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    cmd = commands.add_parser("export", help="notebook -> train.py, launch.sh (job.sbatch)")
+    cmd = commands.add_parser("export", help="notebook -> train.py, launch.sh (job.sbatch)",
+                              description="Write a saved meshlab notebook as a torchrun script.")
     cmd.add_argument("notebook", type=Path)
     cmd.add_argument("-o", "--output", type=Path, default=Path("train.py"))
     cmd.add_argument("--sbatch", action="store_true", help="also write job.sbatch")
     cmd.add_argument("--nodes", type=int, default=1)
     cmd.add_argument("--gpus-per-node", type=int)
     cmd.add_argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 (default: all)")
-    args = parser.parse_args(argv)
+    cmd.set_defaults(run=run_command)
+
+
+def run_command(args: Any, parser: Any) -> int:
     try:
         journal = read_notebook(args.notebook)
         written = export(journal, args.output, sbatch=args.sbatch, nodes=args.nodes,

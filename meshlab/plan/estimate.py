@@ -346,18 +346,19 @@ class _Estimator:
         # (parameters, ranks they are sharded over): experts only over the data ranks
         # outside their ep group (torchtitan's dp_shard_mod_ep)
         parts = [(dense, group), (expert, group // lay.ep)]
+        units = self.layers  # one FSDP unit per layer, as fully_shard is applied
         fwd = bwd = 0.0
         for params, ranks in parts:
             if not params or ranks == 1:
                 continue
-            gather = params * dt.params
+            gather, calls = params * dt.params / units, units * mb
             fwd += self._add(axis, "FSDP all-gather of parameters (forward)", "all_gather",
-                             ranks, stride, gather, mb, overlapped=True)
+                             ranks, stride, gather, calls, overlapped=True)
             if lay.zero == 3:
                 bwd += self._add(axis, "FSDP all-gather of parameters (backward)",
-                                 "all_gather", ranks, stride, gather, mb, overlapped=True)
+                                 "all_gather", ranks, stride, gather, calls, overlapped=True)
             bwd += self._add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
-                             ranks, stride, params * dt.grads, mb, overlapped=True)
+                             ranks, stride, params * dt.grads / units, calls, overlapped=True)
         return fwd / mb, bwd / mb
 
     def _gradient_sync(self, *, last_backward_s: float) -> float:

@@ -125,10 +125,15 @@ MODELS: dict[str, ModelShape] = {
 }
 
 
-def model_shape(name_or_shape: str | ModelShape) -> ModelShape:
-    """A preset by name (any case), or the shape itself."""
+def model_shape(name_or_shape: str | ModelShape | Any) -> ModelShape:
+    """A preset by name (any case), the shape itself, or a meshlab ``ModelConfig``."""
     if isinstance(name_or_shape, ModelShape):
         return name_or_shape
+    if hasattr(name_or_shape, "n_layers") and hasattr(name_or_shape, "dim"):
+        return ModelShape.from_config(name_or_shape)
+    if not isinstance(name_or_shape, str):
+        raise ValueError(f"cannot plan a {type(name_or_shape).__name__}: give a preset name "
+                         f"({', '.join(MODELS)}), a ModelShape or a meshlab ModelConfig")
     key = name_or_shape.strip().lower()
     if key not in MODELS:
         raise ValueError(f"unknown model {name_or_shape!r}: choose one of {', '.join(MODELS)}, "

@@ -1,0 +1,113 @@
+"""``plan(...)``: one layout estimated, or the best layouts searched, as tables to show."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from meshlab.plan.estimate import Estimate, estimate
+from meshlab.plan.hardware import GIB, Hardware, hardware
+from meshlab.plan.layout import Layout
+from meshlab.plan.search import search
+from meshlab.plan.shapes import ModelShape, model_shape
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+STEP_TOKENS = 4 * 2**20  # default batch: ~4M tokens per step, as Llama 3 began with
+
+
+@dataclass
+class Plan:
+    """Estimates of one model on ``gpus`` GPUs of ``hardware``, best first."""
+
+    model: ModelShape
+    gpus: int
+    hardware: Hardware
+    estimates: list[Estimate]
+    tokens: float | None = None
+    """Training tokens, for days and GPU-hours."""
+
+    @property
+    def best(self) -> Estimate:
+        return self.estimates[0]
+
+    def table(self) -> pd.DataFrame:
+        """One row per layout: memory, step time, throughput, MFU (and days to train)."""
+        rows = []
+        for e in self.estimates:
+            row = e.summary()
+            row = {"layout": row["layout"], "fits": row["fits"],
+                   "memory_gib": round(row["memory_gib"], 1), "step_s": round(e.step_s, 3),
+                   "bubble": round(e.bubble_fraction, 3),
+                   "exposed_comm_s": round(e.exposed_comm_s, 3),
+                   "tokens_per_s": round(e.tokens_per_s),
+                   "tflops_per_gpu": round(e.tflops_per_gpu, 1), "mfu": round(e.mfu, 3)}
+            if self.tokens:
+                row["days"] = round(e.train_days(self.tokens), 1)
+                row["gpu_hours"] = round(e.gpu_hours(self.tokens))
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def memory_frame(self) -> pd.DataFrame:
+        """Long format for a stacked bar per layout: layout, part, gib (plus usable_gib)."""
+        rows = [{"layout": e.layout.describe(), "part": part, "gib": e.memory[part] / GIB,
+                 "usable_gib": self.hardware.usable_bytes / GIB}
+                for e in self.estimates for part in MEMORY_PARTS]
+        return pd.DataFrame(rows)
+
+    def comm_frame(self, index: int = 0) -> pd.DataFrame:
+        """The collectives of one layout (the best by default), slowest axis first."""
+        e = self.estimates[index]
+        rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
+                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
+                 "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
+                 "overlapped": c.overlapped} for c in e.collectives]
+        frame = pd.DataFrame(rows, columns=["axis", "what", "collective", "ranks", "link",
+                                            "calls", "mib_each", "seconds", "overlapped"])
+        return frame.sort_values("seconds", ascending=False, ignore_index=True)
+
+    def text(self) -> str:
+        """A few lines on the best layout."""
+        e = self.best
+        lines = [f"{self.model.name} ({self.model.params / 1e9:.1f}B parameters) on "
+                 f"{self.gpus} x {self.hardware.name}, global batch {e.layout.global_batch} "
+                 f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
+                 f"{e.layout.describe()}: {e.memory['total'] / GIB:.1f} GiB per GPU "
+                 f"({'fits' if e.fits else 'does NOT fit'} in "
+                 f"{self.hardware.usable_bytes / GIB:.0f} GiB), step {e.step_s:.3g} s, "
+                 f"{e.tokens_per_s:,.0f} tokens/s, {e.tflops_per_gpu:.0f} TFLOP/s per GPU, "
+                 f"MFU {e.mfu:.0%}, bubble {e.bubble_fraction:.0%}"]
+        if self.tokens:
+            lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
+                         f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")
+        lines += e.notes
+        return "\n".join(lines)
+
+
+def default_batch(model: ModelShape, gpus: int) -> int:
+    """Sequences per step: a power of two near 4M tokens, and at least one per GPU."""
+    return 2 ** math.ceil(math.log2(max(STEP_TOKENS / model.seq_len, gpus)))
+
+
+def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware = "h100-sxm",
+         layout: str | Layout | None = None, constraints: str | None = None,
+         global_batch: int | None = None, precision: str = "bf16", top: int = 10,
+         tokens: float | None = None) -> Plan:
+    """Estimate ``layout`` (its degrees must multiply to ``gpus``), or search the best
+    ``top`` layouts meeting ``constraints`` (e.g. "tp<=8 pp=16")."""
+    shape, hw = model_shape(model), hardware(hardware_profile)
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if layout is not None:
+        if isinstance(layout, str):
+            layout = Layout.parse(layout, precision=precision)
+        if layout.gpus != gpus:
+            raise ValueError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not "
+                             f"{gpus}: make pp x dp_replicate x dp_shard x cp x tp = {gpus}")
+        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens)
+    batch = global_batch or default_batch(shape, gpus)
+    found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
+                        constraints=constraints, precision=precision, top=top)
+    return Plan(shape, gpus, hw, list(found["estimate"]), tokens)
