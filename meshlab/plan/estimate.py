@@ -352,8 +352,11 @@ class _Estimator:
             if not params or ranks == 1:
                 continue
             gather, calls = params * dt.params / units, units * mb
+            # ZeRO-2 keeps the gathered parameters for the whole step (its memory counts
+            # them unsharded): one gather per step; ZeRO-3 gathers for every micro-batch
             fwd += self._add(axis, "FSDP all-gather of parameters (forward)", "all_gather",
-                             ranks, stride, gather, calls, overlapped=True)
+                             ranks, stride, gather, calls if lay.zero == 3 else units,
+                             overlapped=True)
             if lay.zero == 3:
                 bwd += self._add(axis, "FSDP all-gather of parameters (backward)",
                                  "all_gather", ranks, stride, gather, calls, overlapped=True)

@@ -52,9 +52,10 @@ class Layout:
     tp: int = 1
     ep: int = 1
     zero: int = 3
-    """0: DDP; 1: optimizer states sharded; 2: + gradients (FSDP2 without resharding after
-    forward); 3: + parameters (FSDP2). Sharded over dp_shard x cp; dp_replicate ranks hold
-    copies of each shard (HSDP)."""
+    """0: DDP; 1: optimizer states sharded; 2: + gradients (parameters gathered once per
+    step and kept, as Llama 3 ran FSDP); 3: + parameters (FSDP2, gathered for every
+    micro-batch's forward and backward). Sharded over dp_shard x cp; dp_replicate ranks
+    hold copies of each shard (HSDP)."""
     sequence_parallel: bool = True
     """With tp > 1: norms and dropout run on sequence shards (all-gather / reduce-scatter
     instead of all-reduce, same bytes)."""
