@@ -58,6 +58,15 @@ class Hardware:
     """Between ranks of one node (NVLink, or the loopback a CPU cluster uses)."""
     inter: Link
     """Between nodes, per rank (InfiniBand / RoCE NIC)."""
+    layer_overhead_us: float = 0.0
+    """Host time of one layer's forward and backward that does not grow with its size:
+    operator dispatch, autograd, kernel launches (eager PyTorch: a few hundred operators per
+    layer). ``%mesh calibrate`` measures it on a tiny layer."""
+    asynchronous: bool = True
+    """The device computes while the host queues more work and while collectives run on
+    their own engines (GPUs: launch overhead and overlapped communication hide behind the
+    math). False for CPU ranks: dispatch, gloo's threads and the math share the cores, so
+    they add up."""
     collectives: dict[str, Link] = field(default_factory=dict)
     """Measured links per collective, inside a node (from ``%mesh calibrate``); they
     override ``intra`` for that collective."""
@@ -123,9 +132,10 @@ HARDWARE: dict[str, Hardware] = {
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
-    "cpu": Hardware(name="cpu", tflops={"fp32": 0.02, "bf16": 0.004}, matmul_efficiency=1.0,
-                    memory_gib=4, memory_bandwidth_gbs=5, gpus_per_node=4,
-                    intra=Link(bandwidth_gbs=0.5, latency_us=700.0),
+    "cpu": Hardware(name="cpu", tflops={"fp32": 0.045, "bf16": 0.045}, matmul_efficiency=1.0,
+                    memory_gib=4, memory_bandwidth_gbs=13, gpus_per_node=4,
+                    layer_overhead_us=20000.0, asynchronous=False,
+                    intra=Link(bandwidth_gbs=0.8, latency_us=600.0),
                     inter=Link(bandwidth_gbs=0.1, latency_us=1000.0)),
 }
 
