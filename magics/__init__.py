@@ -17,7 +17,16 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from meshlab.charts import bench_chart, comms_chart, memory_chart, timeline_chart
+from meshlab.calibrate import parse_sizes
+from meshlab.calibration import calibrate_profile
+from meshlab.charts import (
+    bench_chart,
+    comms_chart,
+    memory_chart,
+    plan_comm_chart,
+    plan_memory_chart,
+    timeline_chart,
+)
 from meshlab.cluster import Cluster, ClusterError
 from meshlab.export import ExportError, Journal, export
 from meshlab.kernel_bench import run_bench
@@ -29,6 +38,8 @@ from meshlab.output import (
     strip_ansi,
     summary_lines,
 )
+from meshlab.plan import HARDWARE, MODELS, PRECISIONS
+from meshlab.plan import report as planning
 from meshlab.ranks import parse_ranks
 from meshlab.restore import (
     DEFAULT_NAMES,
@@ -196,6 +207,39 @@ def _bench(line: str) -> None:
 
 
 @magic_arguments()
+@argument("-o", dest="path", default="calibrated.toml", metavar="PATH",
+          help="the hardware profile to write (default calibrated.toml)")
+@argument("--name", help="the profile's name (default: the file's stem)")
+@argument("--sizes", help="collective message sizes in bytes, comma-separated, K/M/G suffixes "
+          "(default 4K..16M on CPU, 64K..256M on GPU)")
+@argument("--quick", action="store_true", help="fewer sizes and repetitions: a rough profile "
+          "in a few seconds")
+def _calibrate(line: str) -> None:
+    """%mesh calibrate: time matmuls, memory copies and every collective on each mesh axis of
+    the live ranks; fit the planner's alpha-beta model; write a hardware profile."""
+
+
+@magic_arguments()
+@argument("model", help="a preset (" + ", ".join(MODELS) + "), or a notebook variable "
+          "holding a ModelShape or a meshlab ModelConfig")
+@argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
+@argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
+          "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")
+@argument("--layout", help='one layout to estimate, e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 '
+          'm=16"; without it the best layouts are searched')
+@argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
+@argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens)")
+@argument("--precision", default="bf16", choices=list(PRECISIONS),
+          help="compute precision (default bf16)")
+@argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")
+@argument("--top", type=int, default=10, help="layouts to show from the search (default 10)")
+@argument("-o", dest="output", metavar="NAME", help="keep the Plan in the notebook as NAME")
+def _plan(line: str) -> None:
+    """%mesh plan: predict memory per GPU, communication per axis and step time of a model on
+    many GPUs, for one layout or the best layouts found."""
+
+
+@magic_arguments()
 @argument("path", help="the script to write, e.g. train.py; launch.sh goes beside it")
 @argument("--sbatch", action="store_true", help="also write job.sbatch for Slurm")
 @argument("--nodes", type=int, default=1, help="nodes to run on (default 1)")
@@ -223,8 +267,14 @@ cell_arguments = _cell  # %%mesh's options, for reading saved notebooks (meshlab
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,
                "init": _init, "inspect": _inspect, "memory": _memory, "push": _push,
                "pull": _pull, "auto": _auto, "schedule": _schedule, "pipeline": _pipeline,
-               "step": _step, "bench": _bench, "export": _export, "checkpoint": _checkpoint,
-               "stacks": _stacks, "debug": _debug}
+               "step": _step, "bench": _bench, "calibrate": _calibrate, "plan": _plan,
+               "export": _export, "checkpoint": _checkpoint, "stacks": _stacks,
+               "debug": _debug}
+
+
+def _unquote(text: str | None) -> str | None:
+    # magic_arguments keeps the quotes of "tp=8 pp=16" on the value
+    return text.strip("\"'") if text else text
 
 
 def _help() -> str:
@@ -487,6 +537,45 @@ class MeshMagics(Magics):
         display(table.set_index(["rank", "provider", "size"]))
         if frame["median_ms"].notna().any():
             display(bench_chart(frame))
+
+    def _calibrate(self, args: Any) -> None:
+        try:  # a bad line first: its error is the one to fix
+            sizes = parse_sizes(args.sizes) if args.sizes else None
+            report = calibrate_profile(self._need_cluster(), args.path, name=args.name,
+                                       sizes=sizes, quick=args.quick)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        c = report.calibration
+        print(f"calibrated {c.world_size} ranks ({c.device_name}, {c.timer}) in "
+              f"{c.seconds:.1f} s, mesh {c.mesh or '(none)'}")
+        for note in c.notes:
+            print(f"note: {note}")
+        collectives = report.collectives.set_index(["axis", "collective"])
+        if not collectives["note"].any():
+            collectives = collectives.drop(columns="note")
+        display(report.matmul.set_index(["dtype", "m", "n", "k"]), collectives)
+        print(f"wrote {report.path}: {report.describe()}")
+        print(f"use it: %mesh plan MODEL --hardware {args.path}")
+
+    def _plan(self, args: Any) -> None:
+        gpus = args.gpus or (self.cluster.world_size if self.cluster and self.cluster.running
+                             else None)
+        if gpus is None:
+            raise UsageError("how many GPUs? pass --gpus N (or start a cluster to plan for it)")
+        try:
+            model = self.shell.user_ns.get(args.model, args.model)
+            result = planning.plan(model, gpus=gpus, hardware_profile=args.hardware,
+                                   layout=_unquote(args.layout),
+                                   constraints=_unquote(args.where),
+                                   global_batch=args.batch, precision=args.precision,
+                                   top=args.top, tokens=args.tokens)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        print(result.text())
+        display(result.table(), plan_memory_chart(result.memory_frame()),
+                plan_comm_chart(result.comm_frame()))
+        if args.output:
+            self.shell.user_ns[args.output] = result
 
     def _export(self, args: Any) -> None:
         try:

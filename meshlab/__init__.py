@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "ClusterError", "MeshError", "bench", "load_ipython_extension",
-           "unload_ipython_extension"]
+__all__ = ["Cluster", "ClusterError", "MeshError", "bench", "calibrate_profile",
+           "load_ipython_extension", "unload_ipython_extension"]
 
 if TYPE_CHECKING:
+    from meshlab.calibration import calibrate_profile
     from meshlab.cluster import Cluster, ClusterError
     from meshlab.kernels.bench import bench
     from meshlab.output import MeshError
@@ -28,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from meshlab.kernels.bench import bench
 
         return bench
+    if name == "calibrate_profile":  # notebook side: measure a cluster, write a profile
+        from meshlab.calibration import calibrate_profile
+
+        return calibrate_profile
     if name == "MeshError":
         from meshlab.output import MeshError
 

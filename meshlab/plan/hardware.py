@@ -132,9 +132,9 @@ HARDWARE: dict[str, Hardware] = {
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
-    "cpu": Hardware(name="cpu", tflops={"fp32": 0.045, "bf16": 0.045}, matmul_efficiency=1.0,
-                    memory_gib=4, memory_bandwidth_gbs=13, gpus_per_node=4,
-                    layer_overhead_us=20000.0, asynchronous=False,
+    "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,
+                    memory_gib=5.9, memory_bandwidth_gbs=9, gpus_per_node=4,
+                    layer_overhead_us=1700.0, asynchronous=False,
                     intra=Link(bandwidth_gbs=0.8, latency_us=600.0),
                     inter=Link(bandwidth_gbs=0.1, latency_us=1000.0)),
 }
@@ -199,6 +199,8 @@ def save(hw: Hardware, path: str | Path) -> Path:
 
 
 def _toml(value: Any) -> str:
+    if isinstance(value, bool):  # before int: repr(True) is not TOML
+        return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, float):

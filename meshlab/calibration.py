@@ -1,0 +1,97 @@
+"""Notebook side of ``%mesh calibrate``: run meshlab.calibrate on every rank, write the
+hardware profile, and lay out what was measured as tables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from meshlab.calibrate import Calibration, write_profile
+from meshlab.cluster import Cluster
+from meshlab.plan.hardware import Hardware
+
+
+@dataclass(slots=True)
+class CalibrationReport:
+    """What ``calibrate_profile`` measured and wrote."""
+
+    hardware: Hardware
+    """The profile, as ``meshlab.plan.hardware.load(path)`` reads it back."""
+    path: Path
+    calibration: Calibration
+    """Everything measured, raw points included (plain data from the ranks)."""
+    collectives: pd.DataFrame
+    """One row per (axis, collective): the alpha-beta fit in the profile's units."""
+    matmul: pd.DataFrame
+    """One row per (dtype, shape): achieved TFLOP/s on the slowest rank."""
+    points: pd.DataFrame
+    """One row per measured message: measured and fitted time, to plot one beside the other."""
+
+    def describe(self) -> str:
+        """One line: what the profile says."""
+        hw = self.hardware
+        flops = ", ".join(f"{d} {t:.3g}" for d, t in hw.tflops.items())
+        return (f"{hw.name}: TFLOP/s {flops}; {hw.memory_gib:.1f} GiB/rank, copy "
+                f"{hw.memory_bandwidth_gbs:.3g} GB/s; {hw.layer_overhead_us:.0f} us host time "
+                f"per layer; {hw.gpus_per_node} ranks/node; all_reduce "
+                f"{hw.intra.latency_us:.1f} us + {hw.intra.bandwidth_gbs:.3g} GB/s bus")
+
+
+def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
+                      name: str | None = None, sizes: list[int] | None = None,
+                      quick: bool = False, timeout: float = 600) -> CalibrationReport:
+    """Measure the running cluster (every axis of its mesh, else the world group), write a
+    hardware profile to ``path`` and return it with the tables."""
+    path = Path(path)
+    if not Path(os.path.abspath(path)).parent.is_dir():
+        raise ValueError(f"cannot write {path}: folder {path.parent} does not exist")
+    # a mesh left from before a regroup to fewer ranks no longer matches: only a live one
+    target = "mesh" if cluster.mesh_spec is not None else "None"
+    code = ("from meshlab.calibrate import calibrate as _meshlab_calibrate\n"
+            f"_meshlab_calibrate({target}, sizes={sizes!r}, quick={quick!r})")
+    result = cluster.run(code, keep_values=True, timeout=timeout)
+    calibration: Calibration = result.values[min(result.values)]  # the same on every rank
+    hardware = write_profile(calibration, path, name)
+    return CalibrationReport(hardware=hardware, path=path.resolve(), calibration=calibration,
+                             collectives=collectives_frame(calibration),
+                             matmul=matmul_frame(calibration), points=points_frame(calibration))
+
+
+def collectives_frame(calibration: Calibration) -> pd.DataFrame:
+    """Fits by axis and collective; ``profile`` names the fields of the profile they fill."""
+    c = calibration
+    rows = []
+    for f in c.collectives:
+        used = []
+        if f.axis == c.intra_axis:
+            used.append("intra" if f.collective == "all_reduce" else "collectives")
+        if f.axis == (c.inter_axis or c.intra_axis) and f.collective == "all_reduce":
+            used.append("inter")
+        rows.append({"axis": f.axis, "ranks": f.ranks, "collective": f.collective,
+                     "latency_us": f.latency_us, "bandwidth_gbs": f.bandwidth_gbs,
+                     "fit_residual": f.residual, "profile": ", ".join(used), "note": f.note})
+    return pd.DataFrame(rows, columns=["axis", "ranks", "collective", "latency_us",
+                                       "bandwidth_gbs", "fit_residual", "profile", "note"])
+
+
+def matmul_frame(calibration: Calibration) -> pd.DataFrame:
+    """Matmul points; ``profile`` marks the ones whose TFLOP/s the profile took."""
+    largest = max((p.m * p.n * p.k, (p.m, p.n, p.k)) for p in calibration.matmul)[1]
+    rows = [{"dtype": p.dtype, "m": p.m, "n": p.n, "k": p.k, "median_ms": p.seconds * 1e3,
+             "tflops": p.tflops, "profile": (p.m, p.n, p.k) == largest}
+            for p in calibration.matmul]
+    return pd.DataFrame(rows, columns=["dtype", "m", "n", "k", "median_ms", "tflops",
+                                       "profile"])
+
+
+def points_frame(calibration: Calibration) -> pd.DataFrame:
+    """Every timed message: bytes, measured and fitted microseconds."""
+    rows = [{"axis": f.axis, "ranks": f.ranks, "collective": f.collective, "bytes": b,
+             "measured_us": s * 1e6, "fitted_us": fit * 1e6}
+            for f in calibration.collectives
+            for b, s, fit in zip(f.nbytes, f.seconds, f.fitted(), strict=True)]
+    return pd.DataFrame(rows, columns=["axis", "ranks", "collective", "bytes", "measured_us",
+                                       "fitted_us"])

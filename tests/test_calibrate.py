@@ -1,0 +1,172 @@
+"""meshlab.calibrate and %mesh calibrate: what the planner assumes, measured on live ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from meshlab import Cluster
+from meshlab.calibrate import _choose_axes, _fit, fit_alpha_beta, parse_sizes
+from meshlab.calibration import CalibrationReport, calibrate_profile
+from meshlab.plan.formulas import COLLECTIVES, collective_seconds
+from meshlab.plan.hardware import Link, load
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [4096, 65536, 2**20, 2**22]
+
+
+def test_fit_recovers_a_known_alpha_and_beta_exactly() -> None:
+    alpha, beta = 7e-4, 3e-9
+    a, b, residual = fit_alpha_beta(SIZES, [alpha + beta * x for x in SIZES])
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(beta, rel=1e-9)
+    assert residual == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_fit_gives_back_the_link_the_planner_used(collective: str) -> None:
+    # times made by the planner's own formula from a known link come back as that link
+    link, n = Link(bandwidth_gbs=0.7, latency_us=450.0), 4
+    seconds = [collective_seconds(collective, n, x, latency_s=link.latency_us * 1e-6,
+                                  bandwidth_bytes_s=link.bandwidth_gbs * 1e9) for x in SIZES]
+    fit = _fit("world", n, [[0, 1, 2, 3]], collective, SIZES, seconds)
+    assert fit.latency_us == pytest.approx(link.latency_us, rel=1e-9)
+    assert fit.bandwidth_gbs == pytest.approx(link.bandwidth_gbs, rel=1e-9)
+    assert fit.fitted() == pytest.approx(seconds, rel=1e-9) and not fit.note
+
+
+def test_fit_keeps_latency_non_negative() -> None:
+    # times that would extrapolate to a negative latency: the intercept is pinned at zero
+    a, b, _ = fit_alpha_beta([1000, 2000, 4000], [1e-6, 3e-6, 7e-6])
+    assert a == 0 and b > 0
+
+
+def test_times_flat_in_size_give_a_bandwidth_floor_and_say_so() -> None:
+    fit = _fit("tp", 2, [[0, 1]], "all_reduce", SIZES, [1.2e-3, 1.1e-3, 1.0e-3, 0.9e-3])
+    assert fit.bandwidth_gbs > 0 and fit.latency_us > 0
+    assert "bandwidth is a floor" in fit.note
+
+
+def test_parse_sizes_reads_suffixes_and_rejects_nonsense() -> None:
+    assert parse_sizes("4K, 64K,1M,1MiB,4096") == [4096, 65536, 2**20]
+    with pytest.raises(ValueError, match="size 'x': give bytes like 4096, 64K or 4M"):
+        parse_sizes("4K,x")
+    with pytest.raises(ValueError, match="at least two distinct message sizes"):
+        parse_sizes("4K,4096")
+
+
+def test_widest_group_inside_a_host_is_intra_and_one_across_hosts_is_inter() -> None:
+    hosts = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    fits = [_fit(axis, len(groups[0]), groups, "all_reduce", SIZES, [1e-3, 2e-3, 3e-3, 9e-3])
+            for axis, groups in (("world", [list(range(8))]), ("dp_shard", [[0, 4], [1, 5]]),
+                                 ("tp", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+                                 ("cp_tp", [[0, 1, 2, 3], [4, 5, 6, 7]]))]
+    assert _choose_axes(fits, hosts)[:2] == ("cp_tp", "world")
+    intra, inter, notes = _choose_axes(fits[2:], hosts)
+    assert (intra, inter) == ("cp_tp", None) and "inter link is the intra one" in notes[0]
+
+
+def test_torchrun_calibrates_without_the_notebook_stack(tmp_path: Path) -> None:
+    for name in ("IPython", "ipyparallel", "ipywidgets", "altair"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} imported')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "meshlab.calibrate", "--mesh", "tp=2", "--quick", "-o", str(tmp_path / "t.toml")],
+        capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert f"wrote {tmp_path / 't.toml'}" in done.stdout
+    assert "tp                2  all_reduce" in done.stdout  # and the world, and the table
+    assert load(tmp_path / "t.toml").gpus_per_node == 2
+
+
+# -- on the live 4-rank cluster ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def report(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> CalibrationReport:
+    cluster.init_mesh("dp=2 tp=2")
+    path = tmp_path_factory.mktemp("calibrate") / "cpu4.toml"
+    return calibrate_profile(cluster, path, quick=True)
+
+
+@pytest.mark.cluster
+def test_profile_file_loads_back_as_the_returned_profile(report: CalibrationReport) -> None:
+    hw = load(report.path)
+    assert hw == report.hardware and hw.name == "cpu4"
+    assert set(hw.tflops) == {"fp32", "bf16"} and min(hw.tflops.values()) > 0
+    assert hw.matmul_efficiency == 1.0 and hw.gpus_per_node == 4
+    assert hw.memory_gib > 0 and hw.memory_bandwidth_gbs > 0 and hw.layer_overhead_us > 0
+    assert not hw.asynchronous  # CPU ranks: dispatch, gloo and the math share the cores
+
+
+@pytest.mark.cluster
+def test_every_collective_has_a_positive_bandwidth_and_latency(report: CalibrationReport) -> None:
+    hw = report.hardware
+    assert set(hw.collectives) == set(COLLECTIVES)
+    for link in (hw.intra, hw.inter, *hw.collectives.values()):
+        assert link.bandwidth_gbs > 0 and link.latency_us >= 0
+    # one host: intra is the world's all_reduce, and inter says it is the same
+    assert hw.intra == hw.collectives["all_reduce"] == hw.inter
+    assert any("inter link is the intra one" in n for n in report.calibration.notes)
+
+
+@pytest.mark.cluster
+def test_every_mesh_axis_and_the_world_have_a_row_per_collective(
+        report: CalibrationReport) -> None:
+    table = report.collectives
+    assert sorted(set(zip(table["axis"], table["ranks"], strict=True))) == [
+        ("dp_shard", 2), ("tp", 2), ("world", 4)]
+    assert (table.groupby("axis")["collective"].apply(set) == set(COLLECTIVES)).all()
+    assert (table["bandwidth_gbs"] > 0).all() and (table["latency_us"] >= 0).all()
+    assert set(table.loc[table["axis"] == "world", "profile"]) == {
+        "intra, inter", "collectives"}
+    points = report.points
+    assert len(points) == len(table) * 4  # quick: 4 message sizes
+    assert (points["measured_us"] > 0).all() and (points["fitted_us"] > 0).all()
+    assert report.matmul["profile"].sum() == 2  # one shape per dtype went into the profile
+
+
+@contextmanager
+def no_mesh(cluster: Cluster) -> Iterator[None]:
+    """The cluster as it is before `%mesh init`."""
+    spec, cluster.mesh_spec = cluster.mesh_spec, None
+    try:
+        yield
+    finally:
+        cluster.mesh_spec = spec
+
+
+@pytest.mark.cluster
+def test_magic_without_a_mesh_times_the_world_and_prints_the_path(
+        shell: Any, cluster: Cluster, tmp_path: Path) -> None:
+    path = tmp_path / "here.toml"
+    wide = pd.option_context("display.width", 300, "display.max_columns", 20)
+    with no_mesh(cluster), wide, capture_output() as cap:
+        shell.run_line_magic("mesh", f"calibrate -o {path} --name mine --sizes 4K,256K,1M --quick")
+    assert f"wrote {path}: mine: TFLOP/s fp32" in cap.stdout
+    assert f"use it: %mesh plan MODEL --hardware {path}" in cap.stdout
+    assert "no mesh: only the world group was timed" in cap.stdout
+    matmul, collectives = (o.data["text/plain"] for o in cap.outputs[-2:])
+    assert "tflops" in matmul and "bandwidth_gbs" in collectives
+    assert "world" in collectives and "dp_shard" not in collectives
+    assert load(path).name == "mine"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("calibrate --sizes 4K,x", "size 'x': give bytes like 4096, 64K or 4M"),
+    ("calibrate -o /no/such/folder/x.toml", "folder /no/such/folder does not exist"),
+])
+def test_magic_misuse_names_the_fix(shell: Any, line: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("mesh", line)

@@ -1,0 +1,95 @@
+"""%mesh plan in a real IPython shell and `meshlab plan` as a real console command."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from meshlab.plan import HARDWARE, MODELS, Layout, estimate, save
+from meshlab.plan.report import Plan, default_batch, plan
+
+
+def test_plan_magic_estimates_one_layout_with_a_table_and_two_charts(shell: Any) -> None:
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", 'plan llama3-405b --gpus 2048 --layout "tp=8 pp=16 dp=16 '
+                                     'zero=1 mbs=1 m=128" --tokens 15.6e12 -o chosen')
+    expected = estimate(MODELS["llama3-405b"], Layout.parse("tp=8 pp=16 dp=16 zero=1 mbs=1 "
+                                                            "m=128"), HARDWARE["h100-sxm"])
+    assert "llama3-405b (405.9B parameters) on 2048 x h100-sxm" in cap.stdout
+    assert f"step {expected.step_s:.3g} s" in cap.stdout
+    assert "days" in cap.stdout and "GPU-hours" in cap.stdout
+    table, memory, comm = cap.outputs[-3:]
+    assert "pp=16 dp_shard=16 tp=8 zero=1" in table.data["text/plain"]
+    assert "image/svg+xml" in memory.data and "image/svg+xml" in comm.data
+    kept = shell.user_ns["chosen"]
+    assert isinstance(kept, Plan) and kept.best.step_s == pytest.approx(expected.step_s)
+
+
+def test_plan_magic_searches_under_constraints(shell: Any) -> None:
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", 'plan llama3-8b --gpus 16 --where "tp<=2 zero=3" --top 3 '
+                                     "-o found")
+    found = shell.user_ns["found"]
+    assert 1 <= len(found.estimates) <= 3
+    for e in found.estimates:
+        assert e.layout.gpus == 16 and e.layout.tp <= 2 and e.layout.zero == 3 and e.fits
+    speeds = [e.tokens_per_s for e in found.estimates]
+    assert speeds == sorted(speeds, reverse=True)
+    assert found.best.layout.describe() in cap.stdout
+
+
+def test_plan_magic_takes_a_model_config_from_the_notebook(shell: Any) -> None:
+    shell.run_cell("from meshlab.models import ModelConfig\nmine = ModelConfig(n_layers=4)")
+    with capture_output():
+        shell.run_line_magic("mesh", "plan mine --gpus 4 --layout dp=4 --hardware cpu -o p")
+    assert shell.user_ns["p"].model.layers == 4
+
+
+def test_plan_magic_reads_a_profile_file(shell: Any, tmp_path: Any) -> None:
+    path = save(HARDWARE["a100-80gb"], tmp_path / "mine.toml")
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", f"plan gpt3-175b --gpus 1024 --hardware {path} "
+                                     '--layout "tp=8 pp=16 dp=8 zero=1 mbs=1 m=64"')
+    assert "on 1024 x a100-80gb" in cap.stdout
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("plan llama3-9b --gpus 8", r"unknown model 'llama3-9b': choose one of llama3-8b"),
+    ("plan llama3-8b --gpus 8 --hardware tpu9", r"unknown hardware 'tpu9'"),
+    ('plan llama3-8b --gpus 8 --layout "tp=8 pp=2"', r"uses 16 GPUs, not 8"),
+    ('plan llama3-8b --gpus 6 --layout "tp=3 dp=2"', r"tp=3 must divide heads=32"),
+    ('plan llama3-8b --gpus 8 --layout "tp=8 flavour=2"', r"layout 'flavour=2'"),
+    ('plan llama3-8b --gpus 8 --where "tp~8"', r"constraint 'tp~8'"),
+    ("plan llama3-405b --gpus 8", r"no layout of llama3-405b on 8 h100-sxm GPUs"),
+])
+def test_plan_magic_bad_input_says_what_to_fix(shell: Any, line: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("mesh", line)
+
+
+def test_plan_without_gpus_uses_the_running_cluster(shell: Any) -> None:
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "plan meshlab --hardware cpu --top 2")
+    assert "on 4 x cpu" in cap.stdout
+
+
+def test_default_batch_is_a_power_of_two_near_4m_tokens_and_one_per_gpu() -> None:
+    assert default_batch(MODELS["llama3-405b"], 2048) == 2048  # 512 sequences < 2048 GPUs
+    assert default_batch(MODELS["llama3-8b"], 64) == 512  # 4M / 8192
+    assert default_batch(MODELS["gpt3-175b"], 8) == 2048  # 4M / 2048
+    assert plan("llama3-8b", gpus=8, top=1).best.layout.global_batch == 512
+
+
+def test_console_command_prints_the_plan_and_rejects_bad_input() -> None:
+    done = subprocess.run(["meshlab", "plan", "llama3-70b", "--gpus", "64", "--top", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "llama3-70b (70.6B parameters) on 64 x h100-sxm" in done.stdout
+    assert "collectives of " in done.stdout and "tokens_per_s" in done.stdout
+    bad = subprocess.run(["meshlab", "plan", "llama3-70b", "--gpus", "64", "--layout", "tp=5"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "meshlab plan: the layout tp=5" in bad.stderr
