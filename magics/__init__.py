@@ -228,7 +228,8 @@ def _calibrate(line: str) -> None:
 @argument("--layout", help='one layout to estimate, e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 '
           'm=16"; without it the best layouts are searched')
 @argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
-@argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens)")
+@argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
+          "least one sequence per GPU)")
 @argument("--precision", default="bf16", choices=list(PRECISIONS),
           help="compute precision (default bf16)")
 @argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")

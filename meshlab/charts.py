@@ -110,7 +110,7 @@ def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
     parts = list(dict.fromkeys(frame["part"]))
     order = list(dict.fromkeys(frame["layout"]))
     bars = alt.Chart(frame).mark_bar().encode(
-        y=alt.Y("layout:N", sort=order, title=None),
+        y=alt.Y("layout:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
         x=alt.X("sum(gib):Q", title="GiB per GPU"),
         color=alt.Color("part:N", sort=parts, title=None),
         tooltip=["layout", "part", alt.Tooltip("gib:Q", format=".2f")],

@@ -22,7 +22,8 @@ def add_command(commands: Any) -> None:
                      help=", ".join(HARDWARE) + ", or a .toml profile (default h100-sxm)")
     cmd.add_argument("--layout", help='e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 m=16"')
     cmd.add_argument("--where", help='search constraints, e.g. "tp<=8 pp=16"')
-    cmd.add_argument("--batch", type=int, help="global batch in sequences (default ~4M tokens)")
+    cmd.add_argument("--batch", type=int,
+                     help="global batch in sequences (default ~4M tokens, >= 1 per GPU)")
     cmd.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     cmd.add_argument("--tokens", type=float, help="training tokens, for days and GPU-hours")
     cmd.add_argument("--top", type=int, default=10)

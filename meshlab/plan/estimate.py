@@ -247,6 +247,8 @@ class _Estimator:
         t_b = flops_mb / rate + memory_s - t_f
         # the host's fixed cost per layer: hidden behind the math on an asynchronous device
         overhead = hw.layer_overhead_us * 1e-6 * self.layers
+        if lay.recompute == "full":
+            overhead *= 4 / 3  # the forward's operators run twice
         t_f, t_b = self._with_host(t_f, overhead / 3), self._with_host(t_b, overhead * 2 / 3)
         compute_mb = t_f + t_b
         t_f_crit, t_b_crit = self._critical_path_comm()  # TP, CP, EP per micro-batch
@@ -394,10 +396,14 @@ class _Estimator:
             # always waits
             bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * dt.grads))
             exposed += max(self._not_hidden(ar, last_backward_s), bucket)
-            if lay.zero == 1:
-                exposed += self._add(axis, "ZeRO-1 all-gather of updated parameters",
-                                     "all_gather", dp_all, lay.tp, params * dt.params, 1,
-                                     overlapped=False)
+            if lay.zero == 1 and lay.shard_group > 1:
+                # as torch's ZeroRedundancyOptimizer (meshlab's zero1): all-reduce, then each
+                # rank's updated shard to the others; the ZeRO paper's reduce-scatter +
+                # all-gather would move the all-reduce's bytes only
+                shard_axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
+                exposed += self._add(shard_axis, "ZeRO-1 all-gather of updated parameters",
+                                     "all_gather", lay.shard_group, lay.tp,
+                                     params * dt.params, 1, overlapped=False)
         elif lay.dp_replicate > 1:  # HSDP: the shards' gradients across replicas
             shard = params * dt.grads / lay.shard_group
             ar = self._add("dp_replicate", "HSDP all-reduce of gradient shards", "all_reduce",
@@ -442,6 +448,7 @@ def _pipeline(schedule: str, pp: int, microbatches: int, virtual: int, t_f: floa
     fit = SIMULATED_ACTIONS // (pp * virtual) // pp * pp
     m1 = min(microbatches, max(2 * pp, fit))
     makespan, inflight = _simulate(schedule, pp, m1, virtual, backward, comm)
+    makespan *= (1 + t_b / t_f) / (1 + backward)  # undo the rounding: keep layouts ordered
     if microbatches > m1:
         # the steady state's time per micro-batch: t_F + t_B plus any waits for hops
         slope = 1 + backward

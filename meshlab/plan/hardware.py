@@ -107,8 +107,9 @@ class Hardware:
 def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
          nvlink_gbs: float, nic_gbs: float, efficiency: float) -> Hardware:
     # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
+    # an eager layer's forward and backward launch ~100 kernels at ~4 us each
     return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency,
-                    memory_gib=memory_gib, reserved_gib=4.0,
+                    memory_gib=memory_gib, reserved_gib=4.0, layer_overhead_us=400.0,
                     memory_bandwidth_gbs=memory_tbs * 1000, gpus_per_node=8,
                     intra=Link(bandwidth_gbs=nvlink_gbs, latency_us=5.0),
                     inter=Link(bandwidth_gbs=nic_gbs, latency_us=10.0))

@@ -39,11 +39,11 @@ class Plan:
         for e in self.estimates:
             row = e.summary()
             row = {"layout": row["layout"], "fits": row["fits"],
-                   "memory_gib": round(row["memory_gib"], 1), "step_s": round(e.step_s, 3),
+                   "memory_gib": _sig(row["memory_gib"]), "step_s": _sig(e.step_s),
                    "bubble": round(e.bubble_fraction, 3),
-                   "exposed_comm_s": round(e.exposed_comm_s, 3),
-                   "tokens_per_s": round(e.tokens_per_s),
-                   "tflops_per_gpu": round(e.tflops_per_gpu, 1), "mfu": round(e.mfu, 3)}
+                   "exposed_comm_s": _sig(e.exposed_comm_s),
+                   "tokens_per_s": _sig(e.tokens_per_s),
+                   "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu)}
             if self.tokens:
                 row["days"] = round(e.train_days(self.tokens), 1)
                 row["gpu_hours"] = round(e.gpu_hours(self.tokens))
@@ -71,14 +71,14 @@ class Plan:
     def text(self) -> str:
         """A few lines on the best layout."""
         e = self.best
-        lines = [f"{self.model.name} ({self.model.params / 1e9:.1f}B parameters) on "
+        lines = [f"{self.model.name} ({_count(self.model.params)} parameters) on "
                  f"{self.gpus} x {self.hardware.name}, global batch {e.layout.global_batch} "
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
-                 f"{e.layout.describe()}: {e.memory['total'] / GIB:.1f} GiB per GPU "
+                 f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU "
                  f"({'fits' if e.fits else 'does NOT fit'} in "
                  f"{self.hardware.usable_bytes / GIB:.0f} GiB), step {e.step_s:.3g} s, "
-                 f"{e.tokens_per_s:,.0f} tokens/s, {e.tflops_per_gpu:.0f} TFLOP/s per GPU, "
-                 f"MFU {e.mfu:.0%}, bubble {e.bubble_fraction:.0%}"]
+                 f"{e.tokens_per_s:,.0f} tokens/s, {e.tflops_per_gpu:.3g} TFLOP/s per GPU, "
+                 f"MFU {e.mfu:.2g}, bubble {e.bubble_fraction:.0%}"]
         if self.tokens:
             lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
                          f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")
@@ -111,3 +111,16 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top)
     return Plan(shape, gpus, hw, list(found["estimate"]), tokens)
+
+
+def _sig(x: float) -> float:
+    """Three significant figures: tiny models' numbers do not round to 0."""
+    return float(f"{x:.3g}")
+
+
+def _count(n: int) -> str:
+    """405.9B, 70.6B, 106.8K parameters."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

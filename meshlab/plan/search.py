@@ -94,8 +94,8 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
             if "dp_shard" in cons and not _OPS[cons["dp_shard"][0]](dp_shard,
                                                                      cons["dp_shard"][1]):
                 continue
-            if (dp_shard * cp) % ep:
-                continue
+            if (dp_shard * cp) % ep or (dp_shard * cp == 1 and zero > 1):
+                continue  # nothing to shard over: ZeRO 2 and 3 would repeat ZeRO 1
             for virtual in virtuals:
                 yield Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,
                              tp=tp, ep=ep, zero=zero, micro_batch=mbs,
@@ -125,6 +125,8 @@ def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: in
         raise ValueError(f"no layout of {model.name} on {gpus} {hardware.name} GPUs with a "
                          f"global batch of {global_batch} fits in memory: add GPUs, allow "
                          "more sharding (fewer constraints), or lower the batch")
-    frame = pd.DataFrame(rows).sort_values("tokens_per_s", ascending=False)
+    # fastest first; of equally fast layouts, the one that needs less memory
+    frame = pd.DataFrame(rows).sort_values(["tokens_per_s", "memory_gib"],
+                                           ascending=[False, True])
     frame = frame.reset_index(drop=True)
     return frame.head(top) if top else frame
