@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -159,3 +160,54 @@ def test_faults_and_recovery_restores_the_same_losses(tmp_path: Path) -> None:
     assert "skipped: it trained, ckpt holds that" in everything
     assert "match the uninterrupted run's, bit for bit" in everything
     assert (tmp_path / "ckpt" / "meshlab.json").exists()
+
+
+def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None:
+    nb = execute("11-planning-at-scale.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    everything = "\n".join(texts(c) for c in code)
+
+    def row(label: str, *values: str) -> bool:
+        """A table row: the label, then these values separated by spaces."""
+        cells = r"\s+".join(map(re.escape, values))
+        return re.search(rf"^{re.escape(label)}\s+{cells}$", everything, re.M) is not None
+
+    # 1. ZeRO 0-3 for Llama-2-7B on 4 GPUs, in GB: zero_bytes beside the hand values
+    assert row("0", "13.5", "13.5", "80.9", "107.8", "107.8")
+    assert row("1", "13.5", "13.5", "20.2", "47.2", "47.2")
+    assert row("2", "13.5", "3.4", "20.2", "37.1", "37.1")
+    assert row("3", "3.4", "3.4", "20.2", "27.0", "27.0")
+    assert "7.5B on 64 GPUs: [120.0, 31.4, 16.6, 1.9] GB" in everything  # ZeRO's Figure 1
+    assert ("ZeRO-0 does NOT fit (118.4 GiB); ZeRO-1 fits (62.0 GiB); ZeRO-2 fits (53.6 GiB); "
+            "ZeRO-3 fits (44.2 GiB)") in everything
+    # 2. a 32-stage pipeline reaches 90% at m = 9(p-1), the simulator agreeing
+    assert ("efficiency >= 90% from m = 279 = 9·(p-1); first power of two: 512 (94.3%); "
+            "256 gives 89.2%") in everything
+    assert "m = 278: simulated efficiency 89.97%\nm = 279: simulated efficiency 90.00%" \
+        in everything
+    # 3. 405B on 2,048 H100s: the Llama 3-like layout overflows, full recompute fits (the
+    # markdown quotes 84.3 GiB and an MFU of 50% falling to 38%)
+    assert row("Llama 3-like, ZeRO-1", "84.291", "False", "43.096", "0.106", "0.239", "499.059",
+               "0.504")
+    assert row("+ full recompute", "20.822", "True", "56.828", "0.107", "0.145", "378.463",
+               "0.382")
+    assert row("+ full recompute, interleaved v=2", "22.697", "True", "53.832", "0.057", "0.145",
+               "399.528", "0.404")
+    assert ("pp=16 dp_shard=16 tp=8 zero=1 interleaved_1f1b/v2 mbs=1 m=128 ac=full: 22.7 GiB per "
+            "GPU (fits in 76 GiB)") in everything
+    assert "best of the free search: dp_shard=" in everything  # no pipeline at 2,048
+    # 4. all-reduce of 70B bf16 gradients on 256 GPUs at 12.5 GB/s
+    assert "141.1 GB; 2(n-1)/n = 1.9922, so 281.1 GB sent per GPU" in everything
+    assert "all-reduce of the gradients on 256 GPUs at 12.5 GB/s: 22.5 s" in everything
+    assert row("DDP, fp32 gradients", "562.2", "45.0")
+    assert row("ZeRO-3 / FSDP: 2 all-gathers + reduce-scatter", "421.7", "33.7")
+    assert row("h100 at 100 Gbit/s", "18.585", "11.458", "3.512", "0.429")  # in the markdown
+    # 5. the notebook's own model on 1,024 GPUs: a profile measured here, and H100s
+    assert "calibrated 4 ranks" in everything and (tmp_path / "calibrated.toml").exists()
+    assert "on 1024 x calibrated" in everything and "on 1024 x h100-sxm" in everything
+    computing = re.search(r"on calibrated CPU ranks, 1,024 devices compute ([\d.]+)% of their",
+                          everything)  # communication-bound
+    assert computing and float(computing.group(1)) < 10, everything
+    assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
+    charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
+    assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms
