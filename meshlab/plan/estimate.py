@@ -168,7 +168,7 @@ class _Estimator:
              nbytes: float, calls: int, *, overlapped: bool) -> float:
         if (ranks <= 1 and collective != "send_recv") or calls == 0:
             return 0.0
-        inter = self._spans_nodes(ranks if collective != "send_recv" else 2, stride)
+        inter = self._spans_nodes(ranks, stride)
         link = self.hw.link(collective, inter_node=inter)
         one = collective_seconds(collective, ranks, nbytes, latency_s=link.latency_us * 1e-6,
                                  bandwidth_bytes_s=link.bandwidth_gbs * 1e9)
@@ -205,13 +205,13 @@ class _Estimator:
         per_layer = activation_bytes_per_layer(
             seq=self.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads, tp=lay.tp,
             sequence_parallel=lay.sequence_parallel, recompute=recompute) * dt.activations / 2
-        chunk_layers = self.layers / lay.virtual
+        chunk_layers = self.layers / lay.stages_per_rank
         activations = per_layer * chunk_layers * inflight
         if lay.recompute == "full":  # one layer's activations exist while it is recomputed
             activations += activation_bytes_per_layer(
                 seq=self.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
                 tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-                recompute="selective" if lay.flash_attention else "none")
+                recompute="selective" if lay.flash_attention else "none") * dt.activations / 2
         # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
         activations += 2 * 4 * self.tokens * m.vocab / lay.tp
         if lay.zero >= 2:  # FSDP: a layer gathered, the next prefetched; its grads unsharded
@@ -257,7 +257,7 @@ class _Estimator:
         t_b += t_b_crit + self._not_hidden(hidden_b, t_b)
         hop = self._pipeline_hop()
         pipeline_s, bubble, inflight = _pipeline(lay.schedule, lay.pp, lay.microbatches,
-                                                 lay.virtual, t_f, t_b, hop)
+                                                 lay.stages_per_rank, t_f, t_b, hop)
         exposed = self._gradient_sync(last_backward_s=t_b)
         optimizer_s = self._optimizer_seconds()
         memory = self._memory(inflight)
@@ -420,9 +420,10 @@ class _Estimator:
         act = float(self.tokens * m.hidden * self.dt.activations)
         if lay.tp > 1 and lay.sequence_parallel:
             act /= lay.tp  # each tp rank sends its sequence shard
-        calls = 2 * lay.microbatches * lay.virtual
+        calls = 2 * lay.microbatches * lay.stages_per_rank
+        # ranks = the whole pipeline: once its stages span two nodes, some hop crosses them
         total = self._add("pp", "PP send/recv of activations and gradients", "send_recv",
-                          2, lay.stride("pp"), act, calls, overlapped=True)
+                          lay.pp, lay.stride("pp"), act, calls, overlapped=True)
         return total / calls
 
     def _optimizer_seconds(self) -> float:
@@ -442,22 +443,26 @@ def _pipeline(schedule: str, pp: int, microbatches: int, virtual: int, t_f: floa
     if t_f <= 0:
         return 0.0, 0.0, 1.0
     # Simulate in units of t_F, rounded so that similar layouts share one simulation. Long
-    # steps are simulated up to SIMULATED_ACTIONS (at least 2p micro-batches, a multiple of
-    # p): past the warm-up each further micro-batch adds the same time to every rank.
+    # steps are simulated up to SIMULATED_ACTIONS (at least 2p micro-batches past the
+    # warm-up, a multiple of p): from there the makespan repeats its increments every p
+    # micro-batches (2p interleaved), hop waits included, so it is extrapolated from two
+    # simulations a period apart, the later at the same phase as ``microbatches``.
     backward, comm = round(t_b / t_f, 1), float(f"{hop / t_f:.1g}")
     fit = SIMULATED_ACTIONS // (pp * virtual) // pp * pp
-    m1 = min(microbatches, max(2 * pp, fit))
-    makespan, inflight = _simulate(schedule, pp, m1, virtual, backward, comm)
-    makespan *= (1 + t_b / t_f) / (1 + backward)  # undo the rounding: keep layouts ordered
+    period = 2 * pp if schedule == "interleaved_1f1b" else pp
+    m1 = min(microbatches, max(2 * pp + period, fit))
     if microbatches > m1:
-        # the steady state's time per micro-batch: t_F + t_B plus any waits for hops
-        slope = 1 + backward
-        if m1 >= 4 * pp:
-            slope = (makespan - _simulate(schedule, pp, m1 - pp, virtual, backward, comm)[0]) / pp
-        makespan += (microbatches - m1) * slope
+        phase = (microbatches - m1) % period
+        # interleaved runs whole rounds of p micro-batches: keep m1 one it can build
+        m1 += phase - phase % pp if schedule == "interleaved_1f1b" else phase
+    makespan, inflight = _simulate(schedule, pp, m1, virtual, backward, comm)
+    if microbatches > m1:
+        before = _simulate(schedule, pp, m1 - period, virtual, backward, comm)[0]
+        makespan += (microbatches - m1) * (makespan - before) / period
+    makespan *= (1 + t_b / t_f) / (1 + backward)  # undo the rounding: keep layouts ordered
     if schedule in ("gpipe", "looped_bfs"):  # breadth first: all micro-batches in flight
         inflight *= microbatches / m1
-    bubble = 1 - microbatches * (1 + backward) / makespan
+    bubble = 1 - microbatches * (1 + t_b / t_f) / makespan  # the busy time, unrounded
     return makespan * t_f, bubble, inflight
 
 

@@ -150,7 +150,7 @@ def collective_seconds(collective: str, n: int, nbytes: float, *, latency_s: flo
     ``bandwidth_bytes_s`` is a bus bandwidth (what one rank's link carries), so the same
     number describes every collective and every group size, as in nccl-tests.
     """
+    steps = ring_steps(collective, n)  # first: an unknown collective raises even for n = 1
     if n <= 1 and collective != "send_recv":
         return 0.0
-    return (ring_steps(collective, n) * latency_s
-            + bus_factor(collective, n) * nbytes / bandwidth_bytes_s)
+    return steps * latency_s + bus_factor(collective, n) * nbytes / bandwidth_bytes_s

@@ -32,10 +32,13 @@ PRECISIONS = {
     "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
 }
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, whatever ``virtual`` says
 
 # mesh order, outermost first, as meshlab.mesh (and torchtitan): tp ranks are neighbours
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
 _ALIASES = {"dp": "dp_shard", "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
             "sp": "sequence_parallel", "v": "virtual"}
 
@@ -115,6 +118,11 @@ class Layout:
     def dtypes(self) -> Precision:
         return PRECISIONS[self.precision]
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each rank: ``virtual``, or 2 for the V-shaped schedules."""
+        return 2 if self.schedule in V_SCHEDULES else self.virtual
+
     def stride(self, axis: str) -> int:
         """Rank distance between neighbours of ``axis`` (tp: 1; its outer axes: more)."""
         inner = AXIS_ORDER[AXIS_ORDER.index(axis) + 1:]
@@ -149,11 +157,14 @@ class Layout:
                 if types[key] == "int":
                     values[key] = int(value)
                 elif types[key] == "bool":
-                    values[key] = value.lower() not in ("0", "false", "no", "off")
+                    values[key] = _BOOLS[value.lower()]
                 else:
                     values[key] = value
             except ValueError:
                 raise ValueError(f"layout {token!r}: {key} takes a whole number") from None
+            except KeyError:  # a typo must not read as "on"
+                raise ValueError(f"layout {token!r}: {key} takes 1/0, true/false, yes/no or "
+                                 "on/off") from None
         return cls(**values)
 
 
@@ -164,10 +175,13 @@ def check(model: ModelShape, layout: Layout) -> None:
                         ("ffn", model.ffn)):
         if value % t:
             raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
-    stages = layout.pp * layout.virtual
+    if layout.schedule in V_SCHEDULES and layout.virtual not in (1, 2):
+        raise ValueError(f"{layout.schedule} places 2 stages per rank: leave virtual=1 (or 2), "
+                         f"got virtual={layout.virtual}")
+    stages = layout.pp * layout.stages_per_rank
     if stages > model.layers:
-        raise ValueError(f"pp x virtual = {stages} stages, but {model.name} has "
-                         f"{model.layers} layers")
+        raise ValueError(f"pp={layout.pp} x {layout.stages_per_rank} stages per rank = {stages} "
+                         f"stages, but {model.name} has {model.layers} layers")
     if model.seq_len % (2 * layout.cp if layout.cp > 1 else 1):
         raise ValueError(f"cp={layout.cp}: the sequence ({model.seq_len}) must split into "
                          f"2 x cp = {2 * layout.cp} chunks (load-balanced causal attention)")

@@ -36,10 +36,17 @@ def parse_constraints(text: str) -> dict[str, Any]:
                              f"NAME>=VALUE, NAME one of {', '.join(SEARCHED)}")
         name, op, value = match.groups()
         name = {"dp": "dp_shard", "mbs": "micro_batch", "ac": "recompute"}.get(name, name)
-        if name not in (*SEARCHED, "dp_shard", "sequence_parallel", "precision"):
+        # candidates() reads only these: any other name would be silently ignored
+        if name not in (*SEARCHED, "dp_shard"):
             raise ValueError(f"constraint {token!r}: {name} is not searched; choose from "
-                             f"{', '.join(SEARCHED)}")
-        out[name] = (op, value if not value.lstrip("-").isdigit() else int(value))
+                             f"{', '.join(SEARCHED)} (precision is search's own option)")
+        number = value.lstrip("-").isdigit()
+        if name in ("recompute", "schedule"):
+            if op != "=":
+                raise ValueError(f"constraint {token!r}: {name} takes = only")
+        elif not number:  # compared with the searched degrees: a string would raise later
+            raise ValueError(f"constraint {token!r}: {name} takes a whole number")
+        out[name] = (op, int(value) if number else value)
     return out
 
 
