@@ -13,6 +13,7 @@ $ torchrun --standalone --nproc_per_node=4 -m meshlab.calibrate --mesh "dp=2 tp=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -28,8 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshlab.host_costs import LAYERS, layer_seconds, tiny_shape, wrapper_layouts
+from meshlab.plan.estimate import estimate
 from meshlab.plan.formulas import COLLECTIVES, bus_factor, ring_steps
 from meshlab.plan.hardware import GIB, Hardware, Link, save
+from meshlab.plan.layout import Layout
 
 KIB, MIB = 2**10, 2**20
 # Collective message sizes (bytes; the planner's nbytes). A CPU sweep stays cheap on gloo; a
@@ -126,8 +130,9 @@ class Calibration:
     """GPU memory already taken outside torch's allocator (CUDA context, NCCL buffers)."""
     memory_bandwidth_gbs: float
     """A large copy, read + write bytes per second, on the slowest rank."""
-    layer_overhead_us: float
-    """Host time of a tiny transformer layer's forward and backward, on the slowest rank."""
+    layer_seconds: dict[str, float]
+    """Forward + backward seconds per layer of a tiny model, plain and under each wrapper
+    (fsdp, tp), on the slowest rank (``meshlab.host_costs``)."""
     matmul: list[MatmulPoint]
     tflops: dict[str, float]
     """Achieved TFLOP/s per dtype at the largest matmul."""
@@ -160,15 +165,35 @@ class Calibration:
         inter = self.fit(self.inter_axis or str(self.intra_axis), "all_reduce").link()
         intra_axis = self.intra_axis or str(self.inter_axis)
         collectives = {f.collective: f.link() for f in self.collectives if f.axis == intra_axis}
-        return Hardware(name=name, tflops=dict(self.tflops), matmul_efficiency=1.0,
-                        memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
-                        memory_bandwidth_gbs=self.memory_bandwidth_gbs,
-                        layer_overhead_us=self.layer_overhead_us,
-                        # a GPU computes while its host queues work and NCCL runs beside it;
-                        # CPU ranks share their cores among dispatch, gloo and the math
-                        asynchronous=self.device == "cuda",
-                        gpus_per_node=self.gpus_per_node, intra=collectives["all_reduce"],
-                        inter=inter, collectives=collectives)
+        hw = Hardware(name=name, tflops=dict(self.tflops), matmul_efficiency=1.0,
+                      memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
+                      memory_bandwidth_gbs=self.memory_bandwidth_gbs,
+                      # a GPU computes while its host queues work and NCCL runs beside it;
+                      # CPU ranks share their cores among dispatch, gloo and the math
+                      asynchronous=self.device == "cuda",
+                      gpus_per_node=self.gpus_per_node, intra=collectives["all_reduce"],
+                      inter=inter, collectives=collectives)
+        return self._with_host_costs(hw)
+
+    def _with_host_costs(self, hw: Hardware) -> Hardware:
+        """Each host cost is what the tiny model's measured time per layer leaves over once
+        the planner has counted everything else it knows (math, memory, collectives, and for
+        a wrapper the plain layer's host time): in the planner's own terms by construction."""
+        layouts = wrapper_layouts(self.world_size)
+        for wrapper, overhead in (("plain", "layer_overhead_us"), ("fsdp", "fsdp_overhead_us"),
+                                  ("tp", "tp_overhead_us")):
+            if wrapper not in self.layer_seconds:
+                continue
+            layout = Layout.parse(layouts[wrapper][2], precision="fp32")
+            times = []
+            for layers in LAYERS:
+                e = estimate(tiny_shape(layers), layout, hw)
+                times.append(e.step_s - e.optimizer_s)  # the measured steps have no optimizer
+            predicted = (times[1] - times[0]) / (LAYERS[1] - LAYERS[0])
+            left = max(0.0, self.layer_seconds[wrapper] - predicted)
+            changes: dict[str, Any] = {overhead: left * 1e6}
+            hw = dataclasses.replace(hw, **changes)
+        return hw
 
 
 # -- the fit -----------------------------------------------------------------------------------
@@ -350,19 +375,6 @@ def _time_matmuls(shapes: Sequence[tuple[int, int, int]], dtypes: Sequence[str],
             for (d, m, n, k), s in zip(points, _slowest(seconds, device), strict=True)]
 
 
-def _layer_seconds(device: torch.device, reps: int) -> float:
-    """Host time of one tiny transformer layer's forward and backward: what every layer
-    costs in dispatch, autograd and launches whatever its size."""
-    from meshlab.models.llama import ModelConfig, TransformerBlock, rope_frequencies
-
-    cfg = ModelConfig(dim=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=8)
-    block = TransformerBlock(cfg).to(device)
-    freqs = rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta).to(device)
-    x = torch.randn(1, cfg.max_seq_len, cfg.dim, device=device, requires_grad=True)  # (B, T, D)
-    return _windowed_seconds(lambda: block(x, freqs).sum().backward(), device, reps,
-                             wall_clock=True)
-
-
 def _copy_seconds(nbytes: int, device: torch.device, reps: int) -> float:
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
@@ -542,8 +554,11 @@ def calibrate(mesh: Any = None, *, sizes: Sequence[int] | None = None,
     tflops = {p.dtype: p.tflops for p in matmul if (p.m, p.n, p.k) == (largest.m, largest.n,
                                                                          largest.k)}
     copy_bytes = COPY_BYTES[kind] // (4 if quick else 1)
-    copy_s, layer_s = _slowest([_copy_seconds(copy_bytes, device, reps),
-                                _layer_seconds(device, reps)], device)
+    (copy_s,) = _slowest([_copy_seconds(copy_bytes, device, reps)], device)
+    per_layer = layer_seconds(device, reps, _windowed_seconds)
+    wrappers = list(per_layer)
+    per_layer = dict(zip(wrappers, _slowest([per_layer[w] for w in wrappers], device),
+                         strict=True))
     fits = _time_collectives(mesh, sizes, device, reps)
     intra, inter, notes = _choose_axes(fits, hosts)
     if mesh is None:
@@ -555,7 +570,7 @@ def calibrate(mesh: Any = None, *, sizes: Sequence[int] | None = None,
         device=kind, device_name=_device_name(device), world_size=dist.get_world_size(),
         hosts=hosts, mesh=" ".join(axes), timer="cuda events" if kind == "cuda" else
         "cpu wall clock", memory_gib=memory, reserved_gib=reserved,
-        memory_bandwidth_gbs=2 * copy_bytes / copy_s / 1e9, layer_overhead_us=layer_s * 1e6,
+        memory_bandwidth_gbs=2 * copy_bytes / copy_s / 1e9, layer_seconds=per_layer,
         matmul=matmul, tflops=tflops,
         collectives=fits, intra_axis=intra, inter_axis=inter,
         seconds=time.perf_counter() - started, notes=notes)
@@ -588,7 +603,8 @@ def summary(calibration: Calibration) -> str:
            "matmul TFLOP/s (largest size): " + ", ".join(f"{d} {t:.4g}"
                                                          for d, t in c.tflops.items()),
            f"memory {c.memory_gib:.1f} GiB/rank, copy {c.memory_bandwidth_gbs:.3g} GB/s, "
-           f"layer overhead {c.layer_overhead_us:.0f} us",
+           "tiny layer, forward + backward: " + ", ".join(
+               f"{w} {t * 1e6:.0f} us" for w, t in c.layer_seconds.items()),
            f"{'axis':<14}{'ranks':>5}  {'collective':<15}{'latency_us':>11}"
            f"{'bandwidth_gbs':>14}{'residual':>9}"]
     out += [f"{f.axis:<14}{f.ranks:>5}  {f.collective:<15}{f.latency_us:>11.1f}"

@@ -36,7 +36,8 @@ class CalibrationReport:
         flops = ", ".join(f"{d} {t:.3g}" for d, t in hw.tflops.items())
         return (f"{hw.name}: TFLOP/s {flops}; {hw.memory_gib:.1f} GiB/rank, copy "
                 f"{hw.memory_bandwidth_gbs:.3g} GB/s; {hw.layer_overhead_us:.0f} us host time "
-                f"per layer; {hw.gpus_per_node} ranks/node; all_reduce "
+                f"per layer (+{hw.fsdp_overhead_us:.0f} FSDP, +{hw.tp_overhead_us:.0f} TP); "
+                f"{hw.gpus_per_node} ranks/node; all_reduce "
                 f"{hw.intra.latency_us:.1f} us + {hw.intra.bandwidth_gbs:.3g} GB/s bus")
 
 

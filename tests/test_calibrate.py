@@ -18,6 +18,8 @@ from IPython.utils.capture import capture_output
 from meshlab import Cluster
 from meshlab.calibrate import _choose_axes, _fit, fit_alpha_beta, parse_sizes
 from meshlab.calibration import CalibrationReport, calibrate_profile
+from meshlab.host_costs import LAYERS, tiny_shape, wrapper_layouts
+from meshlab.plan import Layout, estimate
 from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load
 
@@ -108,6 +110,23 @@ def test_profile_file_loads_back_as_the_returned_profile(report: CalibrationRepo
     assert hw.matmul_efficiency == 1.0 and hw.gpus_per_node == 4
     assert hw.memory_gib > 0 and hw.memory_bandwidth_gbs > 0 and hw.layer_overhead_us > 0
     assert not hw.asynchronous  # CPU ranks: dispatch, gloo and the math share the cores
+
+
+@pytest.mark.cluster
+def test_fsdp_and_tp_add_host_time_per_layer_and_the_planner_gives_it_back(
+        report: CalibrationReport) -> None:
+    hw, measured = report.hardware, report.calibration.layer_seconds
+    assert set(measured) == {"plain", "fsdp", "tp"}
+    # FSDP2's hooks and copies and DTensor's dispatch cost more than a plain layer, beyond
+    # their collectives, on gloo ranks that share two cores
+    assert hw.fsdp_overhead_us > 0 and hw.tp_overhead_us > 0
+    # the profile predicts the tiny model it was measured on: per layer, per wrapper
+    for wrapper, (_, _, layout) in wrapper_layouts(4).items():
+        one, many = (estimate(tiny_shape(n), Layout.parse(layout, precision="fp32"), hw)
+                      for n in LAYERS)
+        per_layer = ((many.step_s - many.optimizer_s) - (one.step_s - one.optimizer_s)) / (
+            LAYERS[1] - LAYERS[0])
+        assert per_layer == pytest.approx(measured[wrapper], rel=1e-6), wrapper
 
 
 @pytest.mark.cluster

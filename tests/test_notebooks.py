@@ -207,7 +207,7 @@ def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None
     assert "on 1024 x calibrated" in everything and "on 1024 x h100-sxm" in everything
     computing = re.search(r"on calibrated CPU ranks, 1,024 devices compute ([\d.]+)% of their",
                           everything)  # communication-bound
-    assert computing and float(computing.group(1)) < 10, everything
+    assert computing and float(computing.group(1)) < 20, everything  # host time counts
     assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
     charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
     assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms

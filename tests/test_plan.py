@@ -529,6 +529,28 @@ def test_host_overhead_hides_on_an_asynchronous_device_only() -> None:
     assert serial.pipeline_s == pytest.approx(2 * (2.0 + TINY_MICROBATCH_S), rel=1e-12)
 
 
+@pytest.mark.parametrize("layout, seconds_per_layer", [
+    (Layout(dp_shard=4, zero=1, microbatches=2), 1.0),  # DDP + sharded optimizer: plain
+    (Layout(dp_shard=4, zero=2, microbatches=2), 1.0 + 2.0),  # FSDP2
+    (Layout(dp_shard=4, zero=3, microbatches=2), 1.0 + 2.0),
+    (Layout(tp=2, zero=0, microbatches=2), 1.0 + 4.0),  # DTensor
+    (Layout(tp=2, dp_shard=2, zero=3, microbatches=2), 1.0 + 2.0 + 4.0),
+])
+def test_fsdp_and_tp_host_costs_apply_to_their_own_layouts(layout: Layout,
+                                                            seconds_per_layer: float) -> None:
+    # host time far above the device's: each micro-batch costs 2 layers x the host time
+    hw = dataclasses.replace(TOY, layer_overhead_us=1e6, fsdp_overhead_us=2e6,
+                             tp_overhead_us=4e6)
+    e = estimate(TINY, layout, hw)
+    critical = sum(c.seconds for c in e.collectives if c.axis == "tp")  # in the layer
+    assert e.pipeline_s - critical == pytest.approx(2 * 2 * seconds_per_layer, rel=1e-9)
+
+
+def test_negative_host_costs_are_rejected() -> None:
+    with pytest.raises(ValueError, match="host overheads cannot be negative"):
+        dataclasses.replace(TOY, tp_overhead_us=-1.0)
+
+
 def test_flops_mfu_and_training_time_definitions() -> None:
     e = estimate(TINY, Layout(dp_shard=4, zero=0, microbatches=4), TOY)
     tokens = 4 * 4 * 64  # microbatches x dp x seq

@@ -246,7 +246,8 @@ class _Estimator:
         t_f = forward_flops / rate + memory_s / 3
         t_b = flops_mb / rate + memory_s - t_f
         # the host's fixed cost per layer: hidden behind the math on an asynchronous device
-        overhead = hw.layer_overhead_us * 1e-6 * self.layers
+        overhead = (hw.layer_overhead_us + hw.fsdp_overhead_us * (lay.zero >= 2)
+                    + hw.tp_overhead_us * (lay.tp > 1)) * 1e-6 * self.layers
         if lay.recompute == "full":
             overhead *= 4 / 3  # the forward's operators run twice
         t_f, t_b = self._with_host(t_f, overhead / 3), self._with_host(t_b, overhead * 2 / 3)

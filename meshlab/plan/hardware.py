@@ -61,7 +61,15 @@ class Hardware:
     layer_overhead_us: float = 0.0
     """Host time of one layer's forward and backward that does not grow with its size:
     operator dispatch, autograd, kernel launches (eager PyTorch: a few hundred operators per
-    layer). ``%mesh calibrate`` measures it on a tiny layer."""
+    layer). ``%mesh calibrate`` measures it on a tiny model (``meshlab.host_costs``)."""
+    fsdp_overhead_us: float = 0.0
+    """What FSDP2 (ZeRO-2/3) adds to each layer's host time beyond its collectives: hooks,
+    copies into and out of its flat buffers, resharding. Measured by ``%mesh calibrate``;
+    the GPU presets leave it to ``layer_overhead_us``."""
+    tp_overhead_us: float = 0.0
+    """What DTensor tensor parallelism adds to each layer's host time beyond its collectives:
+    sharding propagation and redistribution around every operator. Measured like
+    ``fsdp_overhead_us``."""
     asynchronous: bool = True
     """The device computes while the host queues more work and while collectives run on
     their own engines (GPUs: launch overhead and overlapped communication hide behind the
@@ -79,6 +87,8 @@ class Hardware:
         if self.gpus_per_node < 1 or self.memory_gib <= 0 or self.memory_bandwidth_gbs <= 0:
             raise ValueError(f"{self.name}: gpus_per_node, memory_gib and "
                              "memory_bandwidth_gbs must be positive")
+        if min(self.layer_overhead_us, self.fsdp_overhead_us, self.tp_overhead_us) < 0:
+            raise ValueError(f"{self.name}: host overheads cannot be negative")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
         unknown = set(self.collectives) - set(COLLECTIVES)
@@ -135,7 +145,8 @@ HARDWARE: dict[str, Hardware] = {
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
     "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,
                     memory_gib=5.9, memory_bandwidth_gbs=9, gpus_per_node=4,
-                    layer_overhead_us=1700.0, asynchronous=False,
+                    layer_overhead_us=1400.0, fsdp_overhead_us=7000.0,
+                    tp_overhead_us=24000.0, asynchronous=False,
                     intra=Link(bandwidth_gbs=0.8, latency_us=600.0),
                     inter=Link(bandwidth_gbs=0.1, latency_us=1000.0)),
 }
