@@ -46,7 +46,7 @@ def wrapper_layouts(world: int) -> dict[str, tuple[str, str, str]]:
 
 def layer_seconds(device: torch.device, reps: int,
                   timer: Callable[..., float]) -> dict[str, float]:
-    """Forward + backward seconds per layer of the tiny model, per wrapper (slowest rank)."""
+    """Forward + backward seconds per layer of the tiny model, per wrapper, on this rank."""
     from meshlab.mesh import build
 
     out = {}
