@@ -555,10 +555,8 @@ def calibrate(mesh: Any = None, *, sizes: Sequence[int] | None = None,
                                                                          largest.k)}
     copy_bytes = COPY_BYTES[kind] // (4 if quick else 1)
     (copy_s,) = _slowest([_copy_seconds(copy_bytes, device, reps)], device)
-    per_layer = layer_seconds(device, reps, _windowed_seconds)
-    wrappers = list(per_layer)
-    per_layer = dict(zip(wrappers, _slowest([per_layer[w] for w in wrappers], device),
-                         strict=True))
+    here = layer_seconds(device, reps, _windowed_seconds)
+    per_layer = dict(zip(here, _slowest(list(here.values()), device), strict=True))
     fits = _time_collectives(mesh, sizes, device, reps)
     intra, inter, notes = _choose_axes(fits, hosts)
     if mesh is None:

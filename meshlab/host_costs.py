@@ -29,9 +29,9 @@ LAYERS = (1, 5)
 
 def tiny_shape(layers: int) -> ModelShape:
     """The tiny model as the planner sees it."""
-    return ModelShape(name="tiny", layers=layers, hidden=TINY["dim"], heads=TINY["n_heads"],
-                      kv_heads=TINY["n_kv_heads"], ffn=TINY["ffn_hidden"],
-                      vocab=TINY["vocab_size"], seq_len=TINY["max_seq_len"])
+    from meshlab.models import ModelConfig
+
+    return ModelShape.from_config(ModelConfig(n_layers=layers, **TINY), name="tiny")
 
 
 def wrapper_layouts(world: int) -> dict[str, tuple[str, str, str]]:

@@ -199,19 +199,18 @@ class _Estimator:
         if expert:  # experts are sharded over the data ranks outside their ep group
             experts = zero_bytes(round(expert), dp=lay.shard_group // lay.ep, **kw)
             states = {k: states[k] + experts[k] for k in states}
-        recompute = lay.recompute
-        if recompute == "none" and lay.flash_attention:
-            recompute = "selective"  # the same bytes: no s x s scores stored
-        per_layer = activation_bytes_per_layer(
-            seq=self.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads, tp=lay.tp,
-            sequence_parallel=lay.sequence_parallel, recompute=recompute) * dt.activations / 2
+        def layer_bytes(recompute: str) -> float:  # Korthikanti's are for 2-byte activations
+            if recompute == "none" and lay.flash_attention:
+                recompute = "selective"  # the same bytes: no s x s scores stored
+            return activation_bytes_per_layer(
+                seq=self.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads, tp=lay.tp,
+                sequence_parallel=lay.sequence_parallel, recompute=recompute
+            ) * dt.activations / 2
+
         chunk_layers = self.layers / lay.stages_per_rank
-        activations = per_layer * chunk_layers * inflight
+        activations = layer_bytes(lay.recompute) * chunk_layers * inflight
         if lay.recompute == "full":  # one layer's activations exist while it is recomputed
-            activations += activation_bytes_per_layer(
-                seq=self.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
-                tp=lay.tp, sequence_parallel=lay.sequence_parallel,
-                recompute="selective" if lay.flash_attention else "none") * dt.activations / 2
+            activations += layer_bytes("none")
         # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
         activations += 2 * 4 * self.tokens * m.vocab / lay.tp
         if lay.zero >= 2:  # FSDP: a layer gathered, the next prefetched; its grads unsharded
