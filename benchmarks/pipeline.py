@@ -15,8 +15,8 @@ import statistics
 import time
 
 from meshlab import Cluster
+from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.schedules import build
-from meshlab.stepping import SteppedPipeline
 
 SCHEDULES = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
              ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),

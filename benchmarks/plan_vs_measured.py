@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from meshlab import Cluster
-from meshlab.calibration import calibrate_profile
+from meshlab.notebook.calibrate import calibrate_profile
 from meshlab.plan import Layout, ModelShape, estimate
 
 # The reference model, sized so that a step is mostly arithmetic rather than Python: ~3.5M

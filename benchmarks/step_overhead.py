@@ -1,7 +1,7 @@
 """One training step inside a %%mesh cell beside the same step in the exported torchrun script.
 
 The session (a DDP or ZeRO-3 step of the reference transformer on 4 CPU ranks) is recorded in
-a meshlab Journal and written with meshlab.export, exactly as `%mesh export` does; the script
+a meshlab Journal and written by meshlab.notebook.export, as `%mesh export` does; the script
 runs under `torchrun --standalone`. Both time each step on the ranks (barrier, step, barrier)
 and rounds alternate between the two, so both see the same machine. Printed: the median step
 in each, their ratio (goal <= 1.03), and what a notebook user pays on top when every step is
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from meshlab import Cluster
-from meshlab.export import Journal, export
 from meshlab.mesh import MeshSpec
+from meshlab.notebook.export import Journal, export
 
 SETUP = """
 import time

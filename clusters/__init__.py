@@ -1,1 +1,1 @@
-"""Built-in cluster profiles (TOML files read by meshlab.profiles)."""
+"""Built-in cluster profiles (TOML files read by meshlab.notebook.profiles)."""

@@ -11,8 +11,8 @@ def load_ipython_extension(ipython: Any) -> None:
     """Register %mesh / %%mesh on this IPython shell."""
     from meshlab.magics import MeshMagics, _show_error, rank_matcher
 
-    from meshlab.cluster import ClusterError
-    from meshlab.output import MeshError
+    from meshlab.notebook.cluster import ClusterError
+    from meshlab.notebook.output import MeshError
 
     if id(ipython) in _state:
         return

@@ -18,8 +18,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from meshlab.calibrate import parse_sizes
-from meshlab.calibration import calibrate_profile
-from meshlab.charts import (
+from meshlab.notebook.bench import run_bench
+from meshlab.notebook.calibrate import calibrate_profile
+from meshlab.notebook.charts import (
     bench_chart,
     comms_chart,
     memory_chart,
@@ -27,10 +28,9 @@ from meshlab.charts import (
     plan_memory_chart,
     timeline_chart,
 )
-from meshlab.cluster import Cluster, ClusterError
-from meshlab.export import ExportError, Journal, export
-from meshlab.kernel_bench import run_bench
-from meshlab.output import (
+from meshlab.notebook.cluster import Cluster, ClusterError
+from meshlab.notebook.export import ExportError, Journal, export
+from meshlab.notebook.output import (
     LiveOutput,
     MeshError,
     postmortem_text,
@@ -38,10 +38,8 @@ from meshlab.output import (
     strip_ansi,
     summary_lines,
 )
-from meshlab.plan import HARDWARE, MODELS, PRECISIONS
-from meshlab.plan import report as planning
-from meshlab.ranks import parse_ranks
-from meshlab.restore import (
+from meshlab.notebook.ranks import parse_ranks
+from meshlab.notebook.restore import (
     DEFAULT_NAMES,
     RestoreError,
     load_code,
@@ -50,11 +48,13 @@ from meshlab.restore import (
     replay,
     save_code,
 )
+from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
+from meshlab.notebook.tables.comms import comms_frame, comms_totals
+from meshlab.notebook.tables.memory import memory_frame
+from meshlab.notebook.widgets import MeshView, ShardingView, group_table
+from meshlab.plan import HARDWARE, MODELS, PRECISIONS
+from meshlab.plan import report as planning
 from meshlab.schedules import BUILDERS, Costs, ScheduleError
-from meshlab.stepping import SteppedPipeline, compare, plan_frame, resolve
-from meshlab.widgets import MeshView, ShardingView, group_table
-from meshlab.widgets.comms import comms_frame, comms_totals
-from meshlab.widgets.memory import memory_frame
 
 
 # Each subcommand's arguments, declared once; `%mesh?` is assembled from them.
@@ -262,7 +262,7 @@ def _cell(line: str) -> None:
     """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
 
 
-cell_arguments = _cell  # %%mesh's options, for reading saved notebooks (meshlab.export)
+cell_arguments = _cell  # %%mesh's options, for reading saved notebooks (meshlab.notebook.export)
 
 
 SUBCOMMANDS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status,

@@ -2,41 +2,43 @@
 
 ``%load_ext meshlab`` registers the ``%mesh`` magics; ``meshlab.Cluster`` is the same
 thing from a plain Python program.
+
+The path of a module says where it runs: ``meshlab/notebook/`` in the notebook's kernel,
+everything else on the ranks (and in exported torchrun scripts).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "ClusterError", "MeshError", "bench", "calibrate_profile",
-           "load_ipython_extension", "unload_ipython_extension"]
+__all__ = ["Cluster", "ClusterError", "MeshError", "ParallelPlan", "bench",
+           "calibrate_profile", "load_ipython_extension", "parallelize",
+           "unload_ipython_extension"]
 
 if TYPE_CHECKING:
-    from meshlab.calibration import calibrate_profile
-    from meshlab.cluster import Cluster, ClusterError
     from meshlab.kernels.bench import bench
-    from meshlab.output import MeshError
+    from meshlab.notebook.calibrate import calibrate_profile
+    from meshlab.notebook.cluster import Cluster, ClusterError
+    from meshlab.notebook.output import MeshError
+    from meshlab.parallel import ParallelPlan, parallelize
+
+# Lazy: ranks import meshlab.runtime without pulling in ipyparallel or pandas.
+_LAZY = {
+    "Cluster": "meshlab.notebook.cluster",
+    "ClusterError": "meshlab.notebook.cluster",
+    "MeshError": "meshlab.notebook.output",
+    "calibrate_profile": "meshlab.notebook.calibrate",  # measure a cluster, write a profile
+    "bench": "meshlab.kernels.bench",  # rank side: a kernel benchmark on this rank
+    "ParallelPlan": "meshlab.parallel",
+    "parallelize": "meshlab.parallel",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: ranks import meshlab.runtime without pulling in ipyparallel or pandas.
-    if name in ("Cluster", "ClusterError"):
-        from meshlab import cluster
-
-        return getattr(cluster, name)
-    if name == "bench":  # engine side: a kernel benchmark on this rank
-        from meshlab.kernels.bench import bench
-
-        return bench
-    if name == "calibrate_profile":  # notebook side: measure a cluster, write a profile
-        from meshlab.calibration import calibrate_profile
-
-        return calibrate_profile
-    if name == "MeshError":
-        from meshlab.output import MeshError
-
-        return MeshError
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'meshlab' has no attribute {name!r}")
 
 

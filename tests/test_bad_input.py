@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from meshlab.export import Journal
+from meshlab.notebook.export import Journal
 
 # (what is typed, a pattern the error must match: the bad value and the way out)
 CASES = [

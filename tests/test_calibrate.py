@@ -17,8 +17,8 @@ from IPython.utils.capture import capture_output
 
 from meshlab import Cluster
 from meshlab.calibrate import _choose_axes, _fit, fit_alpha_beta, parse_sizes
-from meshlab.calibration import CalibrationReport, calibrate_profile
-from meshlab.host_costs import LAYERS, tiny_shape, wrapper_layouts
+from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
+from meshlab.notebook.calibrate import CalibrationReport, calibrate_profile
 from meshlab.plan import Layout, estimate
 from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshlab import Cluster, ClusterError, MeshError
-from meshlab.output import strip_ansi
+from meshlab.notebook.output import strip_ansi
 
 pytestmark = pytest.mark.cluster
 

@@ -8,7 +8,7 @@ import pytest
 
 from meshlab import Cluster
 from meshlab.comms import collective_name, wire_bytes
-from meshlab.widgets.comms import comms_frame, comms_totals
+from meshlab.notebook.tables.comms import comms_frame, comms_totals
 
 
 @pytest.mark.parametrize("func, op", [
@@ -81,7 +81,7 @@ def test_tracing_stops_after_the_cell(cluster: Cluster) -> None:
 def test_charts_render_to_svg_here_without_fetching_anything() -> None:
     import pandas as pd
 
-    from meshlab.charts import comms_chart
+    from meshlab.notebook.charts import comms_chart
 
     frame = pd.DataFrame([{"rank": 0, "op": "all_reduce", "axis": "tp", "group": "[0-1]",
                            "count": 1, "bytes": 1024, "wire_bytes": 1024}])

@@ -17,7 +17,8 @@ import nbformat
 import pytest
 from IPython.core.error import UsageError
 
-from meshlab.export import (
+from meshlab.mesh import MeshSpec
+from meshlab.notebook.export import (
     ExportError,
     Journal,
     Layout,
@@ -31,7 +32,6 @@ from meshlab.export import (
     script,
     select,
 )
-from meshlab.mesh import MeshSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import pytest
 from IPython.core.completer import provisionalcompleter
 from IPython.utils.capture import capture_output
 
-from meshlab.output import strip_ansi
+from meshlab.notebook.output import strip_ansi
 
 pytestmark = pytest.mark.cluster
 

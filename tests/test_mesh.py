@@ -8,7 +8,7 @@ import pytest
 
 from meshlab import Cluster
 from meshlab.mesh import MeshSpec, coordinates
-from meshlab.widgets import MeshView
+from meshlab.notebook.widgets import MeshView
 
 
 def test_parse_takes_sizes_in_any_order_and_dp_means_dp_shard() -> None:

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from meshlab.output import strip_ansi
+from meshlab.notebook.output import strip_ansi
 
 pytestmark = pytest.mark.notebook
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))

@@ -171,7 +171,7 @@ train(model, opt, batches)
 @pytest.mark.parametrize("kind, stage", [("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3)])
 def test_measured_bytes_per_rank_agree_with_the_zero_formula(cluster: Cluster, kind: str,
                                                              stage: int) -> None:
-    from meshlab.widgets.memory import memory_frame
+    from meshlab.notebook.tables.memory import memory_frame
 
     cluster.init_mesh("dp=4")
     cluster.run(TRAIN_ONE_STEP.format(kind=kind))

@@ -79,7 +79,7 @@ def _kinds(procs: list[psutil.Process]) -> dict[str, int]:
             counts["controller"] += 1
         elif "ipyparallel.engine" in line and "nanny" not in line:
             counts["engine"] += 1
-        elif "meshlab.reaper" in line:
+        elif "meshlab.notebook.watchdog" in line:
             counts["watchdog"] += 1
     return counts
 
@@ -111,7 +111,7 @@ PARENT = """
 import subprocess, sys, time
 # a process in its own session with a child of its own, as ipyparallel's launchers start them
 leader = subprocess.Popen(["sh", "-c", "sleep 60 & exec sleep 61"], start_new_session=True)
-watchdog = subprocess.Popen([sys.executable, "-m", "meshlab.reaper", str(leader.pid)],
+watchdog = subprocess.Popen([sys.executable, "-m", "meshlab.notebook.watchdog", str(leader.pid)],
                             stdin=subprocess.PIPE, start_new_session=True)
 print(leader.pid, watchdog.pid, flush=True)
 time.sleep(60)

@@ -20,9 +20,9 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from meshlab import Cluster, MeshError
-from meshlab.export import Journal, select
-from meshlab.output import first_mismatch, postmortem_text, stacks_text
-from meshlab.restore import RestoreError, plan
+from meshlab.notebook.export import Journal, select
+from meshlab.notebook.output import first_mismatch, postmortem_text, stacks_text
+from meshlab.notebook.restore import RestoreError, plan
 
 # -- the replay plan, without a cluster --------------------------------------------------------
 

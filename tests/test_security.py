@@ -27,8 +27,9 @@ import pytest
 import zmq
 from jupyter_client.session import Session
 
-from meshlab import Cluster, profiles, runtime
-from meshlab.export import Journal
+from meshlab import Cluster, runtime
+from meshlab.notebook import profiles
+from meshlab.notebook.export import Journal
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -137,7 +137,7 @@ def test_inspect_of_something_missing_names_the_ranks(cluster) -> None:  # type:
 
 @pytest.mark.cluster
 def test_widget_draws_the_uneven_blocks_and_the_module_table(cluster, layouts) -> None:  # type: ignore[no-untyped-def]
-    from meshlab.widgets import ShardingView
+    from meshlab.notebook.widgets import ShardingView
 
     view = ShardingView(cluster.inspect("uneven"))
     assert [(b["r0"], b["r1"], b["ranks"]) for b in view.tensor["blocks"]] == [

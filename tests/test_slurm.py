@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from IPython.utils.capture import capture_output
 
-from meshlab.export import Journal
+from meshlab.notebook.export import Journal
 
 pytestmark = pytest.mark.slurm
 

@@ -3,7 +3,7 @@
 ``parallelize(model, mesh, ParallelPlan(...))`` composes them in torchtitan's order.
 """
 
-from meshlab.parallel.checkpoint import apply_ac
+from meshlab.parallel.activation_checkpoint import apply_ac
 from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.context import apply_cp
 from meshlab.parallel.ddp import apply_ddp

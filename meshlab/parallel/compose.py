@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshlab.parallel.checkpoint import MODES, apply_ac
+from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp

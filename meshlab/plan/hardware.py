@@ -61,7 +61,7 @@ class Hardware:
     layer_overhead_us: float = 0.0
     """Host time of one layer's forward and backward that does not grow with its size:
     operator dispatch, autograd, kernel launches (eager PyTorch: a few hundred operators per
-    layer). ``%mesh calibrate`` measures it on a tiny model (``meshlab.host_costs``)."""
+    layer). ``%mesh calibrate`` measures it on a tiny model (``meshlab.calibrate.host_costs``)."""
     fsdp_overhead_us: float = 0.0
     """What FSDP2 (ZeRO-2/3) adds to each layer's host time beyond its collectives: hooks,
     copies into and out of its flat buffers, resharding. Measured by ``%mesh calibrate``;

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import GIB, Hardware, hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.search import search
 from meshlab.plan.shapes import ModelShape, model_shape
+
+if TYPE_CHECKING:  # pandas only when a table is asked for: ranks import the planner
+    import pandas as pd
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 STEP_TOKENS = 4 * 2**20  # default batch: ~4M tokens per step, as Llama 3 began with
@@ -35,6 +36,8 @@ class Plan:
 
     def table(self) -> pd.DataFrame:
         """One row per layout: memory, step time, throughput, MFU (and days to train)."""
+        import pandas as pd
+
         rows = []
         for e in self.estimates:
             row = e.summary()
@@ -52,6 +55,8 @@ class Plan:
 
     def memory_frame(self) -> pd.DataFrame:
         """Long format for a stacked bar per layout: layout, part, gib (plus usable_gib)."""
+        import pandas as pd
+
         rows = [{"layout": e.layout.describe(), "part": part, "gib": e.memory[part] / GIB,
                  "usable_gib": self.hardware.usable_bytes / GIB}
                 for e in self.estimates for part in MEMORY_PARTS]
@@ -59,6 +64,8 @@ class Plan:
 
     def comm_frame(self, index: int = 0) -> pd.DataFrame:
         """The collectives of one layout (the best by default), slowest axis first."""
+        import pandas as pd
+
         e = self.estimates[index]
         rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
                  "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,

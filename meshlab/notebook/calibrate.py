@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from meshlab.calibrate import Calibration, write_profile
-from meshlab.cluster import Cluster
+from meshlab.notebook.cluster import Cluster
 from meshlab.plan.hardware import Hardware
 
 

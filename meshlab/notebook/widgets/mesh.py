@@ -8,7 +8,7 @@ from itertools import product
 import pandas as pd
 
 from meshlab.mesh import MeshSpec, coordinates
-from meshlab.ranks import format_ranks
+from meshlab.notebook.ranks import format_ranks
 
 _PALETTE = ["#e8f1fb", "#fdf1e3", "#eaf7ea", "#f6e9f7", "#fbf8dd", "#e6f6f7", "#f9e6e6"]
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshlab.ranks import label
+from meshlab.notebook.ranks import label
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Frames from the machinery between the user's cell and the rank: never the user's fault.

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshlab.export.journal import ExportError, Journal
-from meshlab.export.script import export
 from meshlab.mesh import MeshSpec
+from meshlab.notebook.export.journal import ExportError, Journal
+from meshlab.notebook.export.script import export
 
 TAGS = {"meshlab-skip": "skip", "meshlab-export": "export"}
-"""Cell tags that make the same choice as meshlab.export.journal.MARKS."""
+"""Cell tags that make the same choice as meshlab.notebook.export.journal.MARKS."""
 
 
 def read_notebook(path: str | Path) -> Journal:
@@ -73,7 +73,7 @@ def read_notebook(path: str | Path) -> Journal:
 
 
 def _rank_list(spec: str | None, world_size: int) -> list[int] | None:
-    from meshlab.ranks import parse_ranks
+    from meshlab.notebook.ranks import parse_ranks
 
     return parse_ranks(spec.strip("'\""), world_size) if spec else None
 
@@ -108,7 +108,7 @@ def _push_literals(journal: Journal, names: list[str], literals: dict[str, str],
 
 
 def _pipeline(journal: Journal, args: Any, number: int, literals: dict[str, str]) -> None:
-    from meshlab.stepping import resolve
+    from meshlab.notebook.stepping import resolve
 
     spec = next((MeshSpec.parse(e.code) for e in reversed(journal.entries)
                  if e.kind == "mesh"), None)

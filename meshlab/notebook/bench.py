@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from meshlab.cluster import Cluster
+from meshlab.notebook.cluster import Cluster
 
 BUILT_IN = ("rmsnorm", "softmax", "swiglu", "cross_entropy")
 

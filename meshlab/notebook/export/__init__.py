@@ -6,9 +6,9 @@ Notebook side, without IPython at import. The script it writes imports ``meshlab
 import: never IPython, ipyparallel or widgets, so it runs under plain ``torchrun``.
 """
 
-from meshlab.export.journal import Entry, ExportError, Journal, parse_cells, select
-from meshlab.export.notebook import read_notebook
-from meshlab.export.script import (
+from meshlab.notebook.export.journal import Entry, ExportError, Journal, parse_cells, select
+from meshlab.notebook.export.notebook import read_notebook
+from meshlab.notebook.export.script import (
     Layout,
     export,
     launch_script,

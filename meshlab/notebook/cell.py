@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from meshlab.output import CellResult, RankError, RankOutput
+from meshlab.notebook.output import CellResult, RankError, RankOutput
 
 if TYPE_CHECKING:
-    from meshlab.cluster import Cluster
+    from meshlab.notebook.cluster import Cluster
 
 GRACE = 2.0  # seconds an interrupted rank gets to leave Python code before we call it stuck
 POLL = 0.05  # seconds between looks at streamed output, dead ranks and the deadline

@@ -6,7 +6,7 @@ import pandas as pd
 
 from meshlab.comms import CommRecord
 from meshlab.mesh import MeshSpec
-from meshlab.ranks import format_ranks
+from meshlab.notebook.ranks import format_ranks
 
 COLUMNS = ["rank", "op", "axis", "group", "count", "bytes", "wire_bytes"]
 

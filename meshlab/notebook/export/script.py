@@ -9,9 +9,9 @@ import tokenize
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from meshlab.export.journal import ExportError, Journal, select
 from meshlab.mesh import MeshSpec
-from meshlab.ranks import format_ranks
+from meshlab.notebook.export.journal import ExportError, Journal, select
+from meshlab.notebook.ranks import format_ranks
 
 PORT = 29500  # torchrun's default rendezvous port
 

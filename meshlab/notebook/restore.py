@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshlab.export.journal import Entry, Journal
-from meshlab.output import MeshError
+from meshlab.notebook.export.journal import Entry, Journal
+from meshlab.notebook.output import MeshError
 
 if TYPE_CHECKING:
-    from meshlab.cluster import Cluster
+    from meshlab.notebook.cluster import Cluster
 
 RESTORE_POINT = "# meshlab: restore-point"
 """A comment line that makes a restart replay up to the last cell carrying it."""

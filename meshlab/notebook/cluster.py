@@ -20,12 +20,13 @@ import ipyparallel as ipp
 import pandas as pd
 
 import meshlab.comms
-from meshlab import profiles, reaper, runtime
-from meshlab.cell import CellRun
+from meshlab import runtime
 from meshlab.mesh import MeshSpec
-from meshlab.output import CellResult, MeshError, group, strip_ansi
-from meshlab.processes import EngineProcesses
-from meshlab.ranks import format_ranks, label, parse_ranks
+from meshlab.notebook import profiles, watchdog
+from meshlab.notebook.cell import CellRun
+from meshlab.notebook.engine_processes import EngineProcesses
+from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
+from meshlab.notebook.ranks import format_ranks, label, parse_ranks
 from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 
@@ -112,7 +113,7 @@ class Cluster:
             # directory: not into the notebook's folder
             with _working_directory(tempfile.mkdtemp(prefix="meshlab-")):
                 self._ipp.start_cluster_sync()
-            reaper.watch(self._ipp)  # a watchdog stops them if this process dies
+            watchdog.watch(self._ipp)  # a watchdog stops them if this process dies
             self._client = self._ipp.connect_client_sync()
             self._wait_for_engines(n, progress)
             self._engines = sorted(self._client.ids)[:n]
@@ -136,7 +137,7 @@ class Cluster:
                 self._ipp.stop_cluster_sync()
             except Exception as e:  # a half-started cluster: nothing more to stop
                 logging.getLogger("meshlab").debug("stop: %r", e)
-            reaper.release(self._ipp)
+            watchdog.release(self._ipp)
         self._ipp = self._client = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()

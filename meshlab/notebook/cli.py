@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshlab.export import notebook
+from meshlab.notebook.export import notebook
 from meshlab.plan import cli as plan_cli
 
 

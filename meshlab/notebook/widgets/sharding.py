@@ -15,7 +15,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from meshlab.ranks import format_ranks, label
+from meshlab.notebook.ranks import format_ranks, label
 from meshlab.sharding import ModuleReport, RankShard, ShardingReport
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",

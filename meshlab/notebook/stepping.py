@@ -1,7 +1,7 @@
 """Notebook side of pipeline schedules: plan and compare them, and step one on the ranks.
 
 The ranks run meshlab.schedules.execute; this module only resolves schedules, sends them,
-collects what ran, and turns it into frames for meshlab.charts.timeline_chart.
+collects what ran, and turns it into frames for meshlab.notebook.charts.timeline_chart.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.cluster import Cluster
+from meshlab.notebook.cluster import Cluster
 from meshlab.schedules import BUILDERS, Costs, Schedule, ScheduleError, Timeline, build, parse
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshlab.host_costs import LAYERS, layer_seconds, tiny_shape, wrapper_layouts
+from meshlab.calibrate.host_costs import LAYERS, layer_seconds, tiny_shape, wrapper_layouts
 from meshlab.plan.estimate import estimate
 from meshlab.plan.formulas import COLLECTIVES, bus_factor, ring_steps
 from meshlab.plan.hardware import GIB, Hardware, Link, save
@@ -132,7 +132,7 @@ class Calibration:
     """A large copy, read + write bytes per second, on the slowest rank."""
     layer_seconds: dict[str, float]
     """Forward + backward seconds per layer of a tiny model, plain and under each wrapper
-    (fsdp, tp), on the slowest rank (``meshlab.host_costs``)."""
+    (fsdp, tp), on the slowest rank (``meshlab.calibrate.host_costs``)."""
     matmul: list[MatmulPoint]
     tflops: dict[str, float]
     """Achieved TFLOP/s per dtype at the largest matmul."""
@@ -632,6 +632,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ with their ports open (measured for 2 ranks: 13 processes, 25 listening ports).
 
 So ``Cluster.start()`` starts this module as a small process of its own::
 
-    python -m meshlab.reaper [--cancel CMD...] PID...
+    python -m meshlab.notebook.watchdog [--cancel CMD...] PID...
 
 in its own session (jupyter's kill of the kernel's process group does not reach it), with
 a pipe from the kernel on its stdin. It sleeps in ``select`` and acts when
@@ -62,7 +62,7 @@ def watch(ipp_cluster: Any) -> None:
     pids, cancel = _targets(ipp_cluster)
     if not pids and not cancel:
         return
-    args = [sys.executable, "-m", "meshlab.reaper"]
+    args = [sys.executable, "-m", "meshlab.notebook.watchdog"]
     for command in cancel:
         args += ["--cancel", shlex.join(command)]
     _watchdogs[ipp_cluster] = subprocess.Popen(
@@ -152,7 +152,8 @@ def reap(procs: list[psutil.Process], cancel: list[str], grace: float = GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m meshlab.reaper", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m meshlab.notebook.watchdog",
+                                     description=__doc__)
     parser.add_argument("pids", nargs="*", type=int, help="processes to stop with the parent")
     parser.add_argument("--cancel", action="append", default=[],
                         help="a command to run when reaping, e.g. 'scancel 42'")

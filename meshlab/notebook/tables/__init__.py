@@ -1,0 +1,1 @@
+"""DataFrames built on the notebook side from what the ranks report (comms, memory)."""
