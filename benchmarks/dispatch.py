@@ -33,7 +33,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
     ip = start_ipython() or get_ipython()  # start_ipython returns None once started
     if "mesh" not in ip.magics_manager.magics["cell"]:
         ip.run_line_magic("load_ext", "meshlab")
-    magics = ip.magics_manager.registry["MeshMagics"]
+    session = ip.magics_manager.registry["MeshMagics"].session
     ways = {
         "raw": lambda: view.execute(CODE, block=True),
         "raw+output": lambda: view.execute(CODE, silent=False, block=False).wait_for_output(),
@@ -42,7 +42,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
     }
     samples: dict[str, list[float]] = {name: [] for name in ways}
     with Cluster(n) as cluster:
-        magics.cluster = cluster
+        session.cluster = cluster
         view = cluster._client.direct_view(cluster._engines)
         view.block = True  # %%px waits for its result and output, as %%mesh does
         view.activate()  # registers %%px on this shell, targeting the same engines
@@ -54,7 +54,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
                 ways[name]()
                 if i >= WARMUP:
                     samples[name].append(time.perf_counter() - start)
-        magics.cluster = None
+        session.cluster = None
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 
 

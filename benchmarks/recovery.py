@@ -60,8 +60,8 @@ def cell(shell: Any, text: str) -> None:
         raise SystemExit(f"{text.splitlines()[0]} failed:\n{cap.stdout}\n{cap.stderr}")
 
 
-def kill_a_rank(magics: Any) -> None:
-    cluster = magics.cluster
+def kill_a_rank(session: Any) -> None:
+    cluster = session.cluster
     os.kill(cluster._hosts[1]["pid"], signal.SIGKILL)
     while 1 not in cluster.dead():
         time.sleep(0.01)
@@ -74,13 +74,13 @@ def main() -> None:
     args = parser.parse_args()
     shell = start_ipython()
     shell.run_line_magic("load_ext", "meshlab")
-    magics = shell.magics_manager.registry["MeshMagics"]
+    session = shell.magics_manager.registry["MeshMagics"].session
     folder = Path(tempfile.mkdtemp(prefix="meshlab-recovery-"))
     times: dict[str, list[float]] = {k: [] for k in (
         "fresh start", "restart + replay", "restart from checkpoint", "checkpoint save",
         "async save (returns)", "async save (on disk)", "checkpoint load")}
     for n in range(args.rounds):
-        if magics.cluster is not None:
+        if session.cluster is not None:
             cell(shell, "%mesh stop")
         times["fresh start"].append(timed(shell, f"%mesh start {args.ranks}"))
         cell(shell, f"%mesh init dp={args.ranks}")
@@ -96,12 +96,12 @@ def main() -> None:
         cell(shell, "%%mesh\nfit(2)")
 
         start = time.perf_counter()
-        kill_a_rank(magics)
+        kill_a_rank(session)
         cell(shell, "%mesh restart")
         times["restart + replay"].append(time.perf_counter() - start)
 
         start = time.perf_counter()
-        kill_a_rank(magics)
+        kill_a_rank(session)
         cell(shell, f"%mesh restart --from-checkpoint {ckpt}")
         times["restart from checkpoint"].append(time.perf_counter() - start)
     cell(shell, "%mesh stop")

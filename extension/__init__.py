@@ -29,8 +29,8 @@ def unload_ipython_extension(ipython: Any) -> None:
     magics, matcher = _state.pop(id(ipython), (None, None))
     if magics is None:
         return
-    if magics.cluster is not None:
-        magics.cluster.stop()
+    if magics.session.running:
+        magics.session.stop()
     if matcher in ipython.Completer.custom_matchers:
         ipython.Completer.custom_matchers.remove(matcher)
     ipython.set_custom_exc((), None)

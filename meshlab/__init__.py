@@ -1,7 +1,7 @@
 """meshlab: see and try how a model is split across GPUs, from one notebook.
 
-``%load_ext meshlab`` registers the ``%mesh`` magics; ``meshlab.Cluster`` is the same
-thing from a plain Python program.
+``%load_ext meshlab`` registers the ``%mesh`` magics; ``meshlab.Session`` does the same
+things from a plain Python program.
 
 The path of a module says where it runs: ``meshlab/notebook/`` in the notebook's kernel,
 everything else on the ranks (and in exported torchrun scripts).
@@ -13,8 +13,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "ClusterError", "MeshError", "ParallelPlan", "bench",
-           "calibrate_profile", "load_ipython_extension", "parallelize",
+__all__ = ["Cluster", "ClusterError", "MeshError", "ParallelPlan", "Session", "SessionError",
+           "bench", "calibrate_profile", "load_ipython_extension", "parallelize",
            "unload_ipython_extension"]
 
 if TYPE_CHECKING:
@@ -22,10 +22,13 @@ if TYPE_CHECKING:
     from meshlab.notebook.calibrate import calibrate_profile
     from meshlab.notebook.cluster import Cluster, ClusterError
     from meshlab.notebook.output import MeshError
+    from meshlab.notebook.session import Session, SessionError
     from meshlab.parallel import ParallelPlan, parallelize
 
 # Lazy: ranks import meshlab.runtime without pulling in ipyparallel or pandas.
 _LAZY = {
+    "Session": "meshlab.notebook.session",
+    "SessionError": "meshlab.notebook.session",
     "Cluster": "meshlab.notebook.cluster",
     "ClusterError": "meshlab.notebook.cluster",
     "MeshError": "meshlab.notebook.output",

@@ -39,7 +39,7 @@ def shell(cluster: Cluster):  # type: ignore[no-untyped-def]
 
     ip = start_ipython()
     ip.run_line_magic("load_ext", "meshlab")
-    magics = ip.magics_manager.registry["MeshMagics"]
-    magics.cluster = cluster
+    session = ip.magics_manager.registry["MeshMagics"].session
+    session.cluster = cluster
     yield ip
-    magics.cluster = None  # the cluster fixture stops it
+    session.cluster = None  # the cluster fixture stops it

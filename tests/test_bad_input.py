@@ -70,16 +70,16 @@ def error_of(shell: Any, typed: str) -> str | None:
 @pytest.mark.cluster
 def test_bad_magic_lines_name_the_value_and_the_fix(shell: Any, tmp_path: Any,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    magics.journal = Journal(4, "gloo")  # nothing recorded: export and restart have no cells
-    magics.cluster.init_mesh("dp=4")
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, "gloo")  # nothing recorded: export and restart have no cells
+    session.cluster.init_mesh("dp=4")
     failures = []
     for typed, pattern in CASES:
         typed = typed.replace("{tmp}", str(tmp_path))
         shown = error_of(shell, typed)
         if shown is None or not re.search(pattern, shown, re.S):
             failures.append(f"{typed!r}\n    shown: {shown}\n    wanted: {pattern}")
-        alive = magics.cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()",
+        alive = session.cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()",
                                    keep_values=True)
         if alive.values != {r: 4.0 for r in range(4)}:
             failures.append(f"after {typed!r} the cluster no longer reduces: {alive.values}")

@@ -242,8 +242,8 @@ def run_exported(launch: Path, blockers: Path) -> str:
 @pytest.mark.parametrize("mesh, strategy", [("dp=4", "ddp"), ("dp=2 tp=2", "zero3")])
 def test_the_exported_script_reproduces_the_sessions_losses(
         shell: Any, tmp_path: Path, mesh: str, strategy: str) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    magics.journal = Journal(4, magics.cluster.backend)  # this session only
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, session.cluster.backend)  # this session only
     shell.user_ns.update(lr=0.01, strategy=strategy)
     for cell in [f"%mesh init {mesh}", "%mesh push lr strategy", TRAIN,
                  "%%mesh --ranks 0\nprint('rank 0 is done')", "%mesh status",
@@ -263,8 +263,8 @@ def test_the_exported_script_reproduces_the_sessions_losses(
 
 
 def test_export_with_nothing_recorded_names_the_fix(shell: Any, tmp_path: Path) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    magics.journal = Journal(4, "gloo")
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, "gloo")
     with pytest.raises(UsageError, match="no %%mesh cell to export: run some"):
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'}")
     with pytest.raises(UsageError, match="--nodes 0 --gpus-per-node None: both must be >= 1"):

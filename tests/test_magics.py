@@ -98,12 +98,12 @@ def test_misuse_names_the_fix(shell: Any, line: str, message: str) -> None:
 @contextmanager
 def no_cluster(shell: Any) -> Iterator[None]:
     """The shell as it is before `%mesh start`."""
-    magics = shell.magics_manager.registry["MeshMagics"]
-    cluster, magics.cluster = magics.cluster, None
+    session = shell.magics_manager.registry["MeshMagics"].session
+    cluster, session.cluster = session.cluster, None
     try:
         yield
     finally:
-        magics.cluster = cluster
+        session.cluster = cluster
 
 
 def test_mesh_before_start_says_how_to_start(shell: Any) -> None:

@@ -90,11 +90,11 @@ def test_steps_replay_one_by_one_and_export_as_one_whole_step() -> None:
     j = Journal(world_size=2)
     j.record_cell("x = 1", 1)
     j.record_pipeline("model", __import__("meshlab.schedules").schedules.build(
-        "gpipe", ranks=2, microbatches=2), 2, line="pipeline model --schedule gpipe")
-    j.record_step(3, line="step 2")
-    j.record_step(4, line="step --all")
-    assert [e.replay for e in plan(j).entries] == [
-        None, "pipeline model --schedule gpipe", "step 2", "step --all"]
+        "gpipe", ranks=2, microbatches=2), 2)
+    j.record_step(3, slots=2)
+    j.record_step(4, slots=None)
+    assert [e.redo and (e.redo[0], e.redo[1].get("slots")) for e in plan(j).entries] == [
+        None, ("pipeline", None), ("step", 2), ("step", None)]
     assert [e.note for e in select(j)] == ["", "%mesh pipeline model", "%mesh step"]
 
 
@@ -138,7 +138,7 @@ def test_a_hang_shows_each_ranks_last_collectives_and_where_they_part(cluster: C
 
 @pytest.mark.cluster
 def test_mesh_stacks_answers_while_a_cell_is_still_running(shell: Any) -> None:
-    cluster = shell.magics_manager.registry["MeshMagics"].cluster
+    cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
     errors: list[BaseException] = []
 
     def slow_cell() -> None:
@@ -202,17 +202,17 @@ def fit(n):
 @pytest.fixture
 def own(shell: Any, test_profile: Path) -> Iterator[Any]:
     """The shell driving a fresh 2-rank cluster; the shared one is put back afterwards."""
-    magics = shell.magics_manager.registry["MeshMagics"]
-    shared, journal = magics.cluster, magics.journal
-    magics.cluster = None
+    session = shell.magics_manager.registry["MeshMagics"].session
+    shared, journal = session.cluster, session.journal
+    session.cluster = None
     try:
         with capture_output():
             shell.run_line_magic("mesh", f"start 2 --profile {test_profile}")
         yield shell
     finally:
-        if magics.cluster is not None:
-            magics.cluster.stop()
-        magics.cluster, magics.journal, magics.pipeline = shared, journal, None
+        if session.cluster is not None:
+            session.cluster.stop()
+        session.cluster, session.journal, session.bound_pipeline = shared, journal, None
 
 
 def run(shell: Any, *cells: str) -> str:
@@ -224,7 +224,7 @@ def run(shell: Any, *cells: str) -> str:
 
 
 def kill_rank(shell: Any, rank: int) -> None:
-    cluster = shell.magics_manager.registry["MeshMagics"].cluster
+    cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
     os.kill(cluster._hosts[rank]["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
     while rank not in cluster.dead() and time.monotonic() < deadline:
@@ -233,10 +233,10 @@ def kill_rank(shell: Any, rank: int) -> None:
 
 @pytest.mark.cluster
 def test_after_a_rank_dies_restart_replays_and_training_continues_identically(own: Any) -> None:
-    magics = own.magics_manager.registry["MeshMagics"]
+    session = own.magics_manager.registry["MeshMagics"].session
     run(own, "%mesh init dp=2", SETUP, TRAIN, "%%mesh\nfit(3)")
     before = own.run_line_magic("mesh", "pull losses")[0]
-    assert [e.trained for e in magics.journal.entries if e.kind == "cell"] == [False, False, True]
+    assert [e.trained for e in session.journal.entries if e.kind == "cell"] == [False, False, True]
 
     kill_rank(own, 1)
     with capture_output() as cap:
@@ -273,8 +273,8 @@ def test_restart_from_a_checkpoint_skips_the_training_it_holds(own: Any, tmp_pat
 @pytest.mark.cluster
 def test_a_replay_that_fails_says_where_and_keeps_what_ran(own: Any) -> None:
     run(own, "%%mesh\nimport os\nx = 1", "%%mesh\nassert not os.path.exists('/tmp/never')")
-    magics = own.magics_manager.registry["MeshMagics"]
-    magics.journal.record_cell("raise RuntimeError('only fails on replay')", 99)
+    session = own.magics_manager.registry["MeshMagics"].session
+    session.journal.record_cell("raise RuntimeError('only fails on replay')", 99)
     with pytest.raises(UsageError, match=r"replay stopped at In \[99\].*only fails on replay"):
         own.run_line_magic("mesh", "restart")
     assert own.run_line_magic("mesh", "pull x") == {0: 1, 1: 1}

@@ -244,15 +244,15 @@ def test_exports_logs_and_command_lines_hold_no_connection_key(
         cluster: Cluster, shell: Any, tmp_path: Path) -> None:
     keys = {json.loads(connection_file(cluster, who).read_text())["key"]
             for who in ("client", "engine")}
-    magics = shell.magics_manager.registry["MeshMagics"]
-    saved, magics.journal = magics.journal, Journal(cluster.world_size, cluster.backend)
+    session = shell.magics_manager.registry["MeshMagics"].session
+    saved, session.journal = session.journal, Journal(cluster.world_size, cluster.backend)
     try:
         shell.user_ns["lr"] = 0.01
         assert shell.run_cell("%%mesh\nx = torch.ones(2) * rank\n", store_history=True).success
         shell.run_line_magic("mesh", "push lr")
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'} --sbatch")
     finally:
-        magics.journal = saved
+        session.journal = saved
     exported = [tmp_path / name for name in ("train.py", "launch.sh", "job.sbatch")]
     ipp, cid = cluster._ipp, cluster._ipp.cluster_id
     logs = {*Path(ipp.profile_dir, "log").glob(f"*{cid}*"),

@@ -55,8 +55,8 @@ def slurm() -> str:
 @pytest.mark.cluster
 def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
         slurm: str, shell: Any, tmp_path: Path) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    magics.journal = Journal(4, magics.cluster.backend)
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, session.cluster.backend)
     for cell in ["%mesh init dp=4", TRAIN, f"%mesh export {tmp_path / 'train.py'} --sbatch"]:
         assert shell.run_cell(cell, store_history=True).success, cell
     interactive = shell.run_line_magic("mesh", "pull losses")[0]
@@ -75,9 +75,9 @@ def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
 
 @pytest.mark.cluster
 def test_mesh_start_with_the_slurm_profile_runs_a_collective(slurm: str, shell: Any) -> None:
-    magics = shell.magics_manager.registry["MeshMagics"]
-    shared, journal = magics.cluster, magics.journal
-    magics.cluster = None  # the session's local cluster steps aside, untouched
+    session = shell.magics_manager.registry["MeshMagics"].session
+    shared, journal = session.cluster, session.journal
+    session.cluster = None  # the session's local cluster steps aside, untouched
     try:
         with capture_output() as cap:
             shell.run_line_magic("mesh", "start 2 --profile slurm")
@@ -93,6 +93,6 @@ def test_mesh_start_with_the_slurm_profile_runs_a_collective(slurm: str, shell: 
         assert job <= set(queue.stdout.split())
         shell.run_line_magic("mesh", "stop")
     finally:
-        if magics.cluster is not None:
-            magics.cluster.stop()
-        magics.cluster, magics.journal = shared, journal
+        if session.cluster is not None:
+            session.cluster.stop()
+        session.cluster, session.journal = shared, journal

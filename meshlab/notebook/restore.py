@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshlab.notebook.export.journal import Entry, Journal
 from meshlab.notebook.output import MeshError
@@ -46,7 +46,7 @@ class Replay:
 def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = None) -> Replay:
     """The entries to run again: all (or those up to In [upto], or to the last restore
     point); with a checkpoint, its session's setup, the load, then what ran after it."""
-    entries = [e for e in journal.entries if e.replay != ""]
+    entries = [e for e in journal.entries if e.replayed]
     marked = [e.number for e in entries if e.kind == "cell" and RESTORE_POINT in e.code]
     if upto is None and marked:
         upto = marked[-1]
@@ -74,10 +74,11 @@ def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = 
                              note=f"%mesh checkpoint load {checkpoint}"))
 
 
-def replay(cluster: Cluster, steps: Replay, run_line: Callable[[str], None],
+def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]], object],
            progress: Callable[[str], None] = print) -> list[Entry]:
-    """Run the plan on the cluster; raise RestoreError at the first entry that fails, naming
-    it (what ran before it stays on the ranks)."""
+    """Run the plan on the cluster (``redo(verb, kwargs)`` makes an entry's Session call);
+    raise RestoreError at the first entry that fails, naming it (what ran before it stays
+    on the ranks)."""
     entries = list(steps.entries)
     if steps.load is not None:  # after the last setup entry that came before the save
         at = next((i for i, e in enumerate(entries) if e.number > steps.load.number),
@@ -88,8 +89,8 @@ def replay(cluster: Cluster, steps: Replay, run_line: Callable[[str], None],
         try:
             if e.kind == "mesh":
                 cluster.init_mesh(e.code)
-            elif e.replay:
-                run_line(e.replay)
+            elif e.redo:
+                redo(*e.redo)
             elif e.note.startswith("%mesh push"):
                 name = e.note.removeprefix("%mesh push ")
                 cluster.push({name: e.value}, list(e.ranks) if e.ranks else None)

@@ -39,9 +39,10 @@ class Entry:
     """What the entry came from, for the comment above it in the script."""
     problem: str | None = None
     """Why this entry cannot be written (say, a pushed value with no literal form)."""
-    replay: str | None = None
-    """What `%mesh restart` does instead of running ``code``: a %mesh line to run again
-    (pipeline, step), or "" to leave it out (a checkpoint save)."""
+    redo: tuple[str, dict[str, Any]] | None = None
+    """The Session call a restart makes instead of running ``code`` (pipeline, step)."""
+    replayed: bool = True
+    """False: a restart leaves it out (a checkpoint save would overwrite a newer one)."""
     trained: bool = False
     """The cell stepped an optimizer: a restore from a later checkpoint need not run it."""
     value: Any = field(default=None, compare=False, repr=False)
@@ -89,9 +90,8 @@ class Journal:
 
     def record_pipeline(self, model: str, schedule: Schedule, number: int, *,
                         batch: str = "batch", loss: str | None = None,
-                        name: str = "pipeline", line: str | None = None) -> None:
-        """%mesh pipeline: the same bind() call on the ranks; ``line`` binds it again on
-        restart."""
+                        name: str = "pipeline") -> None:
+        """%mesh pipeline: the same bind() call on the ranks; a restart binds it again."""
         if schedule.name in BUILDERS:
             made = (f'build("{schedule.name}", ranks={schedule.ranks}, '
                     f"microbatches={schedule.microbatches}, virtual={schedule.virtual})")
@@ -103,24 +103,26 @@ class Journal:
         loss_arg = f", loss_fn={loss}" if loss else ""
         code = (f"{imports}\nfrom meshlab.schedules.execute import bind\n"
                 f"{name} = bind({model}, mesh, {made}, batch={batch}{loss_arg})")
+        redo = ("pipeline", {"model": model, "schedule": schedule, "batch": batch, "loss": loss})
         self.entries.append(Entry("code", number, code, note=f"%mesh pipeline {model}",
-                                  replay=line))
+                                  redo=redo))
 
-    def record_step(self, number: int, name: str = "pipeline", line: str = "step") -> None:
+    def record_step(self, number: int, slots: int | None = 1, name: str = "pipeline") -> None:
         """%mesh step: in a script, the first step of a binding runs the whole step; a restart
-        runs every ``line`` again."""
+        steps the same ``slots`` again (None: the rest of the step)."""
         bound = next((e for e in reversed(self.entries) if e.note.startswith("%mesh pipeline")),
                      None)
         stepped = bound and any(e.note == "%mesh step" for e in
                                 self.entries[self.entries.index(bound):])
         code = f"{name}.advance(None)  # the whole step" if bound and not stepped else ""
-        self.entries.append(Entry("code", number, code, note="%mesh step", replay=line))
+        self.entries.append(Entry("code", number, code, note="%mesh step",
+                                  redo=("step", {"slots": slots})))
 
     def record_checkpoint(self, code: str, number: int, action: str, path: str) -> None:
         """%mesh checkpoint save|load: the same call in the script; a restart loads again but
         never saves again (it would overwrite a newer checkpoint with older state)."""
         self.entries.append(Entry("code", number, code, note=f"%mesh checkpoint {action} {path}",
-                                  replay="" if action == "save" else None))
+                                  replayed=action != "save"))
 
 
 def _notebook_name() -> str | None:

@@ -18,9 +18,7 @@ TAGS = {"meshlab-skip": "skip", "meshlab-export": "export"}
 def read_notebook(path: str | Path) -> Journal:
     """The journal of a saved notebook: its %%mesh cells that ran without error (in execution
     order; all of them, in document order, if the notebook was saved without running)."""
-    from IPython.core.magic_arguments import parse_argstring
-
-    from meshlab.magics import SUBCOMMANDS, cell_arguments
+    from meshlab.notebook import commands
 
     nb = json.loads(Path(path).read_text())
     cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
@@ -43,7 +41,7 @@ def read_notebook(path: str | Path) -> Journal:
                 continue
             option_line = stripped.splitlines()[0][len("%%mesh"):] \
                 if stripped.startswith("%%mesh") else ""
-            args = parse_argstring(cell_arguments, option_line)
+            args = commands.parse_cell(option_line)
             ranks = _rank_list(args.ranks, journal.world_size)
             journal.record_cell(source, number, ranks, mark=tag)
             continue
@@ -56,16 +54,16 @@ def read_notebook(path: str | Path) -> Journal:
             if sub == "auto":
                 auto = rest.strip() == "on"
             elif sub == "start":
-                args = parse_argstring(SUBCOMMANDS["start"], rest)
+                args = commands.parse("start", rest)
                 journal.world_size = args.n or journal.world_size
                 journal.backend = args.backend or journal.backend
             elif sub == "init" and rest.strip():
                 journal.record_mesh(MeshSpec.parse(rest), number)
             elif sub == "push":
-                args = parse_argstring(SUBCOMMANDS["push"], rest)
+                args = commands.parse("push", rest)
                 _push_literals(journal, args.names, literals, number)
             elif sub == "pipeline":
-                args = parse_argstring(SUBCOMMANDS["pipeline"], rest)
+                args = commands.parse("pipeline", rest)
                 _pipeline(journal, args, number, literals)
             elif sub == "step":
                 journal.record_step(number)

@@ -1,0 +1,281 @@
+"""The ``%mesh`` command line: each subcommand's arguments, declared once.
+
+The magics parse with these and call the Session; ``meshlab export`` reads saved notebooks
+with them; ``%mesh?`` is assembled from their docstrings. Options several subcommands share
+(``--ranks``, ``-o NAME``, the schedule's size) are decorators declared here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from meshlab.plan import HARDWARE, MODELS, PRECISIONS
+from meshlab.schedules import BUILDERS
+
+Parser = Callable[[str], None]
+
+ranks_option = argument("--ranks", help="only these ranks, e.g. 0,2-3 (default: all)")
+
+
+def output_option(what: str) -> Callable[[Parser], Parser]:
+    """``-o NAME``: keep ``what`` in the notebook as NAME."""
+    return argument("-o", dest="output", metavar="NAME", help=f"keep {what} as NAME")
+
+
+def schedule_options(microbatches: int) -> Callable[[Parser], Parser]:
+    """``--microbatches`` and ``--virtual``, for a schedule built by name."""
+    def add(fn: Parser) -> Parser:
+        fn = argument("--virtual", type=int, default=1,
+                      help="stages per rank v (interleaved, looped; a builder name)")(fn)
+        return argument("--microbatches", type=int, default=microbatches,
+                        help=f"micro-batches m (default {microbatches}; a builder name)")(fn)
+    return add
+
+
+@magic_arguments()
+@argument("n", nargs="?", type=int, help="number of ranks (default: one per GPU, else 4)")
+@argument("--profile", default="local", help="a profile in clusters/ or a path to a .toml file")
+@argument("--backend", choices=["auto", "gloo", "nccl"], help="override the profile's backend")
+@argument("--debug", action="store_true",
+          help="TORCH_DISTRIBUTED_DEBUG=DETAIL: mismatched collectives raise at once")
+def start(line: str) -> None:
+    """%mesh start [N]: start N ranks and a torch.distributed process group across them."""
+
+
+@magic_arguments()
+def stop(line: str) -> None:
+    """%mesh stop: stop every rank."""
+
+
+@magic_arguments()
+@argument("--from-checkpoint", metavar="DIR", help="load this checkpoint (saved in this "
+          "session) and replay only the cells after it, plus the setup they need")
+@argument("--upto", type=int, metavar="N", help="replay up to In [N] only (default: everything, "
+          "or up to the last cell marked `# meshlab: restore-point`)")
+def restart(line: str) -> None:
+    """%mesh restart: fresh engines of the same size and profile, the mesh and the session's
+    successful %%mesh cells replayed."""
+
+
+@magic_arguments()
+@argument("action", choices=["save", "load"])
+@argument("path", help="a folder; each rank writes its own shards there")
+@argument("names", nargs="*", help="objects on the ranks (default: those of model, optimizer, "
+          "step defined; on load, every name the checkpoint holds)")
+@argument("--async", dest="background", action="store_true",
+          help="save in the background (torch.distributed.checkpoint.async_save)")
+def checkpoint(line: str) -> None:
+    """%mesh checkpoint save|load DIR [NAME...]: sharded torch.distributed.checkpoint of named
+    objects on every rank; loads into another mesh shape or world size."""
+
+
+@magic_arguments()
+@ranks_option
+def stacks(line: str) -> None:
+    """%mesh stacks: every rank's current Python stack (identical ones once) and its last
+    collectives; answers while a cell runs or hangs."""
+
+
+@magic_arguments()
+@argument("rank", type=int, help="the rank whose last failed cell to examine")
+def debug(line: str) -> None:
+    """%mesh debug RANK: post-mortem of the last failed cell on RANK (traceback, the failing
+    frame's variables)."""
+
+
+@magic_arguments()
+def status(line: str) -> None:
+    """%mesh status: a table of ranks (host, pid, device, alive, busy, memory)."""
+
+
+@magic_arguments()
+@argument("expr", nargs="+", help="a DTensor, tensor or nn.Module (any expression) on the ranks")
+@ranks_option
+def inspect(line: str) -> None:
+    """%mesh inspect EXPR: a widget showing which rank holds which block of EXPR."""
+
+
+@magic_arguments()
+@argument("model", help="a module on the ranks (a name or expression without spaces)")
+@argument("optimizer", nargs="?", help="its optimizer on the ranks")
+@argument("--stage", type=int, choices=[0, 1, 2, 3],
+          help="also show the ZeRO paper's per-device formula for this stage")
+@argument("--dp", type=int, help="data-parallel degree for the formula (default: the mesh's)")
+@argument("--inputs", help="a batch on the ranks: also measure the activations one forward "
+          "saves for backward")
+def memory(line: str) -> None:
+    """%mesh memory MODEL [OPTIMIZER]: bytes of params, grads, optimizer states per rank."""
+
+
+@magic_arguments()
+@argument("names", nargs="+", help="notebook variables to copy to every rank")
+@ranks_option
+def push(line: str) -> None:
+    """%mesh push NAME...: copy notebook variables to the ranks."""
+
+
+@magic_arguments()
+@argument("name", help="a variable defined on the ranks")
+@ranks_option
+def pull(line: str) -> None:
+    """%mesh pull NAME: {rank: value} of a variable on the ranks."""
+
+
+@magic_arguments()
+@argument("axes", nargs="*", metavar="AXIS=SIZE",
+          help="pp, dp_replicate, dp_shard (or dp), cp, tp, ep; e.g. dp=2 tp=2")
+def init(line: str) -> None:
+    """%mesh init dp=2 tp=2: a named DeviceMesh `mesh` on every rank (no axes: show it)."""
+
+
+@magic_arguments()
+@argument("state", choices=["on", "off"])
+def auto(line: str) -> None:
+    """%mesh auto on|off: run every following cell on the ranks, without the %%mesh line."""
+
+
+@magic_arguments()
+@argument("names", metavar="NAME", help="a builder (" + ", ".join(BUILDERS) + ") or a notebook "
+          "variable holding a Schedule, a text table or rows; several, comma-separated, "
+          "to compare")
+@argument("--stages", type=int, default=4, help="pipeline ranks p (default 4)")
+@schedule_options(microbatches=8)
+@argument("--costs", default="1,2", help="F,B or F,I,W times (default 1,2)")
+@argument("--comm", type=float, default=0.0, help="time of one hop between ranks")
+@output_option("the (first) Schedule")
+def schedule(line: str) -> None:
+    """%mesh schedule: build, validate, simulate and chart pipeline schedules."""
+
+
+@magic_arguments()
+@argument("model", help="a meshlab Transformer on the ranks, split into the schedule's stages")
+@argument("--schedule", required=True, help="a builder name or a notebook Schedule variable")
+@schedule_options(microbatches=4)
+@argument("--batch", default="batch", help="(inputs, targets) on the ranks (default: batch)")
+@argument("--loss", help="loss function on the ranks (default: next-token cross-entropy)")
+def pipeline(line: str) -> None:
+    """%mesh pipeline: bind a schedule to a model over the pp axis; `pipeline` on the ranks."""
+
+
+@magic_arguments()
+@argument("n", nargs="?", type=int, default=1, help="slots of the schedule to run (default 1)")
+@argument("--all", action="store_true", help="run the rest of the step")
+def step(line: str) -> None:
+    """%mesh step: run the next N slots of the bound pipeline on every rank, and chart it."""
+
+
+@magic_arguments()
+@argument("kernel", help="a built-in kernel (rmsnorm, softmax, swiglu, cross_entropy) or a "
+          "callable on the ranks, e.g. one launching your @triton.jit kernel")
+@argument("--ref", help="the reference on the ranks (default for built-ins: their torch twin)")
+@argument("--sizes", default="256,1024", help="row lengths, comma-separated (default 256,1024)")
+@argument("--dtype", default="float32", help="float32, float16, bfloat16 (default float32)")
+@argument("--mode", choices=["fwd", "bwd", "full"], default="fwd", help="what to time")
+@argument("--rows", type=int, help="rows per problem (default 4096 on GPU, 4 on CPU)")
+@ranks_option
+@output_option("the table (a DataFrame)")
+def bench(line: str) -> None:
+    """%mesh bench: time a Triton kernel beside torch on every rank; a table and a chart."""
+
+
+@magic_arguments()
+@argument("-o", dest="path", default="calibrated.toml", metavar="PATH",
+          help="the hardware profile to write (default calibrated.toml)")
+@argument("--name", help="the profile's name (default: the file's stem)")
+@argument("--sizes", help="collective message sizes in bytes, comma-separated, K/M/G suffixes "
+          "(default 4K..16M on CPU, 64K..256M on GPU)")
+@argument("--quick", action="store_true", help="fewer sizes and repetitions: a rough profile "
+          "in a few seconds")
+def calibrate(line: str) -> None:
+    """%mesh calibrate: time matmuls, memory copies and every collective on each mesh axis of
+    the live ranks; fit the planner's alpha-beta model; write a hardware profile."""
+
+
+@magic_arguments()
+@argument("model", help="a preset (" + ", ".join(MODELS) + "), or a notebook variable "
+          "holding a ModelShape or a meshlab ModelConfig")
+@argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
+@argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
+          "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")
+@argument("--layout", help='one layout to estimate, e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 '
+          'm=16"; without it the best layouts are searched')
+@argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
+@argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
+          "least one sequence per GPU)")
+@argument("--precision", default="bf16", choices=list(PRECISIONS),
+          help="compute precision (default bf16)")
+@argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")
+@argument("--top", type=int, default=10, help="layouts to show from the search (default 10)")
+@output_option("the Plan")
+def plan(line: str) -> None:
+    """%mesh plan: predict memory per GPU, communication per axis and step time of a model on
+    many GPUs, for one layout or the best layouts found."""
+
+
+@magic_arguments()
+@argument("path", help="the script to write, e.g. train.py; launch.sh goes beside it")
+@argument("--sbatch", action="store_true", help="also write job.sbatch for Slurm")
+@argument("--nodes", type=int, default=1, help="nodes to run on (default 1)")
+@argument("--gpus-per-node", type=int, help="processes per node, one per GPU (default: the "
+          "session's ranks on one node, on its device kind)")
+@argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 or 12- (default: all)")
+def export(line: str) -> None:
+    """%mesh export: the session's successful %%mesh cells as a torchrun script."""
+
+
+@magic_arguments()
+@ranks_option
+@argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
+@output_option("{rank: value of the last expression}")
+@argument("--comms", action="store_true",
+          help="trace the collectives each rank issued: counts, bytes, mesh axis")
+def cell(line: str) -> None:
+    """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
+
+
+SUBCOMMANDS = {"start": start, "stop": stop, "restart": restart, "status": status,
+               "init": init, "inspect": inspect, "memory": memory, "push": push,
+               "pull": pull, "auto": auto, "schedule": schedule, "pipeline": pipeline,
+               "step": step, "bench": bench, "calibrate": calibrate, "plan": plan,
+               "export": export, "checkpoint": checkpoint, "stacks": stacks,
+               "debug": debug}
+
+
+def _name_the_usage(fn: Parser, name: str) -> None:
+    # argparse named each parser after its function: say what the user types instead
+    fn.parser.prog = name  # type: ignore[attr-defined]
+    fn.__doc__ = (fn.__doc__ or "").replace(f"%{fn.__name__}", name, 1)
+
+
+for _name, _fn in SUBCOMMANDS.items():
+    _name_the_usage(_fn, f"%mesh {_name}")
+_name_the_usage(cell, "%%mesh")
+
+
+def parse(subcommand: str, rest: str) -> Any:
+    """The arguments of ``%mesh SUBCOMMAND REST``; ValueError names an unknown subcommand."""
+    if subcommand not in SUBCOMMANDS:
+        raise ValueError(f"unknown subcommand {subcommand!r}: use one of "
+                         f"{', '.join(SUBCOMMANDS)} (see %mesh?)" if subcommand else
+                         f"%mesh needs a subcommand: {', '.join(SUBCOMMANDS)} (see %mesh?)")
+    return parse_argstring(SUBCOMMANDS[subcommand], rest)
+
+
+def parse_cell(line: str) -> Any:
+    """The options of a ``%%mesh`` line."""
+    return parse_argstring(cell, line)
+
+
+def help_text() -> str:
+    """``%mesh?``: every subcommand's synopsis and options."""
+    parts = [cell.__doc__ or ""] + [fn.__doc__ or "" for fn in SUBCOMMANDS.values()]
+    return "meshlab: run cells on every rank of a torch.distributed cluster.\n\n" + "\n\n".join(
+        p.strip() for p in parts)
+
+
+def unquote(text: str | None) -> str | None:
+    """A value without the quotes IPython's argument splitter keeps (``"tp=8 pp=16"``)."""
+    return text.strip("\"'") if text else text

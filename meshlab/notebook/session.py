@@ -1,0 +1,316 @@
+"""Session: a cluster of ranks and everything a notebook does with it, in plain Python.
+
+It owns the Cluster, the journal (what ``export`` writes and ``restart`` replays), the bound
+pipeline, the optimizer-step count and checkpoints. The ``%mesh`` magics are a thin skin over
+it: each parses its line, makes one call here and displays what comes back.
+
+>>> with Session(4) as s:
+...     s.init("dp=2 tp=2")
+...     s.run("x = torch.ones(2); dist.all_reduce(x); x")
+...     s.export("train.py", sbatch=True)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshlab.mesh import MeshSpec
+from meshlab.notebook import restore
+from meshlab.notebook.cluster import Cluster, ClusterError
+from meshlab.notebook.export import Journal, export
+from meshlab.notebook.output import CellResult, postmortem_text, stacks_text
+from meshlab.notebook.profiles import Profile
+from meshlab.notebook.ranks import parse_ranks
+from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
+from meshlab.schedules import Costs, Schedule
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from meshlab.notebook.calibrate import CalibrationReport
+    from meshlab.plan.report import Plan
+    from meshlab.sharding import ModuleReport, ShardingReport
+
+
+class SessionError(ValueError):
+    """A request the session cannot take as it stands; the message names the fix."""
+
+
+class Session:
+    """One cluster of ranks, with the journal, pipeline and checkpoints of what ran on it."""
+
+    def __init__(self, n: int | None = None, *, profile: str | Path | Profile = "local",
+                 backend: str | None = None, debug: bool | None = None) -> None:
+        self.n, self.profile, self.backend, self.debug = n, profile, backend, debug
+        self.cluster: Cluster | None = None
+        self.journal: Journal | None = None  # new at start; what export writes
+        self.bound_pipeline: SteppedPipeline | None = None  # what step() advances
+        self.optimizer_steps = 0  # on the ranks after the last cell: did the next one train?
+        counter = itertools.count(1)
+        self.cell_number: Callable[[], int] = lambda: next(counter)
+        """The number the journal files the next entry under; the magics read In [n]."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running:
+            self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self.cluster is not None and self.cluster.running
+
+    @property
+    def world_size(self) -> int:
+        return self.need_cluster().world_size
+
+    def start(self, n: int | None = None, *, profile: str | Path | Profile | None = None,
+              backend: str | None = None, debug: bool | None = None,
+              progress: bool = True) -> str:
+        """Start the ranks and their process group; returns the "ready" line."""
+        cluster = Cluster(n or self.n, profile=profile or self.profile,  # a bad line first
+                          backend=backend or self.backend,
+                          debug=self.debug if debug is None else debug)
+        if self.running:
+            raise SessionError(f"a cluster of {self.world_size} ranks is already running: "
+                               "%mesh stop first, or %mesh restart")
+        started = time.perf_counter()
+        self.cluster = cluster.start(progress=progress)
+        self.journal = Journal(cluster.world_size, cluster.backend)
+        self.bound_pipeline, self.optimizer_steps = None, 0
+        return (f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
+                f"{cluster.describe()}")
+
+    def stop(self) -> None:
+        """Stop every rank."""
+        self.need_cluster().stop()
+        self.cluster, self.bound_pipeline = None, None
+
+    def restart(self, *, upto: int | None = None, from_checkpoint: str | None = None,
+                progress: Callable[[str], None] = print) -> None:
+        """Fresh engines of the same size and profile, and the session replayed on them:
+        every successful cell (up to In [upto]), or from a checkpoint this session saved."""
+        cluster, journal = self.need_cluster(), self.need_journal()
+        checkpoint = from_checkpoint and os.path.abspath(from_checkpoint)
+        steps = restore.plan(journal, upto=upto, checkpoint=checkpoint)  # before stopping
+        started = time.perf_counter()
+        cluster.restart()
+        self.bound_pipeline = None
+        progress(f"{cluster.world_size} fresh ranks ready in "
+                 f"{time.perf_counter() - started:.1f} s; replaying "
+                 f"{len(steps.entries) + bool(steps.load)} recorded entries")
+        for entry in steps.skipped:
+            progress(f"  In [{entry.number}] skipped: it trained, {from_checkpoint} holds that")
+        self.journal = Journal(cluster.world_size, cluster.backend)  # replays record nothing
+        try:
+            restore.replay(cluster, steps, redo=lambda verb, kwargs: getattr(self, verb)(
+                **kwargs), progress=progress)
+        finally:
+            self.journal = journal
+        self.optimizer_steps = cluster.optimizer_steps()
+        progress(f"session restored in {time.perf_counter() - started:.1f} s")
+
+    # -- running code ----------------------------------------------------------------------
+
+    def run(self, code: str, ranks: str | list[int] | None = None,
+            timeout: float | None = None, *, on_output: Callable[[CellResult], None] | None
+            = None, keep_values: bool = False, comms: bool = False) -> CellResult:
+        """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
+
+        See Cluster.run for the options."""
+        cluster = self.need_cluster()
+        result = cluster.run(code, ranks, timeout, on_output=on_output,
+                             keep_values=keep_values, comms=comms)
+        steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
+        self.need_journal().record_cell(code, self.cell_number(), result.ranks,
+                                        trained=self.optimizer_steps > steps)
+        return result
+
+    def init(self, axes: str | MeshSpec | None = None) -> MeshSpec:
+        """Build the named DeviceMesh ``mesh`` on every rank (no axes: the one there is)."""
+        cluster = self.need_cluster()
+        if axes:
+            spec = cluster.init_mesh(axes)
+            self.need_journal().record_mesh(spec, self.cell_number())
+        if cluster.mesh_spec is None:
+            raise SessionError("no mesh yet: %mesh init dp=2 tp=2 (axes multiply to the "
+                               "world size)")
+        return cluster.mesh_spec
+
+    def push(self, values: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
+        """Copy values to the ranks' namespaces (and into the journal, as literals)."""
+        cluster = self.need_cluster()
+        cluster.push(values, ranks)
+        taken = parse_ranks(ranks, cluster.world_size) if ranks else None
+        self.need_journal().record_push(dict(values), self.cell_number(), taken)
+
+    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a name on the ranks."""
+        try:
+            return self.need_cluster().pull(name, ranks)
+        except KeyError as e:
+            raise SessionError(e.args[0]) from None
+
+    # -- looking at the ranks --------------------------------------------------------------
+
+    def status(self) -> pd.DataFrame:
+        """One row per rank: host, pid, device, alive, busy, memory."""
+        return self.need_cluster().status()
+
+    def stacks(self, ranks: str | list[int] | None = None) -> str:
+        """Every rank's current stack (identical ones once) and its last collectives."""
+        cluster = self.need_cluster()
+        chosen = parse_ranks(ranks, cluster.world_size)
+        return stacks_text(cluster.stacks(chosen), cluster.collectives(chosen), chosen)
+
+    def postmortem(self, rank: int) -> str:
+        """Post-mortem of the last failed cell on ``rank``."""
+        return postmortem_text(rank, self.need_cluster().postmortem(rank))
+
+    def inspect(self, expr: str, ranks: str | list[int] | None = None
+                ) -> ShardingReport | ModuleReport:
+        """Which rank holds which block of ``expr`` (a DTensor, tensor or module)."""
+        return self.need_cluster().inspect(expr, ranks)
+
+    def memory(self, model: str, optimizer: str | None = None, *, stage: int | None = None,
+               dp: int | None = None, inputs: str | None = None) -> pd.DataFrame:
+        """Bytes of parameters, gradients and optimizer states per rank (activations one
+        forward on ``inputs`` saves), beside the ZeRO formula for ``stage`` if given."""
+        from meshlab.notebook.tables.memory import memory_frame
+
+        cluster = self.need_cluster()
+        try:
+            reports, params, activations = cluster.memory(model, optimizer, inputs)
+        except ClusterError as e:
+            raise SessionError(f"cannot measure {model!r}:\n{e}") from None
+        spec = cluster.mesh_spec
+        dp = dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
+        return memory_frame(reports, params=params, dp=dp, stage=stage, activations=activations)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint(self, action: str, path: str | Path, names: Sequence[str] = (), *,
+                   background: bool = False) -> str:
+        """Save (or load) named objects on every rank as a sharded checkpoint in ``path``;
+        returns what was done. Default names: those of model, optimizer, step defined."""
+        cluster, journal = self.need_cluster(), self.need_journal()
+        if action not in ("save", "load"):
+            raise SessionError(f"checkpoint action {action!r}: use 'save' or 'load'")
+        path, number = os.path.abspath(path), self.cell_number()
+        names = list(names) or (cluster.defined(list(restore.DEFAULT_NAMES)) if action == "save"
+                                else restore.read_manifest(path)["names"])
+        if not names:
+            raise SessionError("nothing to save: none of model, optimizer, step is defined on "
+                               "rank 0; name the objects: %mesh checkpoint save DIR model "
+                               "optimizer")
+        code = (restore.save_code(path, names, journal, number, background=background)
+                if action == "save" else restore.load_code(path, names))
+        cluster.run(code)  # a failure shows as any cell's would
+        journal.record_checkpoint(code, number, action, path)
+        # loading a fresh optimizer's state takes a zero-lr step: not the next cell's training
+        self.optimizer_steps = cluster.optimizer_steps()
+        done = "saving" if background else "saved" if action == "save" else "loaded"
+        return (f"{done} {', '.join(names)} {'to' if action == 'save' else 'from'} {path} on "
+                f"{cluster.world_size} ranks")
+
+    # -- pipelines -------------------------------------------------------------------------
+
+    def schedule(self, names: Sequence[str | Schedule], *, stages: int = 4,
+                 microbatches: int = 8, virtual: int = 1, costs: str | Costs = "1,2",
+                 comm: float = 0.0, namespace: Mapping[str, Any] | None = None
+                 ) -> tuple[list[Schedule], pd.DataFrame, pd.DataFrame]:
+        """Build (or take), validate and simulate schedules: the schedules, a summary table
+        (one row each) and their timelines in one frame to chart. Needs no cluster."""
+        costs = costs if isinstance(costs, Costs) else Costs.parse(costs, comm=comm)
+        schedules = [resolve(n, ranks=stages, microbatches=microbatches, virtual=virtual,
+                             namespace=namespace) for n in names]
+        timelines, table = compare(schedules, costs)
+        return schedules, table, plan_frame(timelines)
+
+    def pipeline(self, model: str, schedule: str | Schedule, *, microbatches: int = 4,
+                 virtual: int = 1, batch: str = "batch", loss: str | None = None,
+                 namespace: Mapping[str, Any] | None = None) -> SteppedPipeline:
+        """Bind a schedule to a model on the ranks over the pp axis; ``step`` runs it."""
+        cluster = self.need_cluster()
+        spec = cluster.mesh_spec
+        if spec is None or spec.pp < 2:
+            raise SessionError("the mesh has no pp axis: %mesh init pp=N (times the other "
+                               "axes)")
+        built = resolve(schedule, ranks=spec.pp, microbatches=microbatches, virtual=virtual,
+                        namespace=namespace)
+        self.bound_pipeline = SteppedPipeline(cluster, built, model=model, batch=batch, loss=loss)
+        self.need_journal().record_pipeline(model, built, self.cell_number(), batch=batch,
+                                            loss=loss)
+        return self.bound_pipeline
+
+    def step(self, slots: int | None = 1) -> list[dict[str, Any]]:
+        """Run the next ``slots`` slots of the bound pipeline (None: the rest of the step);
+        what ran, one record per action and rank."""
+        if self.bound_pipeline is None:
+            raise SessionError("no pipeline is bound: %mesh pipeline MODEL --schedule NAME")
+        ran = self.bound_pipeline.step(slots)
+        self.need_journal().record_step(self.cell_number(), slots)
+        return ran
+
+    # -- measuring and planning ------------------------------------------------------------
+
+    def bench(self, kernel: str, *, ref: str | None = None, sizes: list[int] | None = None,
+              dtype: str = "float32", mode: str = "fwd", rows: int | None = None,
+              ranks: str | None = None) -> pd.DataFrame:
+        """Time a Triton kernel beside its torch reference on every rank."""
+        from meshlab.notebook.bench import run_bench
+
+        return run_bench(self.need_cluster(), kernel, ref=ref, sizes=sizes, dtype=dtype,
+                         mode=mode, rows=rows, ranks=ranks)
+
+    def calibrate(self, path: str | Path = "calibrated.toml", *, name: str | None = None,
+                  sizes: list[int] | None = None, quick: bool = False) -> CalibrationReport:
+        """Measure the live ranks and write a hardware profile for the planner."""
+        from meshlab.notebook.calibrate import calibrate_profile
+
+        return calibrate_profile(self.need_cluster(), path, name=name, sizes=sizes,
+                                 quick=quick)
+
+    def plan(self, model: Any, *, gpus: int | None = None, **options: Any) -> Plan:
+        """Memory, communication and step time of ``model`` on ``gpus`` GPUs (default: this
+        cluster's ranks); options as meshlab.plan.report.plan takes them."""
+        from meshlab.plan.report import plan
+
+        gpus = gpus or (self.cluster.world_size if self.running and self.cluster else None)
+        if gpus is None:
+            raise SessionError("how many GPUs? pass --gpus N (or start a cluster to plan for "
+                               "it)")
+        return plan(model, gpus=gpus, **options)
+
+    def export(self, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
+               gpus_per_node: int | None = None, cells: str | None = None) -> list[Path]:
+        """The session's successful cells as a torchrun script, launch.sh (and job.sbatch)."""
+        return export(self.need_journal(), path, sbatch=sbatch, nodes=nodes,
+                      gpus_per_node=gpus_per_node, cells=cells)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def need_cluster(self) -> Cluster:
+        """The running cluster, or a SessionError naming how to start one."""
+        if self.cluster is None or not self.cluster.running:
+            raise SessionError("no cluster is running: %mesh start N")
+        return self.cluster
+
+    def need_journal(self) -> Journal:
+        """The session's journal (begun on first use when the cluster came from elsewhere)."""
+        if self.journal is None:
+            cluster = self.need_cluster()
+            self.journal = Journal(cluster.world_size, cluster.backend)
+        return self.journal
+
+
+__all__ = ["Session", "SessionError"]
