@@ -12,7 +12,17 @@ from typing import Any
 import pandas as pd
 
 from meshlab.notebook.cluster import Cluster
-from meshlab.schedules import BUILDERS, Costs, Schedule, ScheduleError, Timeline, build, parse
+from meshlab.schedules import (
+    BUILDERS,
+    TAKES_VIRTUAL,
+    Costs,
+    Schedule,
+    ScheduleError,
+    Timeline,
+    build,
+    canonical,
+    parse,
+)
 
 
 def resolve(name: str | Schedule, *, ranks: int, microbatches: int, virtual: int = 1,
@@ -26,7 +36,7 @@ def resolve(name: str | Schedule, *, ranks: int, microbatches: int, virtual: int
         value = namespace[name]
         schedule = value if isinstance(value, Schedule) else parse(value, name=name)
         return schedule
-    looped = name in ("interleaved_1f1b", "looped_bfs")  # the others fix their placement
+    looped = canonical(name) in TAKES_VIRTUAL  # the others fix their placement
     return build(name, ranks=ranks, microbatches=microbatches, virtual=virtual if looped else 1)
 
 

@@ -38,6 +38,7 @@ from meshlab.plan.formulas import (
 from meshlab.plan.hardware import GIB, Hardware
 from meshlab.plan.layout import Layout, check
 from meshlab.plan.shapes import ModelShape
+from meshlab.schedules.builders import BREADTH_FIRST
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 ADAMW_BYTES = 80  # bytes moved per parameter by one AdamW step (see _optimizer_seconds)
@@ -460,7 +461,7 @@ def _pipeline(schedule: str, pp: int, microbatches: int, virtual: int, t_f: floa
         before = _simulate(schedule, pp, m1 - period, virtual, backward, comm)[0]
         makespan += (microbatches - m1) * (makespan - before) / period
     makespan *= (1 + t_b / t_f) / (1 + backward)  # undo the rounding: keep layouts ordered
-    if schedule in ("gpipe", "looped_bfs"):  # breadth first: all micro-batches in flight
+    if schedule in BREADTH_FIRST:  # all micro-batches in flight
         inflight *= microbatches / m1
     bubble = 1 - microbatches * (1 + t_b / t_f) / makespan  # the busy time, unrounded
     return makespan * t_f, bubble, inflight
@@ -470,9 +471,9 @@ def _pipeline(schedule: str, pp: int, microbatches: int, virtual: int, t_f: floa
 def _simulate(schedule: str, pp: int, microbatches: int, virtual: int, backward: float,
               comm: float) -> tuple[float, float]:
     """(makespan in units of t_F, peak micro-batch chunks in flight on the first rank)."""
-    from meshlab.schedules import Costs, build
+    from meshlab.schedules import Costs, build, stages_per_rank
 
-    virtual = {"zbv": 2, "dualpipev": 2}.get(schedule, virtual)
+    virtual = stages_per_rank(schedule, virtual)
     timeline = build(schedule, ranks=pp, microbatches=microbatches,
                      virtual=virtual).simulate(Costs(forward=1.0, backward=backward,
                                                      comm=comm))

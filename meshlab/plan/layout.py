@@ -9,6 +9,7 @@ from typing import Any
 
 from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
+from meshlab.schedules.builders import BUILDERS, V_SHAPED, stages_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,8 +32,6 @@ PRECISIONS = {
     "bf16": Precision(compute="bf16", params=2, grads=2, optimizer=12, activations=2),
     "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
 }
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, whatever ``virtual`` says
 
 # mesh order, outermost first, as meshlab.mesh (and torchtitan): tp ranks are neighbours
 AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -88,8 +87,8 @@ class Layout:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+        if self.schedule not in BUILDERS:
+            raise ValueError(f"schedule must be one of {', '.join(BUILDERS)}, "
                              f"got {self.schedule!r}")
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"ep={self.ep} must divide dp_shard x cp = "
@@ -121,7 +120,7 @@ class Layout:
     @property
     def stages_per_rank(self) -> int:
         """Pipeline stages on each rank: ``virtual``, or 2 for the V-shaped schedules."""
-        return 2 if self.schedule in V_SCHEDULES else self.virtual
+        return stages_per_rank(self.schedule, self.virtual)
 
     def stride(self, axis: str) -> int:
         """Rank distance between neighbours of ``axis`` (tp: 1; its outer axes: more)."""
@@ -175,7 +174,7 @@ def check(model: ModelShape, layout: Layout) -> None:
                         ("ffn", model.ffn)):
         if value % t:
             raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
-    if layout.schedule in V_SCHEDULES and layout.virtual not in (1, 2):
+    if layout.schedule in V_SHAPED and layout.virtual not in (1, 2):
         raise ValueError(f"{layout.schedule} places 2 stages per rank: leave virtual=1 (or 2), "
                          f"got virtual={layout.virtual}")
     stages = layout.pp * layout.stages_per_rank

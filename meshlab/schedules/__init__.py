@@ -17,8 +17,17 @@ from meshlab.schedules.actions import (
     parse,
     vshape,
 )
-from meshlab.schedules.builders import BUILDERS, build
+from meshlab.schedules.builders import (
+    BREADTH_FIRST,
+    BUILDERS,
+    TAKES_VIRTUAL,
+    V_SHAPED,
+    build,
+    canonical,
+    stages_per_rank,
+)
 from meshlab.schedules.simulate import Costs, Timeline
 
-__all__ = ["BUILDERS", "Action", "Costs", "Schedule", "ScheduleError", "Timeline", "build",
-           "contiguous", "looped", "parse", "vshape"]
+__all__ = ["BREADTH_FIRST", "BUILDERS", "TAKES_VIRTUAL", "V_SHAPED", "Action", "Costs",
+           "Schedule", "ScheduleError", "Timeline", "build", "canonical", "contiguous", "looped",
+           "parse", "stages_per_rank", "vshape"]

@@ -189,19 +189,36 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
     "zbv": zbv,
     "dualpipev": dualpipev,
 }
-_VIRTUAL = ("interleaved_1f1b", "looped_bfs")  # the builders that take virtual=
-_FIXED = {"zbv": 2, "dualpipev": 2}  # stages per rank of the V-shaped ones (others: 1)
+# Facts about the schedules, read by builders, the stepping executor and the planner alike.
+TAKES_VIRTUAL = frozenset({"interleaved_1f1b", "looped_bfs"})
+"""The schedules that take ``virtual=`` stages per rank."""
+V_SHAPED = frozenset({"zbv", "dualpipev"})
+"""Two stages per rank in a V (rank r holds stages r and 2p-1-r), whatever ``virtual`` says."""
+BREADTH_FIRST = frozenset({"gpipe", "looped_bfs"})
+"""Every micro-batch's forward before the first backward: all are in flight at once."""
+
+
+def canonical(name: str) -> str:
+    """A schedule's key in BUILDERS (any case, - or _), or a ScheduleError naming them."""
+    key = name.strip().lower().replace("-", "_")
+    if key not in BUILDERS:
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(BUILDERS)}")
+    return key
+
+
+def stages_per_rank(name: str, virtual: int = 1) -> int:
+    """Stages each rank holds under schedule ``name`` with ``virtual`` asked for."""
+    key = canonical(name)
+    return 2 if key in V_SHAPED else virtual if key in TAKES_VIRTUAL else 1
 
 
 def build(name: str, *, ranks: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The schedule ``name`` (a key of BUILDERS, any case) for ``ranks`` x ``microbatches``;
     ``virtual`` stages per rank for interleaved_1f1b and looped_bfs."""
-    key = name.strip().lower().replace("-", "_")
-    if key not in BUILDERS:
-        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(BUILDERS)}")
-    if key in _VIRTUAL:
+    key = canonical(name)
+    if key in TAKES_VIRTUAL:
         return BUILDERS[key](ranks, microbatches, virtual=virtual)
-    fixed = _FIXED.get(key, 1)
+    fixed = stages_per_rank(key)
     if virtual not in (1, fixed):
         per = "1 stage" if fixed == 1 else f"{fixed} stages"
         raise ScheduleError(f"{key} places {per} per rank, so virtual={virtual} "
