@@ -33,7 +33,7 @@ from meshlab.notebook.export import (
     select,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- the journal and the script, without a cluster ----------------------------------------

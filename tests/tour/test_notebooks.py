@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 from meshlab.notebook.output import strip_ansi
 
 pytestmark = pytest.mark.notebook
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 
 def texts(cell: nbformat.NotebookNode) -> str:
@@ -37,7 +37,7 @@ def test_notebooks_are_committed_without_outputs(path: Path) -> None:
 
 def execute(name: str, cwd: Path) -> nbformat.NotebookNode:
     """Run a tour notebook in a real kernel; nbclient raises on any unexpected error."""
-    nb = nbformat.read(Path(__file__).parent.parent / "notebooks" / name, as_version=4)
+    nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / name, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(cwd)}}).execute()
     return nb

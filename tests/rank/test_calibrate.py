@@ -23,7 +23,7 @@ from meshlab.plan import Layout, estimate
 from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SIZES = [4096, 65536, 2**20, 2**22]
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "02-mesh-and-sharding.ipynb"
-ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parent.parent / "artifacts"))
+NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "02-mesh-and-sharding.ipynb"
+ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(
     not Path(CHROMIUM).exists() and not os.environ.get("CI"),

@@ -31,7 +31,7 @@ from meshlab import Cluster, runtime
 from meshlab.notebook import profiles
 from meshlab.notebook.export import Journal
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def security_dir(cluster: Cluster) -> Path:
