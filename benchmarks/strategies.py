@@ -32,7 +32,7 @@ import time, statistics
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.parallel.compose import axis_size
+from meshlab.mesh import axis_size
 from meshlab.parallel.pipeline import split_stage, build_schedule, pipeline_step
 from meshlab.parallel.context import sequence_slice
 from meshlab.parallel.verify import data_rank

@@ -11,12 +11,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ALIASES = {"dp": "dp_shard"}
 OPTIONS = (*AXES, "ep")  # ep is not an axis of its own: it is carved out of dp_shard x cp
 HELP = ", ".join((*AXES, "dp (= dp_shard)", "ep"))
+VIEWS = ("dp", "dp_shard_cp", "dp_cp", "ep", "dp_shard_mod_ep", "dp_shard_in_ep")
+"""Names a trainer may ask a mesh for besides AXES: flattened views and ep's split of dp_shard."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,7 +164,19 @@ def coordinates(spec: MeshSpec) -> dict[int, dict[str, int]]:
             for rank, coord in enumerate(_coords(list(axes.values())))}
 
 
-def build(spec: MeshSpec | str) -> Any:
+def axis_size(mesh: DeviceMesh, name: str) -> int:
+    """The size of axis or view ``name`` on ``mesh``: 1 when the mesh does not have it (a
+    run without tp has tp=1); a name that is neither an axis nor a view raises."""
+    if name not in AXES and name not in VIEWS:
+        raise ValueError(f"unknown mesh axis {name!r}: ask for one of "
+                         f"{', '.join(AXES + VIEWS)}")
+    try:
+        return int(mesh[name].size())
+    except (KeyError, RuntimeError, ValueError):  # a known name this mesh does not have
+        return 1
+
+
+def build(spec: MeshSpec | str) -> DeviceMesh:
     """The named DeviceMesh on this rank (call it on every rank), with its flattened views."""
     import warnings
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshlab.mesh import axis_size
 from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
@@ -61,14 +62,6 @@ class ParallelPlan:
         if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
             raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
                              "'zero3'")
-
-
-def axis_size(mesh: Any, name: str) -> int:
-    """The size of a mesh axis or view; 1 when the mesh has no such axis."""
-    try:
-        return int(mesh[name].size())
-    except (KeyError, RuntimeError, ValueError):
-        return 1
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:

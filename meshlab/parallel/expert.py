@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.compose import axis_size
+from meshlab.mesh import axis_size
 
 
 def apply_ep(model: nn.Module, mesh: Any, *, axis: str = "ep") -> nn.Module:

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
-from meshlab.parallel.compose import ParallelPlan, axis_size, build_optimizer, parallelize
+from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.pipeline import build_schedule, pipeline_step, split_stage
 
 

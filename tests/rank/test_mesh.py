@@ -142,3 +142,11 @@ def test_a_bad_spec_from_the_magic_is_a_usage_error_with_the_numbers(shell: Any)
         result = shell.run_cell("%mesh init dp=3 tp=2")
     assert not result.success
     assert "dp_shard=3 x tp=2 = 6, but the cluster has 4 ranks" in cap.stderr
+
+
+def test_a_misspelled_axis_is_an_error_naming_the_valid_ones() -> None:
+    from meshlab.mesh import axis_size
+
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'tpp': ask for one of pp, "
+                                         r"dp_replicate, dp_shard, cp, tp, dp, "):
+        axis_size(None, "tpp")  # type: ignore[arg-type]  # refused before the mesh is read
