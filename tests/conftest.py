@@ -1,4 +1,5 @@
-"""Shared fixtures: one real 4-rank gloo cluster for the whole session."""
+"""Shared fixtures: one real 4-rank gloo cluster for the whole session; and the markers kept
+honest: a test that starts engines is marked `cluster`, so `-m "not cluster"` starts none."""
 
 from __future__ import annotations
 
@@ -17,6 +18,30 @@ backend = "gloo"
 pg_timeout = 10
 start_timeout = 120
 """
+
+# Fixtures that hand a test running engines, and markers whose tests start their own.
+ENGINE_FIXTURES = {"cluster", "shell"}
+ENGINE_MARKERS = {"notebook", "browser", "slurm"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses or any(item.get_closest_marker(m) for m in ENGINE_MARKERS):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(autouse=True)
+def _engines_need_the_cluster_mark(request: pytest.FixtureRequest,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test without the `cluster` mark that starts engines in this process fails, naming
+    the fix (tests that start them in a subprocess carry the mark by hand)."""
+    if request.node.get_closest_marker("cluster") is None:
+        def refuse(self: Cluster, *args: object, **kwargs: object) -> Cluster:
+            raise AssertionError(f"{request.node.nodeid} starts engines: mark it "
+                                 "@pytest.mark.cluster (or use the `cluster` fixture)")
+
+        monkeypatch.setattr(Cluster, "start", refuse)
 
 
 @pytest.fixture(scope="session")
