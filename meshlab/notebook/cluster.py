@@ -6,38 +6,31 @@ Notebook side. Rank r is engine ``self._engines[r]``; every rank is bootstrapped
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
-import pandas as pd
 
 import meshlab.comms
 from meshlab import runtime
 from meshlab.mesh import MeshSpec
-from meshlab.notebook import profiles, watchdog
+from meshlab.notebook import launch, on_ranks, profiles
 from meshlab.notebook.cell import CellRun
 from meshlab.notebook.engine_processes import EngineProcesses
+from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
+from meshlab.notebook.probes import RankProbes
 from meshlab.notebook.ranks import format_ranks, label, parse_ranks
 from meshlab.sharding import ModuleReport, ShardingReport, merge
-
-
-class ClusterError(RuntimeError):
-    """The cluster could not start, or is not in a state to run this request."""
-
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class Cluster:
+class Cluster(RankProbes):
     """One ipyparallel engine per rank with a torch.distributed process group across them.
 
     >>> with Cluster(4) as c:
@@ -100,22 +93,9 @@ class Cluster:
         """Start the engines, then a process group across them; returns self."""
         if self.running:
             raise ClusterError(f"the cluster is already running with {self.world_size} ranks")
-        n = self.n or self.profile.ranks or _visible_gpus() or 4
-        self._ipp = ipp.Cluster(
-            n=n, engines=self.profile.launcher, log_level=logging.ERROR,
-            controller_ip=self.profile.controller_ip,
-        )
-        self._processes = EngineProcesses(self._ipp)
-        for key, value in self.profile.launcher_options.items():
-            setattr(self._ipp.config[self._ipp.engine_launcher_class.__name__], key, value)
+        n = self.n or self.profile.ranks or launch.visible_gpus() or 4
+        self._ipp, self._client, self._processes = launch.start(self.profile, n, progress)
         try:
-            # a batch launcher writes its job script (slurm_engine.sbatch) to the working
-            # directory: not into the notebook's folder
-            with _working_directory(tempfile.mkdtemp(prefix="meshlab-")):
-                self._ipp.start_cluster_sync()
-            watchdog.watch(self._ipp)  # a watchdog stops them if this process dies
-            self._client = self._ipp.connect_client_sync()
-            self._wait_for_engines(n, progress)
             self._engines = sorted(self._client.ids)[:n]
             self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
         except BaseException:
@@ -125,19 +105,8 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop the engines and the controller; the cluster object can start again."""
-        if self._client is not None:
-            live = [self._engines[r] for r in range(self.world_size) if r not in self._dead]
-            try:  # a clean exit first; the launcher's SIGTERM would dump every engine's log
-                self._client.shutdown(targets=live or None, hub=False, block=True)
-            except Exception as e:
-                logging.getLogger("meshlab").debug("shutdown: %r", e)
-            self._client.close()
-        if self._ipp is not None:
-            try:
-                self._ipp.stop_cluster_sync()
-            except Exception as e:  # a half-started cluster: nothing more to stop
-                logging.getLogger("meshlab").debug("stop: %r", e)
-            watchdog.release(self._ipp)
+        live = [self._engines[r] for r in range(self.world_size) if r not in self._dead]
+        launch.stop(self._ipp, self._client, live)
         self._ipp = self._client = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()
@@ -150,27 +119,6 @@ class Cluster:
         self.stop()
         self.n = n
         return self.start()
-
-    def _wait_for_engines(self, n: int, progress: bool) -> None:
-        from tqdm.auto import tqdm
-
-        deadline = time.monotonic() + self.profile.start_timeout
-        bar = tqdm(total=n, desc="starting ranks", unit="rank", disable=not progress)
-        try:
-            while len(self._client.ids) < n:
-                if len(self._client.ids) != bar.n:
-                    bar.update(len(self._client.ids) - bar.n)
-                exited = [pid for pid, rc in self._processes.exit_codes().items() if rc is not None]
-                if exited or time.monotonic() > deadline:
-                    why = (f"{len(exited)} engine process(es) exited during start-up"
-                           if exited else
-                           f"only {len(self._client.ids)} of {n} engines registered within "
-                           f"{self.profile.start_timeout:g} s (profile start_timeout)")
-                    raise ClusterError(f"{why}. Engine log tail:\n{self._processes.log_tail()}")
-                time.sleep(0.1)
-            bar.update(n - bar.n)
-        finally:
-            bar.close()
 
     def _bootstrap(self, loopback: bool) -> None:
         hosts = self._apply_each(runtime.host_info)
@@ -193,7 +141,7 @@ class Cluster:
                 env=self.profile.env, cwd=os.getcwd(),
             )
 
-        self._apply_each(_setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
+        self._apply_each(on_ranks.setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
 
     # -- running code ----------------------------------------------------------------------
 
@@ -255,7 +203,7 @@ class Cluster:
         # cell assigns it (`x, _ = batch`)
         view = self._client.direct_view([self._engines[r] for r in ranks])
         try:
-            values = view.apply_sync(_newest_output, ipp.Reference("_oh"))
+            values = view.apply_sync(on_ranks.newest_output, ipp.Reference("_oh"))
         except ipp.CompositeError as e:
             r, ename, evalue = self._failures(e, ranks)[0]
             raise ClusterError(f"could not pull the value from rank {r}: {ename}: {evalue}") \
@@ -299,7 +247,7 @@ class Cluster:
         self._members = members
         self._generation += 1
         gen = self._generation
-        self._apply_each(_regroup_rank, lambda r: {"generation": gen, "members": members},
+        self._apply_each(on_ranks.regroup_rank, lambda r: {"generation": gen, "members": members},
                          timeout=self.profile.pg_timeout + 30)
         self._needs_regroup = False
         if self.mesh_spec is not None:
@@ -314,7 +262,7 @@ class Cluster:
         spec.check(self.world_size if self._members is None else len(self._members))
         self._ranks(None)
         self._recover()
-        self._apply_each(_build_mesh, lambda r: {"spec": spec},
+        self._apply_each(on_ranks.build_mesh, lambda r: {"spec": spec},
                          timeout=self.profile.pg_timeout + 30)
         self.mesh_spec = spec
         return spec
@@ -348,7 +296,7 @@ class Cluster:
         ranks = self._ranks(ranks)
         self._recover()
         ar = self._client.direct_view([self._engines[r] for r in ranks]).apply_async(
-            _describe, expr)
+            on_ranks.describe, expr)
         try:
             reports = ar.get(timeout=self.profile.pg_timeout)
         except ipp.CompositeError as e:
@@ -362,52 +310,12 @@ class Cluster:
         """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and the
         activation bytes one forward on ``inputs`` saves for backward (if given)."""
         self._ranks(None)
-        out = self._apply_each(_measure_memory, lambda r: {
+        out = self._apply_each(on_ranks.measure_memory, lambda r: {
             "model": model, "optimizer": optimizer, "inputs": inputs})
         activations = {r: a for r, (_, _, a) in out.items() if a is not None}
         return {r: report for r, (report, _, _) in out.items()}, out[0][1], activations
 
-    # -- looking at ranks (answered from the engines' control thread, even while busy) ------
-
-    def status(self) -> pd.DataFrame:
-        """One row per rank: host, pid, device, alive, busy, memory."""
-        replies = self._probe(range(self.world_size), "status")
-        rows = []
-        for r in range(self.world_size):
-            row = {"rank": r, **{k: self._hosts[r][k] for k in ("host", "pid")}}
-            reply = replies.get(r)
-            row.update(reply or {"device": "?"})
-            row["alive"] = reply is not None
-            row["busy"] = r in self._busy or bool(self._client.queue_status(
-                self._engines[r]).get("queue", 0)) if reply is not None else False
-            rows.append(row)
-        return pd.DataFrame(rows).set_index("rank")
-
-    def stacks(self, ranks: str | list[int] | None = None) -> dict[int, str]:
-        """The main-thread Python stack of each rank: where a running cell is right now."""
-        return self._probe(self._ranks(ranks, check_dead=False), "stack")
-
-    def collectives(self, ranks: str | list[int] | None = None, limit: int = 8
-                    ) -> dict[int, list[dict[str, Any]]]:
-        """The last collectives each rank issued (torch's flight recorder), oldest first."""
-        return self._probe(self._ranks(ranks, check_dead=False), "collectives", limit=limit)
-
-    def optimizer_steps(self, ranks: str | list[int] | None = None) -> int:
-        """optimizer.step() calls so far, most on any of the ranks."""
-        return max(self._probe(self._ranks(ranks), "optimizer_steps").values(), default=0)
-
-    def postmortem(self, rank: int) -> dict[str, Any] | None:
-        """The last failed cell on ``rank``: traceback, failing frame and its variables."""
-        self._ranks([rank])
-        return self._probe([rank], "postmortem", timeout=10.0).get(rank)
-
-    def defined(self, names: list[str], rank: int = 0) -> list[str]:
-        """Those of ``names`` defined in ``rank``'s namespace."""
-        return self._probe([rank], "defined", names=names).get(rank, [])
-
-    def complete(self, text: str) -> list[str]:
-        """Completions of ``text`` in rank 0's namespace (for tab completion in cells)."""
-        return self._probe([0], "complete", text=text, timeout=1.0).get(0) or []
+    # -- signals ---------------------------------------------------------------------------
 
     def interrupt(self, ranks: str | list[int] | None = None) -> None:
         """Send SIGINT to ranks (a KeyboardInterrupt in the cell they are running)."""
@@ -415,23 +323,6 @@ class Cluster:
                    if r not in self._dead]
         if targets:
             self._client.send_signal(signal.SIGINT, targets=targets, block=False)
-
-    def _probe(self, ranks: Any, what: str, timeout: float = 2.0, **content: Any
-               ) -> dict[int, Any]:
-        futures = {r: self._client._send_control_request(  # ipyparallel has no public hook
-            targets=[self._engines[r]], msg_type="meshlab_probe_request",
-            content={"what": what, **content}, block=False)
-            for r in ranks if r not in self._dead}
-        deadline = time.monotonic() + timeout
-        replies = {}
-        for r, future in futures.items():
-            try:
-                (msg,) = future.result(timeout=max(0.01, deadline - time.monotonic()))
-            except Exception:
-                continue  # a rank that cannot answer is simply missing from the reply
-            if msg["content"].get("status") == "ok":
-                replies[r] = msg["content"]["value"]
-        return replies
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -482,73 +373,3 @@ class Cluster:
         return dict(self._dead)
 
 
-@contextlib.contextmanager
-def _working_directory(path: str) -> Iterator[None]:
-    before = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-# -- functions that run on the engines ---------------------------------------------------------
-
-
-@ipp.interactive
-def _setup_rank(cwd: str, **kwargs: Any) -> None:
-    """Bootstrap the rank, publish its names, and answer probes from the control thread."""
-    import os
-
-    import meshlab.probe
-    import meshlab.runtime
-
-    if os.path.isdir(cwd):  # relative paths in cells mean what they mean in the notebook
-        os.chdir(cwd)
-    globals().update(meshlab.runtime.setup(**kwargs))
-    shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
-    meshlab.probe.serve(shell.kernel, shell.user_ns)
-
-
-@ipp.interactive
-def _describe(expr: str) -> Any:
-    import meshlab.sharding
-
-    return meshlab.sharding.describe(eval(expr, globals()), expr)
-
-
-@ipp.interactive
-def _measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any:
-    import meshlab.memory
-
-    module = eval(model, globals())
-    opt = eval(optimizer, globals()) if optimizer else None
-    acts = meshlab.memory.activation_bytes(module, eval(inputs, globals())) if inputs else None
-    return (meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters()),
-            acts)
-
-
-@ipp.interactive
-def _build_mesh(spec: Any) -> None:
-    import meshlab.mesh
-
-    globals()["mesh"] = meshlab.mesh.build(spec)
-
-
-@ipp.interactive
-def _regroup_rank(generation: int, members: list[int] | None) -> None:
-    import meshlab.runtime
-
-    globals().update(meshlab.runtime.reform(generation, members))
-
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@ipp.interactive
-def _newest_output(history: dict[int, Any]) -> Any:
-    """Runs on a rank: the value of the last cell that had one."""
-    return history[max(history)]

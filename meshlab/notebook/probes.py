@@ -1,0 +1,79 @@
+"""Questions the notebook asks the ranks through ipyparallel's control channel, which each
+rank answers from a side thread (meshlab.probe_server): so they are answered while a cell runs or
+hangs. Mixed into Cluster."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+
+class RankProbes:
+    """status, stacks, last collectives, optimizer steps, post-mortems and completion."""
+
+    _client: Any
+    _engines: list[int]
+    _hosts: list[dict[str, Any]]
+    _busy: dict[int, str]
+    _dead: dict[int, str]
+    _ranks: Callable[..., list[int]]
+
+    def status(self) -> pd.DataFrame:
+        """One row per rank: host, pid, device, alive, busy, memory."""
+        replies = self._probe(range(len(self._engines)), "status")
+        rows = []
+        for r in range(len(self._engines)):
+            row = {"rank": r, **{k: self._hosts[r][k] for k in ("host", "pid")}}
+            reply = replies.get(r)
+            row.update(reply or {"device": "?"})
+            row["alive"] = reply is not None
+            row["busy"] = r in self._busy or bool(self._client.queue_status(
+                self._engines[r]).get("queue", 0)) if reply is not None else False
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("rank")
+
+    def stacks(self, ranks: str | list[int] | None = None) -> dict[int, str]:
+        """The main-thread Python stack of each rank: where a running cell is right now."""
+        return self._probe(self._ranks(ranks, check_dead=False), "stack")
+
+    def collectives(self, ranks: str | list[int] | None = None, limit: int = 8
+                    ) -> dict[int, list[dict[str, Any]]]:
+        """The last collectives each rank issued (torch's flight recorder), oldest first."""
+        return self._probe(self._ranks(ranks, check_dead=False), "collectives", limit=limit)
+
+    def optimizer_steps(self, ranks: str | list[int] | None = None) -> int:
+        """optimizer.step() calls so far, most on any of the ranks."""
+        return max(self._probe(self._ranks(ranks), "optimizer_steps").values(), default=0)
+
+    def postmortem(self, rank: int) -> dict[str, Any] | None:
+        """The last failed cell on ``rank``: traceback, failing frame and its variables."""
+        self._ranks([rank])
+        return self._probe([rank], "postmortem", timeout=10.0).get(rank)
+
+    def defined(self, names: list[str], rank: int = 0) -> list[str]:
+        """Those of ``names`` defined in ``rank``'s namespace."""
+        return self._probe([rank], "defined", names=names).get(rank, [])
+
+    def complete(self, text: str) -> list[str]:
+        """Completions of ``text`` in rank 0's namespace (for tab completion in cells)."""
+        return self._probe([0], "complete", text=text, timeout=1.0).get(0) or []
+
+    def _probe(self, ranks: Any, what: str, timeout: float = 2.0, **content: Any
+               ) -> dict[int, Any]:
+        futures = {r: self._client._send_control_request(  # ipyparallel has no public hook
+            targets=[self._engines[r]], msg_type="meshlab_probe_request",
+            content={"what": what, **content}, block=False)
+            for r in ranks if r not in self._dead}
+        deadline = time.monotonic() + timeout
+        replies = {}
+        for r, future in futures.items():
+            try:
+                (msg,) = future.result(timeout=max(0.01, deadline - time.monotonic()))
+            except Exception:
+                continue  # a rank that cannot answer is simply missing from the reply
+            if msg["content"].get("status") == "ok":
+                replies[r] = msg["content"]["value"]
+        return replies
