@@ -216,8 +216,7 @@ class MeshMagics(Magics):
         live.finish(result)
         if args.output:
             self.shell.user_ns[args.output] = result.values
-        if args.comms:
-            cluster = self.session.need_cluster()
+        if args.comms and (cluster := self.session.cluster) is not None:
             frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
             display(frame.set_index(["rank", "op", "axis"]), comms_totals(frame),
                     comms_chart(frame))

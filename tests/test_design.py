@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -73,3 +74,57 @@ def test_every_package_is_in_the_wheel() -> None:
     found = {".".join(p.parent.relative_to(root).parts)
              for p in (root / "meshlab").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+# -- the rules of shared/DESIGN.md, read off the source -----------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+AXIS_NAMES = {"pp", "dp_replicate", "dp_shard", "cp", "tp"}
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def test_every_magic_makes_one_session_call() -> None:
+    from meshlab.notebook import commands
+
+    magics = next(n for n in _tree(REPO / "magics" / "__init__.py").body
+                  if isinstance(n, ast.ClassDef) and n.name == "MeshMagics")
+    methods = {f.name: f for f in magics.body if isinstance(f, ast.FunctionDef)}
+    for name in [*commands.SUBCOMMANDS, "cell"]:
+        calls = [c for c in ast.walk(methods[f"_{name}"]) if isinstance(c, ast.Call)
+                 and isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value)
+                 == "self.session"]
+        assert len(calls) == 1, f"%mesh {name} makes {len(calls)} Session calls: make it one"
+
+
+def test_widgets_charts_and_tables_never_call_torch_distributed() -> None:
+    notebook = REPO / "meshlab" / "notebook"
+    drawn = [notebook / "charts.py", *(notebook / "widgets").glob("*.py"),
+             *(notebook / "tables").glob("*.py")]
+    for path in drawn:
+        for node in ast.walk(_tree(path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), (
+                f"{path.relative_to(REPO)} imports {names}: ranks send data, the notebook draws")
+
+
+def test_only_the_mesh_module_spells_out_the_mesh_axes() -> None:
+    for path in (REPO / "meshlab").rglob("*.py"):
+        if path.name == "mesh.py" and path.parent.name == "meshlab":
+            continue
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set):
+                spelled = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                assert len(spelled & AXIS_NAMES) < 3, (
+                    f"{path.relative_to(REPO)}:{node.lineno} lists mesh axes: import AXES "
+                    "from meshlab.mesh")
+
+
+def test_one_parallelism_per_file() -> None:
+    for path in sorted((REPO / "meshlab" / "parallel").glob("*.py")):
+        verbs = [n.name for n in _tree(path).body
+                 if isinstance(n, ast.FunctionDef) and n.name.startswith("apply_")]
+        assert len(verbs) <= 1, f"{path.name} defines {verbs}: one parallelism per file"

@@ -1,15 +1,23 @@
-"""How a run is split and trained: parallel degrees, ZeRO stage, batch, precision, recompute."""
+"""How a run is split and trained: parallel degrees, ZeRO stage, batch, precision, recompute.
+
+The degrees are the mesh's: their names, order, the ``dp`` alias and every rule on them
+come from ``meshlab.mesh`` (a Layout is valid only if its ``MeshSpec`` is), so the planner
+accepts exactly the meshes ``%mesh init`` builds. The other keys are the planner's own.
+"""
 
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
+from meshlab.mesh import ALIASES as MESH_ALIASES
+from meshlab.mesh import AXES, OPTIONS, MeshSpec
 from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
-from meshlab.schedules.builders import BUILDERS, V_SHAPED, stages_per_rank
+from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, stages_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,13 +41,15 @@ PRECISIONS = {
     "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
 }
 
-# mesh order, outermost first, as meshlab.mesh (and torchtitan): tp ranks are neighbours
-AXIS_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DEFAULT_SCHEDULE = "1f1b"
+"""The schedule of a layout that names none: the only one a layout without a pipeline has."""
+ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
+           "sp": "sequence_parallel", "v": "virtual"}
+"""Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's."""
+_COUNTS = ("virtual", "micro_batch", "microbatches")  # the planner's own whole numbers >= 1
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
-_ALIASES = {"dp": "dp_shard", "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
-            "sp": "sequence_parallel", "v": "virtual"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +57,7 @@ class Layout:
     """A training layout; gpus = pp x dp_replicate x dp_shard x cp x tp (ep is carved out of
     dp_shard x cp, as in meshlab.mesh and torchtitan)."""
 
+    # the degrees: meshlab.mesh.OPTIONS, in its order (MeshSpec documents each)
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -61,9 +72,10 @@ class Layout:
     sequence_parallel: bool = True
     """With tp > 1: norms and dropout run on sequence shards (all-gather / reduce-scatter
     instead of all-reduce, same bytes)."""
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     virtual: int = 1
-    """Pipeline stages per rank (interleaved_1f1b, looped_bfs; 2 for zbv and dualpipev)."""
+    """Pipeline stages per rank, for the schedules that take it (meshlab.schedules'
+    TAKES_VIRTUAL; the V-shaped ones hold 2 whatever it says)."""
     micro_batch: int = 1
     """Sequences per micro-batch on each data-parallel rank."""
     microbatches: int = 1
@@ -75,10 +87,11 @@ class Layout:
     """Attention kernels that do not store the s x s scores (FlashAttention, SDPA)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "virtual",
-                     "micro_batch", "microbatches"):
+        # the degrees are checked again, in full, by MeshSpec below: this names the fix first
+        for name in (*OPTIONS, *_COUNTS):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}: "
+                                 f"pass {name}=1 or more")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero}")
         if self.recompute not in RECOMPUTE_MODES:
@@ -90,13 +103,18 @@ class Layout:
         if self.schedule not in BUILDERS:
             raise ValueError(f"schedule must be one of {', '.join(BUILDERS)}, "
                              f"got {self.schedule!r}")
-        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
-            raise ValueError(f"ep={self.ep} must divide dp_shard x cp = "
-                             f"{self.dp_shard * self.cp}: experts are spread over data ranks")
+        # MeshSpec's own checks (ep divides dp_shard x cp and is a multiple of cp, ...): a
+        # layout is refused exactly where %mesh init would refuse its mesh
+        _ = self.mesh_spec
+
+    @cached_property
+    def mesh_spec(self) -> MeshSpec:
+        """The mesh of this layout, as ``%mesh init`` and ``meshlab.mesh.build`` take it."""
+        return MeshSpec(**{a: getattr(self, a) for a in OPTIONS})
 
     @property
     def gpus(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.mesh_spec.size
 
     @property
     def dp(self) -> int:
@@ -123,13 +141,15 @@ class Layout:
         return stages_per_rank(self.schedule, self.virtual)
 
     def stride(self, axis: str) -> int:
-        """Rank distance between neighbours of ``axis`` (tp: 1; its outer axes: more)."""
-        inner = AXIS_ORDER[AXIS_ORDER.index(axis) + 1:]
-        return math.prod(getattr(self, a) for a in inner)
+        """Rank distance between neighbours of ``axis`` (tp: 1; its outer axes: more), in the
+        mesh's order of axes."""
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}: ask for one of {', '.join(AXES)}")
+        return math.prod(getattr(self, a) for a in AXES[AXES.index(axis) + 1:])
 
     def describe(self) -> str:
         """``pp=4 dp_shard=8 tp=8 zero=1 mbs=1 m=16`` (the degrees > 1 and the choices)."""
-        parts = [f"{a}={getattr(self, a)}" for a in (*AXIS_ORDER, "ep") if getattr(self, a) > 1]
+        parts = [f"{a}={getattr(self, a)}" for a in OPTIONS if getattr(self, a) > 1]
         parts.append(f"zero={self.zero}")
         if self.pp > 1:
             parts.append(self.schedule + (f"/v{self.virtual}" if self.virtual > 1 else ""))
@@ -145,12 +165,17 @@ class Layout:
         """``"pp=4 dp=8 tp=8 zero=1 mbs=1 m=16 ac=full"`` (dp means dp_shard)."""
         values: dict[str, Any] = dict(defaults)
         types = {f.name: f.type for f in fields(cls)}
+        given: set[str] = set()
         for token in text.replace(",", " ").split():
             match = re.fullmatch(r"([a-z_]+)=(\S+)", token)
-            key = _ALIASES.get(match.group(1), match.group(1)) if match else ""
+            key = ALIASES.get(match.group(1), match.group(1)) if match else ""
             if not match or key not in types:
                 raise ValueError(f"layout {token!r}: write NAME=VALUE with NAME one of "
-                                 f"{', '.join([*types, *_ALIASES])}")
+                                 f"{', '.join([*types, *ALIASES])}")
+            if key in given:  # as MeshSpec.parse: "dp=2 dp_shard=4" is a typo, not a choice
+                raise ValueError(f"layout {token!r}: {key} given twice in {text!r}: "
+                                 "keep one")
+            given.add(key)
             value = match.group(2)
             try:
                 if types[key] == "int":
@@ -174,9 +199,14 @@ def check(model: ModelShape, layout: Layout) -> None:
                         ("ffn", model.ffn)):
         if value % t:
             raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
-    if layout.schedule in V_SHAPED and layout.virtual not in (1, 2):
-        raise ValueError(f"{layout.schedule} places 2 stages per rank: leave virtual=1 (or 2), "
-                         f"got virtual={layout.virtual}")
+    fixed = stages_per_rank(layout.schedule)
+    if layout.schedule not in TAKES_VIRTUAL and layout.virtual not in (1, fixed):
+        per = "1 stage" if fixed == 1 else f"{fixed} stages"
+        leave = "virtual=1" + (f" (or {fixed})" if fixed > 1 else "")
+        raise ValueError(f"{layout.schedule} places {per} per rank, so virtual={layout.virtual} "
+                         f"does not apply: leave {leave}, or use "
+                         f"{' or '.join(sorted(TAKES_VIRTUAL))} for {layout.virtual} stages "
+                         "per rank")
     stages = layout.pp * layout.stages_per_rank
     if stages > model.layers:
         raise ValueError(f"pp={layout.pp} x {layout.stages_per_rank} stages per rank = {stages} "
@@ -187,5 +217,5 @@ def check(model: ModelShape, layout: Layout) -> None:
     if layout.ep > 1 and (not model.experts or model.experts % layout.ep):
         raise ValueError(f"ep={layout.ep} must divide the experts ({model.experts}) of "
                          f"{model.name}")
-    if layout.pp == 1 and (layout.schedule != "1f1b" or layout.virtual != 1):
+    if layout.pp == 1 and (layout.schedule != DEFAULT_SCHEDULE or layout.virtual != 1):
         raise ValueError("a schedule and virtual stages need pp > 1")

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshlab.mesh import AXES
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import GIB, Hardware, hardware
 from meshlab.plan.layout import Layout
@@ -112,7 +113,7 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
             layout = Layout.parse(layout, precision=precision)
         if layout.gpus != gpus:
             raise ValueError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not "
-                             f"{gpus}: make pp x dp_replicate x dp_shard x cp x tp = {gpus}")
+                             f"{gpus}: make {' x '.join(AXES)} = {gpus}")
         return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,

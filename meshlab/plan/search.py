@@ -7,17 +7,23 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from meshlab.mesh import AXES, MeshSpec
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import Hardware
-from meshlab.plan.layout import Layout
+from meshlab.plan.layout import ALIASES, DEFAULT_SCHEDULE, Layout
 from meshlab.plan.shapes import ModelShape
+from meshlab.schedules import TAKES_VIRTUAL
 
 if TYPE_CHECKING:
     import pandas as pd
 
-# what the search varies, and the values it tries unless pinned
-SEARCHED = ("tp", "pp", "cp", "ep", "dp_replicate", "zero", "micro_batch", "recompute",
+# what the search varies, and the values it tries unless pinned: every mesh axis but
+# dp_shard, which takes the GPUs the others leave
+SEARCHED = (*(a for a in AXES if a != "dp_shard"), "ep", "zero", "micro_batch", "recompute",
             "schedule", "virtual")
+# the schedules production trainers run by default (Megatron, torchtitan); any other is
+# tried when pinned (schedule=zbv)
+SEARCHED_SCHEDULES = (DEFAULT_SCHEDULE, "interleaved_1f1b")
 _OPS = {"=": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
         "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
@@ -35,7 +41,7 @@ def parse_constraints(text: str) -> dict[str, Any]:
             raise ValueError(f"constraint {token!r}: write NAME=VALUE, NAME<=VALUE or "
                              f"NAME>=VALUE, NAME one of {', '.join(SEARCHED)}")
         name, op, value = match.groups()
-        name = {"dp": "dp_shard", "mbs": "micro_batch", "ac": "recompute"}.get(name, name)
+        name = ALIASES.get(name, name)
         # candidates() reads only these: any other name would be silently ignored
         if name not in (*SEARCHED, "dp_shard"):
             raise ValueError(f"constraint {token!r}: {name} is not searched; choose from "
@@ -75,7 +81,7 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
     zeros = allowed("zero", [1, 2, 3])
     mbss = allowed("micro_batch", [1, 2, 4])
     recomputes = allowed("recompute", ["none", "selective", "full"])
-    schedules = allowed("schedule", ["1f1b", "interleaved_1f1b"])
+    schedules = allowed("schedule", SEARCHED_SCHEDULES)
     for tp, pp, cp, ep, zero, mbs, recompute, schedule in itertools.product(
             tps, pps, cps, eps, zeros, mbss, recomputes, schedules):
         if gpus % (tp * pp * cp):
@@ -84,10 +90,10 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
         if global_batch % (dp * mbs):
             continue
         microbatches = global_batch // (dp * mbs)
-        if pp == 1 and schedule != "1f1b":
+        if pp == 1 and schedule != DEFAULT_SCHEDULE:
             continue
         virtuals = [1]
-        if schedule == "interleaved_1f1b":
+        if schedule in TAKES_VIRTUAL:
             virtuals = [v for v in allowed("virtual", [2, 4]) if model.layers % (pp * v) == 0
                         and microbatches % pp == 0]
         if pp > 1 and microbatches < pp:
@@ -101,7 +107,12 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
             if "dp_shard" in cons and not _OPS[cons["dp_shard"][0]](dp_shard,
                                                                      cons["dp_shard"][1]):
                 continue
-            if (dp_shard * cp) % ep or (dp_shard * cp == 1 and zero > 1):
+            try:  # meshlab.mesh's rules decide, e.g. ep divides dp_shard x cp
+                MeshSpec(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp,
+                         ep=ep)
+            except ValueError:
+                continue
+            if dp_shard * cp == 1 and zero > 1:
                 continue  # nothing to shard over: ZeRO 2 and 3 would repeat ZeRO 1
             for virtual in virtuals:
                 yield Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,

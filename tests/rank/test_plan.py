@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from meshlab import mesh
+from meshlab.mesh import MeshSpec
 from meshlab.plan import (
     HARDWARE,
     MODELS,
@@ -36,7 +38,7 @@ from meshlab.plan.formulas import (
     training_flops_per_token,
     zero_bytes,
 )
-from meshlab.plan.search import parse_constraints
+from meshlab.plan.search import candidates, parse_constraints
 from meshlab.schedules import Costs, build
 
 GB = 1e9  # the ZeRO paper's GB is decimal
@@ -71,7 +73,7 @@ FREE_LINKS = dataclasses.replace(TOY, intra=Link(bandwidth_gbs=1e9, latency_us=0
 #   model FLOPs per token (PaLM): per layer 6 x 36,864 + 12 x (4 x 16) x 64 = 270,336,
 #   two layers + output projection 6 x 256 x 64 = 98,304 -> 638,976
 #   per micro-batch: 638,976 x 64 tokens = 40,894,464 FLOPs at 5e11 FLOP/s
-#   eager elementwise traffic per token and layer (estimate._memory_bound_bytes): norms
+#   eager elementwise traffic per token and layer (compute.memory_bound_bytes): norms
 #   14 h = 896, RoPE 3 (q + kv) = 3 x 96 = 288, attention I/O 2q + 2kv = 192, residuals
 #   6 h = 384, SwiGLU 5 ffn = 640 -> 2,400 values; forward + backward (x3), 2 bytes,
 #   64 tokens, 2 layers -> 1,843,200 bytes at 1e9 B/s
@@ -358,10 +360,81 @@ def test_layout_sizes_and_strides() -> None:
     ("precision=fp16", r"precision must be one of fp32, bf16, fp8, got 'fp16'"),
     ("schedule=pipedream", r"schedule must be one of gpipe, 1f1b, .*got 'pipedream'"),
     ("ep=3 dp=4", r"ep=3 must divide dp_shard x cp = 4"),
+    ("dp=2 tp=2 dp_shard=4", r"layout 'dp_shard=4': dp_shard given twice in .*keep one"),
 ])
 def test_bad_layouts_raise_naming_the_problem(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Layout.parse(text)
+
+
+# (mesh text, refused?) worked out from meshlab.mesh's rules: degrees are whole numbers >= 1,
+# each named once; ep divides dp_shard x cp and is a multiple of cp
+MESH_TEXTS = [
+    ("dp=2 tp=2", False),
+    ("pp=2 dp_replicate=2 dp_shard=2 cp=2 tp=2", False),
+    ("dp_shard=2 cp=2 ep=2", False),  # ep = all of cp
+    ("dp_shard=4 cp=2 ep=4", False),  # ep = 2 dp_shard ranks x cp
+    ("dp_shard=3 cp=2 ep=3", True),  # 3 divides 6 but is no multiple of cp=2
+    ("dp_shard=4 cp=4 ep=2", True),  # ep smaller than cp
+    ("cp=2 ep=4", True),  # 4 does not divide dp_shard x cp = 2
+    ("ep=3 dp=4", True),
+    ("tp=0", True),
+    ("tp=2.0", True),
+    ("dp=2 dp_shard=2", True),  # one axis given twice (dp means dp_shard)
+]
+
+
+@pytest.mark.parametrize("text, refused", MESH_TEXTS)
+def test_the_planner_refuses_exactly_the_meshes_meshlab_mesh_refuses(text: str,
+                                                                      refused: bool) -> None:
+    def refuses(parse: Any) -> bool:
+        try:
+            parse(text)
+        except ValueError:
+            return True
+        return False
+
+    assert refuses(MeshSpec.parse) == refused
+    assert refuses(Layout.parse) == refused
+
+
+@pytest.mark.parametrize("degrees", [{"dp_shard": 3, "cp": 2, "ep": 3},
+                                     {"dp_shard": 4, "cp": 4, "ep": 2}, {"cp": 2, "ep": 4}])
+def test_a_layout_refused_for_its_mesh_gives_the_mesh_s_own_reason(
+        degrees: dict[str, int]) -> None:
+    with pytest.raises(ValueError) as by_mesh:
+        MeshSpec(**degrees)
+    with pytest.raises(ValueError) as by_planner:
+        Layout(**degrees, zero=1)
+    assert str(by_planner.value) == str(by_mesh.value)
+    assert f"ep={degrees['ep']} must divide dp_shard x cp" in str(by_planner.value)
+
+
+def test_a_layout_s_mesh_spec_is_the_mesh_of_its_degrees() -> None:
+    lay = Layout.parse("pp=2 dp=4 tp=2 ep=2 zero=1 mbs=2 m=8")
+    assert lay.mesh_spec == MeshSpec(pp=2, dp_shard=4, tp=2, ep=2)
+    assert lay.gpus == lay.mesh_spec.size == 2 * 4 * 2
+
+
+def test_layout_degrees_order_and_aliases_come_from_the_mesh() -> None:
+    # the degree fields are the mesh's options, in the mesh's order
+    names = [f.name for f in dataclasses.fields(Layout)]
+    assert names[:len(mesh.OPTIONS)] == list(mesh.OPTIONS)
+    for alias, axis in mesh.ALIASES.items():  # dp means dp_shard, as in %mesh init
+        assert Layout.parse(f"{alias}=2") == Layout(**{axis: 2})
+    # stride: the rank distance between neighbours along an axis, as meshlab.mesh numbers
+    # the ranks (rank 0 and the rank one step along that axis only)
+    lay = Layout(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2)
+    coords = mesh.coordinates(lay.mesh_spec)
+    for axis in mesh.AXES:
+        step = {a: int(a == axis) for a in mesh.AXES}
+        assert coords[lay.stride(axis)] == step, axis
+
+
+def test_stride_names_the_mesh_axes_for_an_unknown_one() -> None:
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'ep': ask for one of pp, "
+                                         r"dp_replicate, dp_shard, cp, tp"):
+        Layout().stride("ep")
 
 
 @pytest.mark.parametrize("model, layout, match", [
@@ -371,6 +444,10 @@ def test_bad_layouts_raise_naming_the_problem(text: str, match: str) -> None:
      r"pp=2 x 2 stages per rank = 4 stages, but tiny has 2 layers"),
     (PIPE, Layout(pp=8, schedule="zbv"), r"pp=8 x 2 stages per rank = 16 stages"),
     (PIPE, Layout(pp=2, schedule="zbv", virtual=3), r"zbv places 2 stages per rank"),
+    # as meshlab.schedules.build: a schedule without virtual stages does not take virtual=2
+    (PIPE, Layout(pp=2, virtual=2), r"1f1b places 1 stage per rank, so virtual=2 does not "
+                                    r"apply: leave virtual=1, or use interleaved_1f1b or "
+                                    r"looped_bfs"),
     (TINY, Layout(cp=3), r"cp=3: the sequence \(64\) must split into 2 x cp = 6 chunks"),
     (TINY, Layout(dp_shard=2, ep=2), r"ep=2 must divide the experts \(0\) of tiny"),
     (TINY, Layout(schedule="gpipe"), r"a schedule and virtual stages need pp > 1"),
@@ -780,6 +857,18 @@ def test_search_honours_constraints(constraints: str, holds: Any) -> None:
     assert all(holds(e.layout) for e in frame["estimate"])
 
 
+def test_search_tries_expert_layouts_only_where_the_mesh_takes_them() -> None:
+    # 8 experts and 32k-token sequences: the search varies cp and ep together
+    moe = ModelShape(name="moe", layers=4, hidden=256, heads=4, ffn=128, vocab=256,
+                     seq_len=32768, experts=8, top_k=2)
+    layouts = list(candidates(moe, 16, TOY, global_batch=16))
+    with_both = [lay for lay in layouts if lay.ep > 1 and lay.cp > 1]
+    assert with_both  # e.g. dp_shard=4 cp=2 ep=4
+    # never ep=2 with cp=4 (the mesh refuses ep smaller than cp)
+    assert all(lay.ep % lay.cp == 0 and lay.dp_shard * lay.cp % lay.ep == 0
+               for lay in with_both)
+
+
 def test_search_top_keeps_the_fastest(llama8b_on_8: Any) -> None:
     top = search(MODELS["llama3-8b"], gpus=8, hardware=HARDWARE["h100-sxm"], global_batch=32,
                  top=3)
@@ -794,7 +883,7 @@ def test_parse_constraints_reads_operators_and_aliases() -> None:
 
 @pytest.mark.parametrize("text, match", [
     ("tp", r"constraint 'tp': write NAME=VALUE, NAME<=VALUE or NAME>=VALUE"),
-    ("colour=2", r"constraint 'colour=2': colour is not searched; choose from tp, pp"),
+    ("colour=2", r"constraint 'colour=2': colour is not searched; choose from pp, dp_replicate, cp, tp, ep"),
     # precision is search's own argument: as a constraint it would be ignored
     ("precision=fp8", r"precision is not searched"),
     ("tp=two", r"constraint 'tp=two': tp takes a whole number"),

@@ -1,0 +1,182 @@
+"""Communication per axis: every collective each axis issues in a step, its bytes, the link
+it runs on (inside a node or across nodes, from the mesh's axis order and the GPUs per node)
+and its alpha-beta time. TP, CP and EP collectives sit on the critical path; FSDP/ZeRO and
+data-parallel ones overlap with compute up to the compute they can hide behind; pipeline
+sends overlap with other micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlab.plan.formulas import collective_seconds
+from meshlab.plan.memory import DDP_BUCKET_BYTES
+from meshlab.plan.stage import Stage
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective an axis issues in a step."""
+
+    axis: str
+    """The mesh axis (or group) it runs on, e.g. tp, dp_shard+cp, pp."""
+    what: str
+    """Why it happens, e.g. "FSDP all-gather of parameters (forward)"."""
+    collective: str
+    ranks: int
+    nbytes: float
+    """Bytes of one call (the convention of formulas.collective_seconds)."""
+    calls: int
+    """Calls per step on one GPU."""
+    inter_node: bool
+    seconds: float
+    """All calls of the step together."""
+    overlapped: bool
+    """Can run behind compute (else it is on the critical path)."""
+
+
+class Communication:
+    """The collectives of one step on one GPU of ``stage``, recorded as each is timed."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.collectives: list[Collective] = []
+
+    def add(self, axis: str, what: str, collective: str, ranks: int, stride: int,
+            nbytes: float, calls: int, *, overlapped: bool) -> float:
+        """Record ``calls`` calls among ``ranks`` ranks ``stride`` apart; their seconds."""
+        if (ranks <= 1 and collective != "send_recv") or calls == 0:
+            return 0.0
+        hw = self.stage.hardware
+        # ranks are numbered node by node; a group of `ranks` ranks `stride` apart spans
+        # ranks x stride consecutive ranks
+        inter = ranks > 1 and ranks * stride > hw.gpus_per_node
+        link = hw.link(collective, inter_node=inter)
+        one = collective_seconds(collective, ranks, nbytes, latency_s=link.latency_us * 1e-6,
+                                 bandwidth_bytes_s=link.bandwidth_gbs * 1e9)
+        self.collectives.append(Collective(axis, what, collective, ranks, nbytes, calls,
+                                           inter, one * calls, overlapped))
+        return one * calls
+
+    def critical_path(self) -> tuple[float, float]:
+        """Forward and backward seconds of one micro-batch's TP, CP and EP collectives."""
+        s = self.stage
+        lay, m, dt = s.layout, s.model, s.dtypes
+        act = float(s.tokens * m.hidden * dt.activations)  # one activation tensor
+        # (axis, what, collective, ranks, stride, bytes, calls per layer, in the backward?)
+        calls: list[tuple[str, str, str, int, int, float, int, bool]] = []
+        if lay.tp > 1:
+            # Megatron: two all-reduces in the forward (attention, MLP), two in the backward;
+            # with sequence parallelism each is an all-gather plus a reduce-scatter
+            kinds = (("all_gather", "reduce_scatter") if lay.sequence_parallel
+                     else ("all_reduce",))
+            for kind in kinds:
+                calls += [("tp", f"TP {kind} of activations", kind, lay.tp, 1, act, 2, False),
+                          ("tp", f"TP {kind} of activation gradients", kind, lay.tp, 1, act,
+                           2, True)]
+        if lay.cp > 1:
+            # each rank gathers every rank's keys and values; the backward reduce-scatters
+            # their gradients (a ring pass moves the same bytes)
+            kv = 2 * lay.micro_batch * m.seq_len * m.n_kv_heads * m.head_dim / lay.tp
+            kv *= dt.activations
+            stride = lay.stride("cp")
+            calls += [("cp", "CP all-gather of keys and values", "all_gather", lay.cp, stride,
+                       kv, 1, False),
+                      ("cp", "CP reduce-scatter of key and value gradients", "reduce_scatter",
+                       lay.cp, stride, kv, 1, True)]
+        if lay.ep > 1:
+            # dispatch and combine: each token's hidden state to top_k experts and back
+            routed = s.tokens * m.top_k * m.hidden * dt.activations / lay.tp
+            calls += [("ep", "EP all-to-all dispatch and combine", "all_to_all", lay.ep,
+                       lay.tp, routed, 2, False),
+                      ("ep", "EP all-to-all of their gradients", "all_to_all", lay.ep, lay.tp,
+                       routed, 2, True)]
+        f = b = 0.0
+        n = s.layers * lay.microbatches
+        for axis, what, kind, ranks, stride, nbytes, per_layer, backward in calls:
+            seconds = self.add(axis, what, kind, ranks, stride, nbytes, per_layer * n,
+                               overlapped=False) / lay.microbatches
+            if backward:
+                b += seconds
+            else:
+                f += seconds
+                if lay.recompute == "full":  # the recomputed forward issues them again
+                    b += self.add(axis, what + " (recomputed forward)", kind, ranks, stride,
+                                  nbytes, per_layer * n, overlapped=False) / lay.microbatches
+        return f, b
+
+    def fsdp_per_microbatch(self) -> tuple[float, float]:
+        """FSDP (ZeRO-2/3) gathers and reduce-scatters of one micro-batch: (fwd, bwd)."""
+        s = self.stage
+        lay, dt = s.layout, s.dtypes
+        if lay.zero < 2 or lay.shard_group == 1:
+            return 0.0, 0.0
+        dense, expert = s.params
+        group, stride, mb = lay.shard_group, lay.tp, lay.microbatches
+        axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
+        # (parameters, ranks they are sharded over): experts only over the data ranks
+        # outside their ep group (torchtitan's dp_shard_mod_ep)
+        parts = [(dense, group), (expert, group // lay.ep)]
+        units = s.layers  # one FSDP unit per layer, as fully_shard is applied
+        fwd = bwd = 0.0
+        for params, ranks in parts:
+            if not params or ranks == 1:
+                continue
+            gather, calls = params * dt.params / units, units * mb
+            # ZeRO-2 keeps the gathered parameters for the whole step (its memory counts
+            # them unsharded): one gather per step; ZeRO-3 gathers for every micro-batch
+            fwd += self.add(axis, "FSDP all-gather of parameters (forward)", "all_gather",
+                            ranks, stride, gather, calls if lay.zero == 3 else units,
+                            overlapped=True)
+            if lay.zero == 3:
+                bwd += self.add(axis, "FSDP all-gather of parameters (backward)",
+                                "all_gather", ranks, stride, gather, calls, overlapped=True)
+            bwd += self.add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
+                            ranks, stride, params * dt.grads / units, calls, overlapped=True)
+        return fwd / mb, bwd / mb
+
+    def pipeline_hop(self) -> float:
+        """One micro-batch's activations (or their gradients) to the next stage."""
+        s = self.stage
+        lay = s.layout
+        if lay.pp == 1:
+            return 0.0
+        act = float(s.tokens * s.model.hidden * s.dtypes.activations)
+        if lay.tp > 1 and lay.sequence_parallel:
+            act /= lay.tp  # each tp rank sends its sequence shard
+        calls = 2 * lay.microbatches * lay.stages_per_rank
+        # ranks = the whole pipeline: once its stages span two nodes, some hop crosses them
+        total = self.add("pp", "PP send/recv of activations and gradients", "send_recv",
+                         lay.pp, lay.stride("pp"), act, calls, overlapped=True)
+        return total / calls
+
+    def gradient_sync(self, *, last_backward_s: float) -> float:
+        """Seconds of once-per-step gradient (and ZeRO-1 parameter) sync left exposed."""
+        s = self.stage
+        lay, dt = s.layout, s.dtypes
+        dense, expert = s.params
+        params = dense + expert
+        exposed = 0.0
+        dp_all = lay.dp * lay.cp  # every rank holding a copy of these weights
+        if lay.zero <= 1 and dp_all > 1:
+            axis = "dp" + ("+cp" if lay.cp > 1 else "")
+            ar = self.add(axis, "gradient all-reduce", "all_reduce", dp_all, lay.tp,
+                          params * dt.grads, 1, overlapped=True)
+            # overlaps the last micro-batch's backward, bucket by bucket; the last bucket
+            # always waits
+            bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * dt.grads))
+            exposed += max(s.not_hidden(ar, last_backward_s), bucket)
+            if lay.zero == 1 and lay.shard_group > 1:
+                # as torch's ZeroRedundancyOptimizer (meshlab's zero1): all-reduce, then each
+                # rank's updated shard to the others; the ZeRO paper's reduce-scatter +
+                # all-gather would move the all-reduce's bytes only
+                shard_axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
+                exposed += self.add(shard_axis, "ZeRO-1 all-gather of updated parameters",
+                                    "all_gather", lay.shard_group, lay.tp,
+                                    params * dt.params, 1, overlapped=False)
+        elif lay.dp_replicate > 1:  # HSDP: the shards' gradients across replicas
+            shard = params * dt.grads / lay.shard_group
+            ar = self.add("dp_replicate", "HSDP all-reduce of gradient shards", "all_reduce",
+                          lay.dp_replicate, lay.stride("dp_replicate"), shard, 1,
+                          overlapped=True)
+            exposed += s.not_hidden(ar, last_backward_s)
+        return exposed
