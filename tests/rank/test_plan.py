@@ -883,7 +883,8 @@ def test_parse_constraints_reads_operators_and_aliases() -> None:
 
 @pytest.mark.parametrize("text, match", [
     ("tp", r"constraint 'tp': write NAME=VALUE, NAME<=VALUE or NAME>=VALUE"),
-    ("colour=2", r"constraint 'colour=2': colour is not searched; choose from pp, dp_replicate, cp, tp, ep"),
+    ("colour=2", r"constraint 'colour=2': colour is not searched; choose from pp, "
+                 r"dp_replicate, cp, tp, ep"),
     # precision is search's own argument: as a constraint it would be ignored
     ("precision=fp8", r"precision is not searched"),
     ("tp=two", r"constraint 'tp=two': tp takes a whole number"),
