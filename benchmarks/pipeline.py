@@ -18,9 +18,13 @@ from meshlab import Cluster
 from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.schedules import build
 
+# every schedule meshlab builds (the executor is meshlab's one pipeline runtime), with torch's
+# class for it; v: stages per rank for the looped ones
 SCHEDULES = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
              ("interleaved_1f1b", 2, "ScheduleInterleaved1F1B"),
-             ("zb_h1", 1, "ScheduleInterleavedZeroBubble")]
+             ("looped_bfs", 2, "ScheduleLoopedBFS"),
+             ("zb_h1", 1, "ScheduleInterleavedZeroBubble"),
+             ("zbv", 1, "ScheduleZBVZeroBubble"), ("dualpipev", 1, "ScheduleDualPipeV")]
 
 SETUP = """
 import time, statistics, torch

@@ -1,11 +1,13 @@
 """Mixture of experts: a linear router picks top_k SwiGLU experts per token.
 
-Experts are stored stacked (E, ...) so expert parallelism can keep a slice of them. The
-layer records how many tokens each expert got (load-balancing statistics).
+Experts are stored stacked (E, ...) so expert parallelism can keep a slice of them and
+install its own ``dispatch`` (the model never imports a parallelism). The layer records how
+many tokens each expert got (load-balancing statistics).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +34,10 @@ class MoE(nn.Module):
                                * cfg.ffn_hidden ** -0.5)
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.long),
                              persistent=False)
-        self.ep_group: object | None = None  # set by expert parallelism (meshlab.parallel.expert)
+        # Set by expert parallelism (meshlab.parallel.expert): (self, tokens, expert ids,
+        # weights) -> combined outputs, each pair run on the rank that holds its expert.
+        self.dispatch: Callable[[MoE, torch.Tensor, torch.Tensor, torch.Tensor],
+                                torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, dim) tokens -> top-k expert ids (N, k) and their weights (N, k)."""
@@ -51,10 +56,8 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         experts, weights = self.route(tokens)
-        if self.ep_group is not None:
-            from meshlab.parallel.expert import dispatch_and_combine
-
-            out = dispatch_and_combine(self, tokens, experts, weights)
+        if self.dispatch is not None:
+            out = self.dispatch(self, tokens, experts, weights)
         else:
             out = torch.zeros_like(tokens)
             for e in range(self.n_experts):

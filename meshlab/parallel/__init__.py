@@ -9,10 +9,9 @@ from meshlab.parallel.context import apply_cp
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.expert import apply_ep
 from meshlab.parallel.fsdp import apply_fsdp
-from meshlab.parallel.pipeline import build_schedule, split_stage
+from meshlab.parallel.pipeline import apply_pp
 from meshlab.parallel.tensor import apply_tp
-from meshlab.parallel.zero import zero1_optimizer
+from meshlab.parallel.zero import apply_zero1
 
 __all__ = ["ParallelPlan", "apply_ac", "apply_cp", "apply_ddp", "apply_ep", "apply_fsdp",
-           "apply_tp", "build_optimizer", "build_schedule", "parallelize", "split_stage",
-           "zero1_optimizer"]
+           "apply_pp", "apply_tp", "apply_zero1", "build_optimizer", "parallelize"]

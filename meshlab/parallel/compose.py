@@ -1,14 +1,15 @@
 """One entry point that applies the strategies in the order production trainers do.
 
-Pipeline stages are split first (meshlab.parallel.pipeline.split_stage), then on each
-stage: tensor parallel, activation checkpointing, and data parallel (DDP, ZeRO-1, or FSDP2
-for ZeRO-2/3 and HSDP) last, as torchtitan does.
+Pipeline stages are split first (meshlab.parallel.pipeline.apply_pp), then on each stage:
+tensor parallel, activation checkpointing, and data parallel (DDP, ZeRO-1, or FSDP2 for
+ZeRO-2/3 and HSDP) last, as torchtitan does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,8 +19,20 @@ from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
+from meshlab.parallel.pipeline import apply_pp
 from meshlab.parallel.tensor import apply_tp
-from meshlab.parallel.zero import zero1_optimizer
+from meshlab.parallel.zero import apply_zero1
+from meshlab.schedules import (
+    TAKES_VIRTUAL,
+    Schedule,
+    ScheduleError,
+    build,
+    canonical,
+    stages_per_rank,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
 
@@ -39,10 +52,14 @@ class ParallelPlan:
     """none, selective (attention core) or full (every block)."""
     mixed_precision: bool = False
     """bf16 parameters and fp32 gradient reduction (FSDP stages only)."""
-    pipeline_schedule: str = "1f1b"
-    """gpipe or 1f1b, when the mesh has a pp axis."""
+    pipeline_schedule: str | Schedule = "1f1b"
+    """With a pp axis: a schedule meshlab builds (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
+    zb_h1, zbv, dualpipev: meshlab.schedules.BUILDERS) or a user's own Schedule
+    (meshlab.schedules.parse), built for pp ranks."""
     microbatches: int = 2
     """Micro-batches per step through the pipeline (must divide the local batch)."""
+    virtual: int = 1
+    """Stages per rank for the looped schedules (interleaved_1f1b, looped_bfs)."""
     context_parallel: str = "auto"
     """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
     CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
@@ -59,13 +76,46 @@ class ParallelPlan:
                              f"{IMPLEMENTATIONS}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
+        if self.virtual < 1:
+            raise ValueError(f"virtual={self.virtual} must be >= 1 (stages per rank)")
+        if isinstance(self.pipeline_schedule, Schedule):
+            self._check_own_schedule(self.pipeline_schedule)
+        else:
+            key = self.pipeline_schedule = canonical(self.pipeline_schedule)
+            fixed = stages_per_rank(key)
+            if key not in TAKES_VIRTUAL and self.virtual not in (1, fixed):
+                per = "1 stage" if fixed == 1 else f"{fixed} stages"
+                raise ScheduleError(f"pipeline_schedule={key!r} places {per} per rank, so "
+                                    f"virtual={self.virtual} does not apply: leave virtual=1, "
+                                    f"or use {' or '.join(sorted(TAKES_VIRTUAL))} for "
+                                    f"{self.virtual} stages per rank")
         if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
             raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
                              "'zero3'")
 
+    def _check_own_schedule(self, schedule: Schedule) -> None:
+        schedule.validate()
+        if self.microbatches != schedule.microbatches:
+            raise ScheduleError(f"microbatches={self.microbatches} but the pipeline_schedule "
+                                f"runs {schedule.microbatches} micro-batches: pass "
+                                f"microbatches={schedule.microbatches}")
+        if self.virtual != 1:
+            raise ScheduleError(f"virtual={self.virtual} applies to a schedule built by name; "
+                                f"a Schedule places its own stages ({schedule.stages} on "
+                                f"{schedule.ranks} ranks): leave virtual=1")
 
-def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
-    """Apply tensor parallel, activation checkpointing and data parallel, in that order."""
+    def schedule(self, pp: int) -> Schedule:
+        """The pipeline schedule this plan runs on ``pp`` pipeline ranks."""
+        if isinstance(self.pipeline_schedule, Schedule):
+            return self.pipeline_schedule
+        return build(self.pipeline_schedule, ranks=pp, microbatches=self.microbatches,
+                     virtual=self.virtual)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Module:
+    """Split pipeline stages (with a pp axis: then ``model.pipeline.step(x, y)`` trains),
+    then on each stage expert, context and tensor parallel, activation checkpointing and
+    data parallel, in that order."""
     tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
     if tp > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
         raise ValueError(f"{plan.data_parallel} with tp={tp}: DDP does not take tensor-parallel "
@@ -74,10 +124,20 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
         raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
                          "all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
+    if axis_size(mesh, "ep") > 1 and plan.data_parallel != "none":
+        raise ValueError("with ep, expert parallelism averages gradients over the data ranks "
+                         "itself: use data_parallel='none'")
+    if axis_size(mesh, "pp") > 1:
+        return apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
+                        parallelize_stage=partial(_parallelize_stage, mesh=mesh, plan=plan))
+    return _parallelize_stage(model, mesh=mesh, plan=plan)
+
+
+def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
+                       ) -> nn.Module:
+    """Expert, context and tensor parallel, activation checkpointing, data parallel."""
+    tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
     if axis_size(mesh, "ep") > 1:
-        if plan.data_parallel != "none":
-            raise ValueError("with ep, expert parallelism averages gradients over the data "
-                             "ranks itself: use data_parallel='none'")
         from meshlab.parallel.expert import apply_ep
 
         model = apply_ep(model, mesh)
@@ -102,9 +162,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: ParallelPlan) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, mesh: Any, plan: ParallelPlan, *, lr: float = 1e-2,
+def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, lr: float = 1e-2,
                     weight_decay: float = 0.1) -> torch.optim.Optimizer:
     """AdamW, with its states sharded over dp for ZeRO-1."""
     if plan.data_parallel == "zero1" and axis_size(mesh, "dp") > 1:
-        return zero1_optimizer(model, mesh, lr=lr, weight_decay=weight_decay)
+        return apply_zero1(model, mesh, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

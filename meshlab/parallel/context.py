@@ -12,12 +12,15 @@ RoPE offsets stay those of meshlab's slices.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -46,7 +49,7 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
 IMPLEMENTATIONS = ("auto", "meshlab", "torch")
 
 
-def apply_cp(model: nn.Module, mesh: Any, *, seq_len: int, axis: str = "cp",
+def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "cp",
              impl: str = "auto") -> nn.Module:
     """Make every attention layer attend across the cp ranks' slices of the sequence.
 
@@ -67,7 +70,8 @@ def apply_cp(model: nn.Module, mesh: Any, *, seq_len: int, axis: str = "cp",
                          "use impl='meshlab' (or 'auto')")
     chunk = seq_len // size
     offset = rank * chunk
-    model.seq_offset = offset  # RoPE positions start where our slice does
+    transformer: Any = model  # a meshlab Transformer
+    transformer.seq_offset = offset  # RoPE positions start where our slice does
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)  # (B,H,T,D)
@@ -88,7 +92,7 @@ class _CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _torch_ring_attention(cp: Any) -> Any:
+def _torch_ring_attention(cp: DeviceMesh) -> Any:
     """torch's context-parallel SDPA on local (B, H, T/cp, D) slices, as torchtitan wires it."""
     from torch.distributed.tensor.experimental._attention import (
         _ContextParallel,
@@ -106,7 +110,7 @@ def _torch_ring_attention(cp: Any) -> Any:
     return ring.__call__  # a bound method: nn.Module would register a module as a child
 
 
-def sequence_slice(tokens: torch.Tensor, mesh: Any, *, axis: str = "cp") -> torch.Tensor:
+def sequence_slice(tokens: torch.Tensor, mesh: DeviceMesh, *, axis: str = "cp") -> torch.Tensor:
     """This cp rank's slice of (B, T) tokens or targets."""
     cp = mesh[axis]
     return tokens.chunk(cp.size(), dim=1)[cp.get_local_rank()].contiguous()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def apply_ddp(model: nn.Module, mesh: Any, *, axis: str = "dp") -> nn.Module:
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, axis: str = "dp") -> nn.Module:
     """Wrap ``model`` in DistributedDataParallel over ``mesh[axis]``."""
     from torch.nn.parallel import DistributedDataParallel
 

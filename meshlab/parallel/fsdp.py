@@ -8,20 +8,23 @@ dp_shard and replicates across dp_replicate (HSDP).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def fsdp_mesh(mesh: Any) -> Any:
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The (dp_replicate,) dp_shard_cp part of the mesh that FSDP shards over."""
     dims = mesh.mesh_dim_names or ()
     shard = "dp_shard_cp"
     return mesh[("dp_replicate", shard)] if "dp_replicate" in dims else mesh[shard]
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, *, reshard_after_forward: bool = True,
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard every transformer block, then the rest, as torchtitan does."""

@@ -1,77 +1,66 @@
-"""Pipeline parallel: contiguous stages over the pp axis, run by a torch pipelining schedule.
+"""Pipeline parallel: this rank's stages of a schedule over the pp axis, run slot by slot.
 
-Stage s keeps layers [s*L/p, (s+1)*L/p); the first stage also holds the embedding, the last
-the final norm and output. Split first, then parallelize each stage (TP, FSDP) as usual.
-The step-by-step executor of user schedules is meshlab.schedules (a separate piece).
+A schedule (meshlab.schedules: any builder's, or a user's own) places S stages on the pp
+ranks: one per rank (gpipe, 1f1b, zb_h1), looped (interleaved_1f1b, looped_bfs: stage s on
+rank s % pp) or in a V (zbv, dualpipev). Stage s of S keeps layers [s*L/S, (s+1)*L/S); the
+first stage also holds the embedding, the last the final norm and output. The model is cut
+down to this rank's stages first; each stage is then parallelized on its own (TP,
+activation checkpointing, FSDP), as torchtitan does, and meshlab's one executor
+(meshlab.schedules.execute) runs the schedule on them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b")
+from meshlab.schedules.actions import Schedule, ScheduleError
+from meshlab.schedules.execute import Executor, stage_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
-def stage_layers(n_layers: int, stage: int, stages: int) -> range:
-    """The layer indices a stage owns: as even a split as the counts allow."""
-    if stages > n_layers:
-        raise ValueError(f"pp={stages} stages need at least {stages} layers, the model has "
-                         f"{n_layers}: lower pp or add layers")
-    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
+             axis: str = "pp") -> nn.Module:
+    """Cut ``model`` (a meshlab Transformer) down to this rank's stages of ``schedule``, in
+    place, and parallelize each stage with ``parallelize_stage``; then
+    ``model.pipeline.step(inputs, targets)`` runs one forward+backward and returns the loss.
 
+    The model keeps the full model's parameter names; ``model.pipeline`` is the executor
+    (``.stages`` its torch PipelineStages, ``.advance(n)`` steps it slot by slot).
+    """
+    from meshlab.models.llama import loss_fn as next_token_loss
 
-def split_stage(model: Any, mesh: Any, *, axis: str = "pp") -> Any:
-    """Cut ``model`` (a meshlab Transformer) down to this rank's pipeline stage, in place."""
-    stage, stages = mesh[axis].get_local_rank(), mesh[axis].size()
+    schedule.validate()
+    pp = mesh[axis]
+    if pp.size() != schedule.ranks:
+        raise ScheduleError(f"the schedule has {schedule.ranks} ranks but the {axis} axis has "
+                            f"{pp.size()}: build it with ranks={pp.size()}")
+    mine = schedule.stages_of(pp.get_local_rank())
+    stages = stage_modules(model, mine, schedule.stages)
+    if parallelize_stage is not None:
+        stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
+    # The model keeps only its stages' parts (with any wrapper a stage put on a block).
     layers = cast(nn.ModuleDict, model.layers)
-    keep = {str(i) for i in stage_layers(len(layers), stage, stages)}
-    for name in [n for n in layers if n not in keep]:
-        del layers[name]  # keys stay the original indices, so names match the full model
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != stages - 1:
-        model.norm = None
-        model.output = None
+    kept = {name: block for stage in stages.values()
+            for name, block in cast(nn.ModuleDict, stage.layers).items()}
+    for name in list(layers):
+        if name in kept:
+            layers[name] = kept[name]
+        else:
+            del layers[name]  # keys stay the original indices, so names match the full model
+    transformer: Any = model  # a meshlab Transformer
+    if 0 not in mine:
+        transformer.tok_embeddings = None
+    if schedule.stages - 1 not in mine:
+        transformer.norm = None
+        transformer.output = None
+    transformer.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn or next_token_loss,
+                                    axis=axis)
     return model
-
-
-def build_schedule(stage_model: nn.Module, mesh: Any, *, microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   schedule: str = "1f1b", axis: str = "pp") -> Any:
-    """A torch.distributed.pipelining schedule running this stage with its neighbours."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
-    pp = mesh[axis]
-    device = next(stage_model.parameters()).device
-    stage = PipelineStage(stage_model, pp.get_local_rank(), pp.size(), device,
-                          group=pp.get_group())
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    # scale_grads: gradients are averaged over micro-batches, like one big batch
-    return cls(stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-def pipeline_step(schedule: Any, mesh: Any, inputs: torch.Tensor, targets: torch.Tensor,
-                  *, axis: str = "pp") -> torch.Tensor:
-    """One forward+backward through the pipeline; every stage gets the step's mean loss."""
-    pp = mesh[axis]
-    first, last = pp.get_local_rank() == 0, pp.get_local_rank() == pp.size() - 1
-    losses: list[torch.Tensor] = []
-    if first:
-        schedule.step(inputs, target=targets if last else None, losses=losses)
-    else:
-        schedule.step(target=targets if last else None, losses=losses)
-    # float64 on the wire: exact for both fp32 and float64 runs
-    loss = torch.zeros((), dtype=torch.float64)
-    if last:
-        loss = torch.stack(losses).mean().detach().double()
-    # the last stage knows the loss; share it so every rank reports the same number
-    src = dist.get_global_rank(pp.get_group(), pp.size() - 1)
-    dist.broadcast(loss, src=src, group=pp.get_group())
-    return loss

@@ -8,9 +8,12 @@ activations there cost 1/tp of the memory.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def check_tp(cfg: Any, tp: int) -> None:
@@ -24,7 +27,7 @@ def check_tp(cfg: Any, tp: int) -> None:
                          "across ranks; pick a tp that divides them")
 
 
-def apply_tp(model: nn.Module, mesh: Any, *, sequence_parallel: bool = True,
+def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool = True,
              axis: str = "tp") -> nn.Module:
     """Parallelize the model's linear layers and embeddings over ``mesh[axis]``."""
     from torch.distributed.tensor import Replicate, Shard

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,9 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.pipeline import build_schedule, pipeline_step, split_stage
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(slots=True)
@@ -47,7 +49,7 @@ class Comparison:
                    and self.max_param_error <= self.param_rtol)
 
 
-def data_rank(mesh: Any) -> tuple[int, int]:
+def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
     """(this rank's index, number of ranks) among those that get different data rows."""
     for name in ("dp", "dp_shard", "dp_replicate"):
         if axis_size(mesh, name) > 1:
@@ -82,10 +84,13 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
     """Training steps; each returns its loss averaged over ``average_over`` (a process group).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
-    through ``model``, or e.g. through a pipeline schedule.
+    through the model's pipeline (a model ``parallelize`` split over a pp axis) or the model.
     """
+    pipeline = getattr(model, "pipeline", None)
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if pipeline is not None:  # every pp rank gets the step's mean loss
+            return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64)
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         return loss
@@ -105,7 +110,7 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
 TOLERANCES = {torch.float32: (1e-5, 2e-4), torch.float64: (1e-9, 1e-9)}  # (loss, params)
 
 
-def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan, *,
+def compare_with_single_process(cfg: ModelConfig, mesh: DeviceMesh, plan: ParallelPlan, *,
                                 steps: int = 5, batch: int = 8, seq: int = 16,
                                 lr: float = 1e-2, dtype: torch.dtype = torch.float32
                                 ) -> Comparison:
@@ -124,17 +129,10 @@ def compare_with_single_process(cfg: ModelConfig, mesh: Any, plan: ParallelPlan,
 
         batches = [(sequence_slice(x, mesh), sequence_slice(y, mesh)) for x, y in batches]
         group = mesh["dp_cp"].get_group()
-    if axis_size(mesh, "pp") > 1:
-        model = parallelize(split_stage(Transformer(cfg).to(dtype), mesh), mesh, plan)
-        optimizer = build_optimizer(model, mesh, plan, lr=lr)
-        schedule = build_schedule(model, mesh, microbatches=plan.microbatches, loss_fn=loss_fn,
-                                  schedule=plan.pipeline_schedule)
-        losses = train(model, optimizer, batches, average_over=group,
-                       step=lambda x, y: pipeline_step(schedule, mesh, x, y))
-    else:
-        model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
-        optimizer = build_optimizer(model, mesh, plan, lr=lr)
-        losses = train(model, optimizer, batches, average_over=group)
+    # with a pp axis the model is this rank's stages and train() steps its pipeline
+    model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
+    optimizer = build_optimizer(model, mesh, plan, lr=lr)
+    losses = train(model, optimizer, batches, average_over=group)
 
     expected = dict(reference.named_parameters())  # a pipeline stage checks only its own
     worst, worst_error = "", 0.0

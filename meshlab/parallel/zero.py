@@ -6,17 +6,20 @@ with ``reshard_after_forward`` False and True.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def zero1_optimizer(model: nn.Module, mesh: Any, *, axis: str = "dp",
-                    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                    **optimizer_args: Any) -> torch.optim.Optimizer:
-    """An optimizer whose states are split over ``mesh[axis]`` (each rank updates its share
-    of the parameters, then broadcasts them). Use it with DDP (apply_ddp)."""
+
+def apply_zero1(model: nn.Module, mesh: DeviceMesh, *, axis: str = "dp",
+                optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                **optimizer_args: Any) -> torch.optim.Optimizer:
+    """The optimizer for ``model`` with its states split over ``mesh[axis]`` (each rank
+    updates its share of the parameters, then broadcasts them). Use it with DDP (apply_ddp)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,

@@ -7,6 +7,9 @@ earlier call, and a step split into any number of advances cannot deadlock. Send
 receives are non-blocking (isend/irecv); a compute action waits for its inputs. The
 per-action semantics are those of torch's ``_PipelineScheduleRuntime``, whose helpers do the
 micro-batch split and loss bookkeeping, so a stepped run computes what torch's runs do.
+
+This is meshlab's one pipeline runtime: ``parallelize`` with a pp axis
+(meshlab.parallel.pipeline.apply_pp) trains through it, and ``%mesh pipeline`` steps it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import copy
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,18 +27,32 @@ from torch import nn
 from meshlab.schedules.actions import Action, Schedule, ScheduleError
 from meshlab.schedules.validate import lower, slots
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def stage_layers(n_layers: int, stage: int, stages: int) -> range:
+    """The layer indices a stage owns: as even a split as the counts allow."""
+    if stages > n_layers:
+        raise ValueError(f"{stages} pipeline stages need at least {stages} layers, the model "
+                         f"has {n_layers}: use fewer stages (lower pp, or virtual) or add "
+                         "layers")
+    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+
 
 def stage_modules(model: Any, stages: list[int], total: int) -> dict[int, nn.Module]:
-    """Views of a meshlab Transformer holding only each stage's layers (parameters shared
-    with ``model``, so gradients land on it); stage 0 embeds, the last stage projects."""
-    from meshlab.parallel.pipeline import stage_layers
-
+    """Views of a whole meshlab Transformer holding only each stage's layers (parameters
+    shared with ``model``, so gradients land on it); stage 0 embeds, the last stage projects."""
     layers = cast(nn.ModuleDict, model.layers)
     names = list(layers)
     views: dict[int, nn.Module] = {}
     for stage in stages:
         view = copy.copy(model)
-        view._modules = dict(model._modules)  # our own child table; the modules are shared
+        # Own child tables and hook registries (the modules in them are shared): what
+        # fully_shard or a user attaches to one stage must not fire on the others.
+        for key, value in vars(model).items():
+            if key.startswith("_") and isinstance(value, dict | set):
+                view.__dict__[key] = copy.copy(value)
         keep = [names[i] for i in stage_layers(len(names), stage, total)]
         view.layers = nn.ModuleDict({n: layers[n] for n in keep})
         if stage != 0:
@@ -50,7 +67,7 @@ def stage_modules(model: Any, stages: list[int], total: int) -> dict[int, nn.Mod
 class Executor:
     """One pipeline step of ``schedule`` on this rank's stages, run slot by slot."""
 
-    def __init__(self, schedule: Schedule, modules: dict[int, nn.Module], mesh: Any, *,
+    def __init__(self, schedule: Schedule, modules: dict[int, nn.Module], mesh: DeviceMesh, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  axis: str = "pp") -> None:
         from torch.distributed.pipelining import PipelineStage
@@ -103,7 +120,9 @@ class Executor:
         """Split the batch into micro-batches and reset the stages for a new step."""
         m = self.schedule.microbatches
         if inputs is not None and inputs.shape[0] % m:
-            raise ScheduleError(f"{m} micro-batches must divide the batch of {inputs.shape[0]}")
+            raise ScheduleError(f"{m} micro-batches must divide the batch of "
+                                f"{inputs.shape[0]} rows: pass a batch that is a multiple of "
+                                f"{m} rows, or a schedule with fewer micro-batches")
         for stage in self.stages.values():
             stage.has_backward = True
             stage.clear_runtime_states()
@@ -212,16 +231,28 @@ class Executor:
         return cast(float, self.loss)
 
 
-def bind(model: Any, mesh: Any, schedule: Schedule, *, batch: tuple[Any, Any],
+def bind(model: Any, mesh: DeviceMesh, schedule: Schedule, *, batch: tuple[Any, Any],
          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
          axis: str = "pp") -> Executor:
     """Split ``model`` into this rank's stages of ``schedule`` and start a step on ``batch``
-    (inputs, targets); advance it with ``.advance(n)``."""
+    (inputs, targets); advance it with ``.advance(n)``. A model that ``parallelize`` already
+    split (it has ``model.pipeline``) keeps its stages and runs on its own executor."""
     from meshlab.models.llama import loss_fn as next_token_loss
 
-    mine = schedule.stages_of(mesh[axis].get_local_rank())
-    executor = Executor(schedule, stage_modules(model, mine, schedule.stages), mesh,
-                        loss_fn=loss_fn or next_token_loss, axis=axis)
+    executor = getattr(model, "pipeline", None)
+    if isinstance(executor, Executor):
+        if executor.schedule != schedule:
+            raise ScheduleError(f"the model was split for {executor.schedule.name} "
+                                f"({executor.schedule.stages} stages, "
+                                f"{executor.schedule.microbatches} micro-batches), not for "
+                                f"{schedule.name} ({schedule.stages} stages, "
+                                f"{schedule.microbatches} micro-batches): bind "
+                                "model.pipeline.schedule, or parallelize a fresh model with "
+                                "ParallelPlan(pipeline_schedule=...)")
+    else:
+        mine = schedule.stages_of(mesh[axis].get_local_rank())
+        executor = Executor(schedule, stage_modules(model, mine, schedule.stages), mesh,
+                            loss_fn=loss_fn or next_token_loss, axis=axis)
     executor.begin(*batch)
     return executor
 

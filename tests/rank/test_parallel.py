@@ -117,7 +117,11 @@ def test_plans_refuse_what_cannot_work() -> None:
     ("dp=2 tp=2", "data_parallel='ddp'", r"ddp with tp=2.* use data_parallel='zero2' or 'zero3'"),
     ("pp=2 dp=2", "data_parallel='ddp'", r"ddp with pp.* use data_parallel='zero2' or 'zero3'"),
     ("cp=4", "context_parallel='torch'", r"no cpu sharding strategy .* use impl='meshlab'"),
-], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu"])
+    ("pp=2 dp=2", "pipeline_schedule='dualpipev', microbatches=2",
+     r"dualpipev with ranks=2 .* pass microbatches=4 or more"),
+    ("pp=4", "data_parallel='none', pipeline_schedule='zbv'",
+     r"8 pipeline stages need at least 8 layers, the model has 2"),
+], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers"])
 def test_plans_the_mesh_cannot_run_say_the_fix(cluster: Cluster, spec: str, plan: str,
                                                why: str) -> None:
     from meshlab import MeshError
@@ -148,11 +152,70 @@ def test_mixed_precision_trains_in_bf16_with_fp32_reduction(cluster: Cluster) ->
 
 
 def test_pipeline_needs_a_layer_per_stage() -> None:
-    from meshlab.parallel.pipeline import stage_layers
+    from meshlab.schedules.execute import stage_layers
 
     assert [list(stage_layers(5, s, 2)) for s in range(2)] == [[0, 1], [2, 3, 4]]
-    with pytest.raises(ValueError, match="pp=4 stages need at least 4 layers, the model has 2"):
+    with pytest.raises(ValueError, match="4 pipeline stages need at least 4 layers, the model "
+                                         "has 2: use fewer stages"):
         stage_layers(2, 0, 4)
+
+
+# A user's own schedule: 1F1B-like with every backward split into I and W, Ws late.
+OWN_SCHEDULE = """
+0F0 0F1 0F2 .   0I0 0F3 0I1 0W0 0I2 0W1 0I3 0W2 0W3
+.   1F0 1I0 1F1 1I1 1F2 1I2 1F3 1I3 1W0 1W1 1W2 1W3
+"""
+
+EVERY_SCHEDULE = """
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.verify import compare_with_single_process
+from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, parse
+verdicts = {{}}
+for schedule in [*BUILDERS, parse({own!r}, name="own")]:
+    name = getattr(schedule, "name", schedule)
+    plan = ParallelPlan(data_parallel="zero3", pipeline_schedule=schedule, microbatches=4,
+                        virtual=2 if name in TAKES_VIRTUAL else 1)
+    # 4 layers: the looped and V-shaped schedules place 4 stages on the 2 pp ranks
+    result = compare_with_single_process(ModelConfig(n_layers=4), mesh, plan, steps=3,
+                                         dtype=torch.float64)
+    verdicts[name] = (result.ok, result.max_loss_error, result.max_param_error)
+verdicts
+"""
+
+
+@pytest.mark.cluster
+def test_every_schedule_trains_like_one_process_through_parallelize(cluster: Cluster) -> None:
+    # float64, so the strict tolerances hold: losses and parameters to 1e-9 after 3 AdamW
+    # steps (reordered float64 sums differ by ~1e-13; fp32 would only be held to 2e-4, see
+    # meshlab.parallel.verify). pp=2 x dp=2 with ZeRO-3: FSDP on each stage, two stages on a
+    # rank for the looped and V-shaped schedules.
+    cluster.init_mesh("pp=2 dp=2")
+    result = cluster.run(EVERY_SCHEDULE.format(own=OWN_SCHEDULE), keep_values=True,
+                         timeout=600)
+    for rank, verdicts in result.values.items():
+        assert sorted(verdicts) == sorted(["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs",
+                                           "zb_h1", "zbv", "dualpipev", "own"])
+        bad = {name: v for name, v in verdicts.items() if not v[0]}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_plans_refuse_pipeline_schedules_they_cannot_run() -> None:
+    from meshlab.schedules import ScheduleError, parse
+
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream': choose one of "
+                                            "gpipe, 1f1b"):
+        ParallelPlan(pipeline_schedule="pipedream")
+    with pytest.raises(ScheduleError, match="pipeline_schedule='1f1b' places 1 stage per rank, "
+                                            "so virtual=2 does not apply: leave virtual=1"):
+        ParallelPlan(pipeline_schedule="1f1b", virtual=2)
+    own = parse(OWN_SCHEDULE)
+    with pytest.raises(ScheduleError, match="microbatches=2 but the pipeline_schedule runs 4 "
+                                            "micro-batches: pass microbatches=4"):
+        ParallelPlan(pipeline_schedule=own)
+    with pytest.raises(ScheduleError, match="virtual=2 applies to a schedule built by name"):
+        ParallelPlan(pipeline_schedule=own, microbatches=4, virtual=2)
+    assert ParallelPlan(pipeline_schedule="ZB-H1").pipeline_schedule == "zb_h1"
 
 
 TRAIN_ONE_STEP = """

@@ -1,7 +1,9 @@
 """Stepping a schedule on real ranks computes what torch's schedule classes and one process do.
 
 Every run is float64, so a wrong order or a lost gradient cannot hide in rounding: losses and
-every gradient must agree to 1e-12.
+every gradient must agree to 1e-12. The executor is meshlab's one pipeline runtime: a model
+``parallelize`` splits over a pp axis runs on it too (checked here against torch's classes on
+the same FSDP-sharded stages; against one process in tests/rank/test_parallel.py).
 """
 
 from __future__ import annotations
@@ -131,3 +133,72 @@ def test_a_schedule_for_other_ranks_is_refused_with_the_fix(cluster: Cluster) ->
                                         r"build it with ranks=4"):
         cluster.run("bind(Transformer(cfg).double(), mesh, build('1f1b', ranks=2, "
                     "microbatches=4), batch=(x, y))")
+
+
+PARALLELIZED = """
+from meshlab.models import local_batch
+from meshlab.parallel import ParallelPlan, parallelize
+from meshlab.schedules import BUILDERS, TAKES_VIRTUAL
+from torch.distributed.tensor import DTensor
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+cfg4 = ModelConfig(n_layers=4)
+xs, ys = local_batch(step=0, batch=8, seq=16, vocab=cfg4.vocab_size,
+                     rank=mesh["dp"].get_local_rank(), ranks=2)
+pp = mesh["pp"]
+errors = {{}}
+for name in BUILDERS:
+    plan = ParallelPlan(data_parallel="zero3", pipeline_schedule=name, microbatches=4,
+                        virtual=2 if name in TAKES_VIRTUAL else 1)
+    model = parallelize(Transformer(cfg4).double(), mesh, plan)
+    loss = model.pipeline.step(xs, ys)
+    rebound = bind(model, mesh, build(name, ranks=2, microbatches=4, virtual=plan.virtual),
+                   batch=(xs, ys)) is model.pipeline  # its stages are the FSDP roots: kept
+    # torch's class on the same stages of a twin (FSDP roots included), as torchtitan builds it
+    twin = parallelize(Transformer(cfg4).double(), mesh, plan)
+    schedule = twin.pipeline.schedule
+    stages = [PipelineStage(twin.pipeline.stages[s].submod, s, schedule.stages,
+                            torch.device("cpu"), group=pp.get_group())
+              for s in schedule.stages_of(pp.get_local_rank())]
+    cls = getattr(torch_schedules, {classes!r}[name])
+    single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+    theirs = cls(stages[0] if single else stages, n_microbatches=4, loss_fn=loss_fn,
+                 scale_grads=True)
+    losses = []
+    theirs.step(xs, target=ys, losses=losses)
+    twin_grads = dict(twin.named_parameters())
+    errors[name] = (
+        abs(torch.stack(losses).mean().item() - loss) if losses else None,
+        max((local(p.grad) - local(twin_grads[n].grad)).abs().max().item()
+            for n, p in model.named_parameters()),
+        isinstance(stages[0].submod, torch.distributed.fsdp.FSDPModule), rebound)
+errors
+"""
+
+
+@pytest.mark.cluster
+def test_parallelized_pipelines_step_like_torchs_classes(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    cluster.run(SETUP, timeout=120)
+    values = run_values(cluster, PARALLELIZED.format(classes=TORCH_CLASS))
+    for rank, errors in values.items():
+        assert sorted(errors) == sorted(TORCH_CLASS)
+        for name, (loss_error, grad_error, sharded, rebound) in errors.items():
+            assert sharded, f"rank {rank} {name}: the stage is not an FSDP root"
+            assert rebound, f"rank {rank} {name}: bind split the model again"
+            if loss_error is not None:  # the rank holding the last stage
+                assert loss_error < 1e-12, f"rank {rank} {name}: loss off by {loss_error}"
+            assert grad_error < 1e-12, f"rank {rank} {name}: gradients off by {grad_error}"
+
+
+@pytest.mark.cluster
+def test_a_batch_the_microbatches_do_not_divide_is_refused_with_the_fix(
+        cluster: Cluster) -> None:
+    cluster.init_mesh("pp=4")
+    cluster.run(SETUP, timeout=120)
+    with pytest.raises(MeshError, match=r"4 micro-batches must divide the batch of 6 rows: "
+                                        r"pass a batch that is a multiple of 4 rows"):
+        cluster.run("bind(Transformer(cfg).double(), mesh, build('gpipe', ranks=4, "
+                    "microbatches=4), batch=(x[:6], y[:6]))")
