@@ -260,5 +260,7 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     with capture_output() as cap:
         shell.run_line_magic("mesh", "memory model opt --stage 3 --inputs batches[0][0]")
     table, chart = cap.outputs[-2:]
-    assert "ZeRO-3 formula" in table.data["text/plain"] and "chart" in chart.data["text/plain"]
+    assert "ZeRO-3 formula" in table.data["text/plain"]
+    svg = chart.data["image/svg+xml"]  # drawn offline: the formula's bar beside the ranks'
+    assert svg.startswith("<svg") and "ZeRO-3 formula" in svg and "optimizer" in svg
     assert "activations" in table.data["text/plain"]
