@@ -9,11 +9,11 @@ $ python benchmarks/comms.py                   # 4 ranks, 20 runs each
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
+from functools import partial
 
 from meshlab import Cluster
+from meshlab.timing import interleaved_times
 
 CELL = """
 for _ in range(200):
@@ -27,19 +27,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    samples: dict[bool, list[float]] = {False: [], True: []}
     with Cluster(args.ranks) as cluster:
         cluster.init_mesh(f"dp={args.ranks // 2} tp=2")
         cluster.run("from torch.distributed.tensor import Replicate, Shard, distribute_tensor\n"
                     "w = distribute_tensor(torch.ones(64, 64), mesh, [Shard(0), Shard(1)])")
-        for i in range(args.repeats + 2):  # the first 2 of each are warm-up
-            order = [False, True]
-            random.shuffle(order)
-            for traced in order:
-                start = time.perf_counter()
-                cluster.run(CELL, comms=traced)
-                if i >= 2:
-                    samples[traced].append(time.perf_counter() - start)
+        samples = interleaved_times({traced: partial(cluster.run, CELL, comms=traced)
+                                     for traced in (False, True)}, args.repeats, warmup=2)
     plain, traced = (statistics.median(samples[k]) * 1e3 for k in (False, True))
     print(f"median of {args.repeats}, {args.ranks} ranks, 201 collectives per cell")
     print(f"untraced {plain:7.1f} ms   --comms {traced:7.1f} ms   ratio {traced / plain:.2f}")

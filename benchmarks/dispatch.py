@@ -15,14 +15,13 @@ $ python benchmarks/dispatch.py --ranks 4 --repeats 50
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import time
 
 from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 from meshlab import Cluster
+from meshlab.timing import interleaved_times
 
 CODE = "pass"
 WARMUP = 10
@@ -40,20 +39,12 @@ def measure(n: int, repeats: int) -> dict[str, float]:
         "%%px": lambda: ip.run_cell(f"%%px\n{CODE}").raise_error(),
         "%%mesh": lambda: ip.run_cell(f"%%mesh\n{CODE}").raise_error(),
     }
-    samples: dict[str, list[float]] = {name: [] for name in ways}
     with Cluster(n) as cluster:
         session.cluster = cluster
         view = cluster._client.direct_view(cluster._engines)
         view.block = True  # %%px waits for its result and output, as %%mesh does
         view.activate()  # registers %%px on this shell, targeting the same engines
-        order = list(ways)
-        for i in range(repeats + WARMUP):
-            random.shuffle(order)  # no way always runs right after another
-            for name in order:
-                start = time.perf_counter()
-                ways[name]()
-                if i >= WARMUP:
-                    samples[name].append(time.perf_counter() - start)
+        samples = interleaved_times(ways, repeats, warmup=WARMUP)
         session.cluster = None
     return {name: statistics.median(s) * 1e3 for name, s in samples.items()}
 

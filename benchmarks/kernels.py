@@ -28,6 +28,7 @@ import torch
 
 # Before anything imports triton (torch._dynamo does): meshlab.kernels sets TRITON_INTERPRET on
 # a CPU, which only takes if triton is not imported yet. torch._dynamo is reached lazily below.
+from meshlab import runtime
 from meshlab.kernels import KERNELS
 from meshlab.kernels.bench import bench, peak_bandwidth
 
@@ -97,8 +98,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20,
                         help="timed calls per provider on CPU (a GPU uses do_bench's own)")
     args = parser.parse_args()
-    gpu = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    device = runtime.device()
+    gpu = device.type == "cuda"
     args.rows = args.rows or (4096 if gpu else 4)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     names = [k.strip() for k in args.kernels.split(",") if k.strip()]

@@ -15,6 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+# a sibling script (benchmarks/ is on sys.path when this one runs): the same timed step
+from strategies import step_seconds
+
 from meshlab import Cluster
 from meshlab.notebook.calibrate import calibrate_profile
 from meshlab.plan import Layout, ModelShape, estimate
@@ -32,39 +35,6 @@ LAYOUTS = [  # (name, mesh, meshlab ParallelPlan, planner layout)
     ("pp2 x dp2 (1F1B)", "pp=2 dp=2", "data_parallel='zero3', microbatches=2",
      "pp=2 dp=2 zero=3 mbs=2 m=2"),
 ]
-
-CELL = """
-import time, statistics
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.models.llama import loss_fn
-from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.parallel.compose import axis_size
-from meshlab.parallel.pipeline import split_stage, build_schedule, pipeline_step
-from meshlab.parallel.verify import data_rank
-cfg = ModelConfig({model})
-plan = ParallelPlan({plan}, seq_len={seq})
-r, n = data_rank(mesh)
-pp = axis_size(mesh, "pp") > 1
-model = Transformer(cfg)
-model = parallelize(split_stage(model, mesh) if pp else model, mesh, plan)
-opt = build_optimizer(model, mesh, plan)
-sched = build_schedule(model, mesh, microbatches=plan.microbatches, loss_fn=loss_fn) if pp else None
-times = []
-for step in range({steps} + 2):
-    x, y = local_batch(step=step, batch={batch}, seq={seq}, vocab=cfg.vocab_size, rank=r, ranks=n)
-    dist.barrier()
-    start = time.perf_counter()
-    opt.zero_grad()
-    if pp:
-        pipeline_step(sched, mesh, x, y)
-    else:
-        loss_fn(model(x), y).backward()
-    opt.step()
-    dist.barrier()
-    times.append(time.perf_counter() - start)
-statistics.median(times[2:])
-"""
-
 
 def shape() -> ModelShape:
     values = dict(item.split("=") for item in MODEL.replace(" ", "").split(","))
@@ -87,11 +57,8 @@ def main() -> None:
                                    quick=args.quick)
         print(report.describe())
         for name, spec, plan, layout in LAYOUTS:
-            cluster.init_mesh(spec)
-            result = cluster.run(CELL.format(model=MODEL, plan=plan, steps=args.steps,
-                                             batch=BATCH, seq=SEQ),
-                                 keep_values=True, timeout=900)
-            measured = max(result.values.values())
+            measured = step_seconds(cluster, spec, f"{plan}, seq_len={SEQ}", MODEL,
+                                    steps=args.steps, batch=BATCH, seq=SEQ, timeout=900)
             predicted = estimate(shape(), Layout.parse(layout, precision="fp32"),
                                  report.hardware)
             rows.append((name, predicted, measured))

@@ -18,15 +18,14 @@ import ast
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from meshlab import Cluster
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export import Journal, export
+from meshlab.timing import step_times
 
 SETUP = """
-import time
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.verify import data_rank
@@ -48,14 +47,9 @@ def train_step():
 """
 
 TIMED = """
-times = []
-for _ in range({steps} + 2):
-    dist.barrier()
-    start = time.perf_counter()
-    train_step()
-    dist.barrier()
-    times.append(time.perf_counter() - start)
-times = times[2:]  # warm-up
+from meshlab.timing import step_times
+# every rank starts each step together; a step ends when the slowest rank is done
+times = step_times(train_step, {steps}, warmup=2, before=dist.barrier, after=dist.barrier)
 if rank == 0:
     print("times", times)
 """
@@ -89,10 +83,8 @@ def main() -> None:
                                   text=True, check=True)
             script += next(ast.literal_eval(line.removeprefix("times "))
                            for line in done.stdout.splitlines() if line.startswith("times "))
-            for _ in range(args.steps):  # one cell per step, timed from the notebook side
-                start = time.perf_counter()
-                cluster.run("train_step()")
-                per_cell.append(time.perf_counter() - start)
+            # one cell per step, timed from the notebook side
+            per_cell += step_times(lambda: cluster.run("train_step()"), args.steps)
     ms = {name: 1e3 * statistics.median(t) for name, t in
           [("cell", cell), ("script", script), ("per_cell", per_cell)]}
     print(f"{args.strategy} on {spec} ({spec.size} CPU ranks), {args.rounds} x {args.steps} "

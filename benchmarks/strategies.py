@@ -27,40 +27,52 @@ STRATEGIES = [  # (name, mesh, plan, model config)
     ("DDP (MoE)", "dp=4", "data_parallel='ddp'", "n_experts=4"),
 ]
 
+# One training step of the reference transformer under a plan, timed on every rank; the
+# cell's value is the median step. The batches are made before the clock starts.
 CELL = """
-import time, statistics
+import statistics
+from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
-from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.mesh import axis_size
-from meshlab.parallel.pipeline import split_stage, build_schedule, pipeline_step
+from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.context import sequence_slice
 from meshlab.parallel.verify import data_rank
-cfg = ModelConfig(max_seq_len=64, {model})
+from meshlab.timing import step_times
+cfg = ModelConfig({model})
 plan = ParallelPlan({plan})
 r, n = data_rank(mesh)
-pp = axis_size(mesh, "pp") > 1
+pp, cp = axis_size(mesh, "pp") > 1, axis_size(mesh, "cp") > 1
 model = Transformer(cfg)
-model = parallelize(split_stage(model, mesh) if pp else model, mesh, plan)
+model = parallelize(model, mesh, plan)  # with pp: this rank's stages, model.pipeline runs them
 opt = build_optimizer(model, mesh, plan)
-sched = build_schedule(model, mesh, microbatches=2, loss_fn=loss_fn) if pp else None
-times = []
+batches = []
 for step in range({steps} + 2):
-    x, y = local_batch(step=step, batch=8, seq=64, vocab=256, rank=r, ranks=n)
-    if axis_size(mesh, "cp") > 1:
-        x, y = sequence_slice(x, mesh), sequence_slice(y, mesh)
-    dist.barrier()
-    start = time.perf_counter()
+    x, y = local_batch(step=step, batch={batch}, seq={seq}, vocab=cfg.vocab_size, rank=r, ranks=n)
+    batches.append((sequence_slice(x, mesh), sequence_slice(y, mesh)) if cp else (x, y))
+batches = iter(batches)
+
+def train_step():
+    x, y = next(batches)
     opt.zero_grad()
     if pp:
-        pipeline_step(sched, mesh, x, y)
+        model.pipeline.step(x, y)
     else:
         loss_fn(model(x), y).backward()
     opt.step()
-    dist.barrier()
-    times.append(time.perf_counter() - start)
-statistics.median(times[2:])
+
+statistics.median(step_times(train_step, {steps}, warmup=2, before=dist.barrier,
+                             after=dist.barrier))
 """
+
+
+def step_seconds(cluster: Cluster, mesh: str, plan: str, model: str = "", *, steps: int,
+                 batch: int = 8, seq: int = 64, timeout: float = 600) -> float:
+    """Median step of the reference transformer (``ModelConfig(model)``) under
+    ``ParallelPlan(plan)`` on ``mesh``, in seconds on the slowest rank; 2 warm-up steps."""
+    cluster.init_mesh(mesh)
+    result = cluster.run(CELL.format(model=model, plan=plan, steps=steps, batch=batch, seq=seq),
+                         keep_values=True, timeout=timeout)
+    return max(result.values.values())
 
 
 def main() -> None:
@@ -71,10 +83,9 @@ def main() -> None:
     rows = []
     with Cluster(4) as cluster:
         for name, spec, plan, model in STRATEGIES:
-            cluster.init_mesh(spec)
-            result = cluster.run(CELL.format(plan=plan, model=model, steps=args.steps),
-                                 keep_values=True, timeout=600)
-            rows.append((name, spec, max(result.values.values())))
+            seconds = step_seconds(cluster, spec, plan, ", ".join(filter(None, (
+                "max_seq_len=64", model))), steps=args.steps)
+            rows.append((name, spec, seconds))
     base = {"": rows[0][2], "MoE": rows[-1][2]}
     print(f"{'strategy':<18} {'mesh':<20} {'step ms':>8} {'tokens/s':>9} {'time/DDP':>9}")
     for name, spec, seconds in rows:

@@ -173,9 +173,12 @@ def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any
 
 
 def manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A checkpoint's meshlab.json: names, kinds, world size, when, torch version, extra."""
+    """A checkpoint's meshlab.json: names, kinds, world size, when, torch version, extra.
+
+    The one reader of the manifest (the notebook's restore reads it here too): a missing
+    folder raises FileNotFoundError, a folder without the manifest CheckpointError."""
     folder = Path(path)
-    if not folder.exists():
+    if not folder.is_dir():  # a file is no checkpoint either, not a half-written one
         aside = sorted(folder.parent.glob(f"{glob.escape(folder.name)}.old-*"))
         hint = (f"; a save was interrupted while replacing it: the previous checkpoint is "
                 f"{aside[-1]}" if aside else "")

@@ -54,6 +54,16 @@ def state() -> RankState:
     return _state
 
 
+def device() -> torch.device:
+    """This rank's device: the one ``setup`` or ``init_from_env`` pinned; where neither ran
+    (a plain torchrun script, a lone process), the current CUDA device, else the CPU."""
+    if _state is not None:
+        return _state.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def ephemeral_port_floor() -> int:
     """Lowest port the kernel hands out on its own; ports we pick stay below it."""
     try:

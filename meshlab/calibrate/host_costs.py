@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshlab.plan.shapes import ModelShape
+from meshlab.timing import windowed_seconds
 
 # Tiny enough that the math is a few microseconds and the host time is what is left.
 TINY: dict[str, int] = dict(dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
@@ -44,16 +45,16 @@ def wrapper_layouts(world: int) -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def layer_seconds(device: torch.device, reps: int,
-                  timer: Callable[..., float]) -> dict[str, float]:
+def layer_seconds(device: torch.device, reps: int) -> dict[str, float]:
     """Forward + backward seconds per layer of the tiny model, per wrapper, on this rank."""
     from meshlab.mesh import build
 
     out = {}
     for wrapper, (spec, data_parallel, _) in wrapper_layouts(dist.get_world_size()).items():
         mesh = build(spec)
-        seconds = [timer(_step(layers, mesh, data_parallel, device), device, reps,
-                         wall_clock=True) for layers in LAYERS]
+        # host time: the wall clock up to a synchronize, even on a GPU
+        seconds = [windowed_seconds(_step(layers, mesh, data_parallel, device), device, reps,
+                                    wall_clock=True) for layers in LAYERS]
         out[wrapper] = (seconds[1] - seconds[0]) / (LAYERS[1] - LAYERS[0])
     return out
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshlab import runtime
 from meshlab.kernels import KERNELS
+from meshlab.timing import step_times
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -55,7 +56,7 @@ def bench(fn: str | Callable[..., torch.Tensor], ref: Callable[..., torch.Tensor
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
     if isinstance(dtype, str):
         dtype = _dtype(dtype)
-    device = device or _device()
+    device = device or runtime.device()
     gpu = device.type == "cuda"
     rows = rows or (4096 if gpu else 4)
     bytes_moved: Callable[[tuple[torch.Tensor, ...]], int] | None = None
@@ -162,12 +163,8 @@ def _time(call: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], mod
         median, p20, p80 = triton.testing.do_bench(timed, quantiles=[0.5, 0.2, 0.8])
         return {"median_ms": median, "p20_ms": p20, "p80_ms": p80,
                 "peak_mem_bytes": torch.cuda.max_memory_allocated()}
-    timed()  # warm-up: the interpreter's first call also traces the kernel
-    times = []
-    for _ in range(reps or 5):
-        start = time.perf_counter()
-        timed()
-        times.append((time.perf_counter() - start) * 1e3)
+    # one warm-up call: the interpreter's first call also traces the kernel
+    times = [s * 1e3 for s in step_times(timed, reps or 5, warmup=1)]
     q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return {"median_ms": statistics.median(times), "p20_ms": q[1], "p80_ms": q[7]}
 
@@ -177,12 +174,6 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype={name!r} is not a torch dtype: use float32, float16 or bfloat16")
     return dtype
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _device_name(device: torch.device) -> str:

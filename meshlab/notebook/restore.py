@@ -8,7 +8,6 @@ successful ``%%mesh`` cells, mesh, pushes and pipeline bindings, in order.
 from __future__ import annotations
 
 import ast
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,17 +103,20 @@ def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]]
     return entries
 
 
-def read_manifest(path: str | Path) -> dict:
-    """A checkpoint's meshlab.json, or a RestoreError saying why there is none."""
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's meshlab.json (read by ``meshlab.checkpoint.manifest``), or a
+    RestoreError saying why there is none."""
+    from meshlab.checkpoint import MANIFEST, CheckpointError, manifest
+
     folder = Path(path)
-    if not folder.is_dir():
-        raise RestoreError(f"no checkpoint at {folder}: save one with %mesh checkpoint save")
-    manifest = folder / "meshlab.json"
-    if not manifest.exists():
-        raise RestoreError(f"{folder} is an incomplete checkpoint (no meshlab.json: its save "
-                           "was interrupted); use an earlier one")
-    data: dict = json.loads(manifest.read_text())
-    return data
+    try:
+        return manifest(folder)
+    except FileNotFoundError:
+        raise RestoreError(f"no checkpoint at {folder}: save one with %mesh checkpoint save"
+                           ) from None
+    except CheckpointError:
+        raise RestoreError(f"{folder} is an incomplete checkpoint (no {MANIFEST}: its save "
+                           "was interrupted); use an earlier one") from None
 
 
 def save_code(path: str, names: list[str], journal: Journal, number: int, *,

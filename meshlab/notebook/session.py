@@ -77,7 +77,8 @@ class Session:
               backend: str | None = None, debug: bool | None = None,
               progress: bool = True) -> str:
         """Start the ranks and their process group; returns the "ready" line."""
-        cluster = Cluster(n or self.n, profile=profile or self.profile,  # a bad line first
+        cluster = Cluster(self.n if n is None else n,  # a bad line first
+                          profile=profile or self.profile,
                           backend=backend or self.backend,
                           debug=self.debug if debug is None else debug)
         if self.running:

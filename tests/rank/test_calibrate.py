@@ -12,16 +12,18 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from meshlab import Cluster
-from meshlab.calibrate import _choose_axes, _fit, fit_alpha_beta, parse_sizes
+from meshlab.calibrate import choose_axes, fit_alpha_beta, fit_collective, parse_sizes
 from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
 from meshlab.notebook.calibrate import CalibrationReport, calibrate_profile
 from meshlab.plan import Layout, estimate
 from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load
+from meshlab.timing import interleaved_times, median_seconds, step_times
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [4096, 65536, 2**20, 2**22]
@@ -40,7 +42,7 @@ def test_fit_gives_back_the_link_the_planner_used(collective: str) -> None:
     link, n = Link(bandwidth_gbs=0.7, latency_us=450.0), 4
     seconds = [collective_seconds(collective, n, x, latency_s=link.latency_us * 1e-6,
                                   bandwidth_bytes_s=link.bandwidth_gbs * 1e9) for x in SIZES]
-    fit = _fit("world", n, [[0, 1, 2, 3]], collective, SIZES, seconds)
+    fit = fit_collective("world", n, [[0, 1, 2, 3]], collective, SIZES, seconds)
     assert fit.latency_us == pytest.approx(link.latency_us, rel=1e-9)
     assert fit.bandwidth_gbs == pytest.approx(link.bandwidth_gbs, rel=1e-9)
     assert fit.fitted() == pytest.approx(seconds, rel=1e-9) and not fit.note
@@ -53,7 +55,8 @@ def test_fit_keeps_latency_non_negative() -> None:
 
 
 def test_times_flat_in_size_give_a_bandwidth_floor_and_say_so() -> None:
-    fit = _fit("tp", 2, [[0, 1]], "all_reduce", SIZES, [1.2e-3, 1.1e-3, 1.0e-3, 0.9e-3])
+    fit = fit_collective("tp", 2, [[0, 1]], "all_reduce", SIZES,
+                         [1.2e-3, 1.1e-3, 1.0e-3, 0.9e-3])
     assert fit.bandwidth_gbs > 0 and fit.latency_us > 0
     assert "bandwidth is a floor" in fit.note
 
@@ -66,14 +69,41 @@ def test_parse_sizes_reads_suffixes_and_rejects_nonsense() -> None:
         parse_sizes("4K,4096")
 
 
+def test_step_times_times_each_step_with_its_after_and_drops_the_warmup() -> None:
+    calls: list[str] = []
+    times = step_times(lambda: calls.append("step"), 3, warmup=2,
+                       before=lambda: calls.append("before"), after=lambda: calls.append("after"))
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert calls == ["before", "step", "after"] * 5
+
+
+def test_interleaved_times_runs_every_way_once_a_round_in_a_shuffled_order() -> None:
+    calls: list[str] = []
+    ways = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    samples = interleaved_times(ways, 20, warmup=2)
+    assert {name: len(s) for name, s in samples.items()} == {"a": 20, "b": 20, "c": 20}
+    rounds = [calls[i:i + 3] for i in range(0, len(calls), 3)]
+    assert len(rounds) == 22 and all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # 22 rounds in one order: 1 chance in 6^21
+
+
+def test_median_seconds_on_a_cpu_runs_inner_calls_per_rep_after_the_warmup() -> None:
+    calls: list[str] = []
+    seconds = median_seconds(lambda: calls.append("op"), torch.device("cpu"), 3, inner=4,
+                             warmup=2, before=lambda: calls.append("before"))
+    assert seconds >= 0
+    assert calls == ["op"] * 2 + (["before"] + ["op"] * 4) * 3
+
+
 def test_widest_group_inside_a_host_is_intra_and_one_across_hosts_is_inter() -> None:
     hosts = {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
-    fits = [_fit(axis, len(groups[0]), groups, "all_reduce", SIZES, [1e-3, 2e-3, 3e-3, 9e-3])
+    fits = [fit_collective(axis, len(groups[0]), groups, "all_reduce", SIZES,
+                           [1e-3, 2e-3, 3e-3, 9e-3])
             for axis, groups in (("world", [list(range(8))]), ("dp_shard", [[0, 4], [1, 5]]),
                                  ("tp", [[0, 1], [2, 3], [4, 5], [6, 7]]),
                                  ("cp_tp", [[0, 1, 2, 3], [4, 5, 6, 7]]))]
-    assert _choose_axes(fits, hosts)[:2] == ("cp_tp", "world")
-    intra, inter, notes = _choose_axes(fits[2:], hosts)
+    assert choose_axes(fits, hosts)[:2] == ("cp_tp", "world")
+    intra, inter, notes = choose_axes(fits[2:], hosts)
     assert (intra, inter) == ("cp_tp", None) and "inter link is the intra one" in notes[0]
 
 

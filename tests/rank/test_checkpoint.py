@@ -76,6 +76,12 @@ def test_a_missing_checkpoint_is_named(tmp_path: Path) -> None:
         load(tmp_path / "nothing", {"step": None})
 
 
+def test_a_file_where_the_checkpoint_should_be_is_no_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path}/file"):
+        manifest(tmp_path / "file")
+
+
 def test_a_folder_without_manifest_is_an_interrupted_save(tmp_path: Path) -> None:
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / ".metadata").write_bytes(b"")  # DCP finished, meshlab.json never came

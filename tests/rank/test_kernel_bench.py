@@ -10,6 +10,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
+from meshlab import runtime
 from meshlab.kernels.bench import bench
 
 
@@ -25,6 +26,23 @@ def test_bench_times_a_callable_beside_its_reference_and_checks_it() -> None:
     # CPU rows say what timed them, so nobody reads interpreter time as kernel speed
     assert set(frame["timer"]) <= {"interpreter", "cpu wall clock"}
     assert frame["peak_pct"].isna().all()  # no peak bandwidth for a CPU
+
+
+def test_the_rank_device_is_the_one_the_runtime_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bench and calibrate ask runtime.device(): a rank's pinned GPU, not whichever is current
+    pinned = runtime.RankState(rank=1, world_size=2, cluster_rank=1, cluster_size=2,
+                               local_rank=1, device=torch.device("cuda", 1), backend="nccl",
+                               timeout=60.0)
+    monkeypatch.setattr(runtime, "_state", pinned)
+    assert runtime.device() == torch.device("cuda", 1)
+
+
+def test_without_the_runtime_the_device_is_the_current_gpu_or_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime, "_state", None)
+    expected = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                else torch.device("cpu"))
+    assert runtime.device() == expected
 
 
 def test_bench_reports_a_wrong_result_and_a_failing_kernel_as_rows() -> None:

@@ -1,0 +1,141 @@
+"""What a calibration measured, the hardware profile it makes, and its file and summary.
+
+``Calibration.profile(name)`` is the ``meshlab.plan.hardware.Hardware`` the planner reads;
+``write_profile`` saves it as TOML with where and how it was measured as comments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlab.calibrate.collectives import CollectiveFit
+from meshlab.calibrate.compute import MatmulPoint
+from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
+from meshlab.plan.estimate import estimate
+from meshlab.plan.hardware import Hardware, save
+from meshlab.plan.layout import Layout
+
+
+@dataclass(slots=True)
+class Calibration:
+    """Everything ``calibrate`` measured; the same on every rank."""
+
+    device: str
+    """"cpu" or "cuda"."""
+    device_name: str
+    world_size: int
+    hosts: dict[str, list[int]]
+    """Host name -> its ranks."""
+    mesh: str
+    """The mesh's axes as "dp_shard=2 tp=2", or "" when only the world group was timed."""
+    timer: str
+    memory_gib: float
+    """Memory per rank: the device's, or a CPU host's total shared by its ranks (smallest)."""
+    reserved_gib: float
+    """GPU memory already taken outside torch's allocator (CUDA context, NCCL buffers)."""
+    memory_bandwidth_gbs: float
+    """A large copy, read + write bytes per second, on the slowest rank."""
+    layer_seconds: dict[str, float]
+    """Forward + backward seconds per layer of a tiny model, plain and under each wrapper
+    (fsdp, tp), on the slowest rank (``meshlab.calibrate.host_costs``)."""
+    matmul: list[MatmulPoint]
+    tflops: dict[str, float]
+    """Achieved TFLOP/s per dtype at the largest matmul."""
+    collectives: list[CollectiveFit]
+    intra_axis: str | None
+    """Axis whose fits became the profile's intra link and collectives."""
+    inter_axis: str | None
+    """Axis whose all_reduce became the inter link (None: no group spans hosts)."""
+    seconds: float
+    """How long the calibration took."""
+    notes: list[str] = field(default_factory=list)
+
+    def fit(self, axis: str, collective: str) -> CollectiveFit:
+        """The fit of ``collective`` on ``axis``."""
+        for f in self.collectives:
+            if f.axis == axis and f.collective == collective:
+                return f
+        axes = sorted({f.axis for f in self.collectives})
+        raise KeyError(f"no {collective} measured on {axis!r}; measured axes: {axes}")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(len(r) for r in self.hosts.values())
+
+    def profile(self, name: str) -> Hardware:
+        """The planner's hardware profile: achieved numbers, so matmul_efficiency is 1."""
+        if self.intra_axis is None and self.inter_axis is None:
+            raise ValueError(f"no collective was timed on {self.world_size} rank(s): calibrate "
+                             "a cluster of at least 2 ranks")
+        inter = self.fit(self.inter_axis or str(self.intra_axis), "all_reduce").link()
+        intra_axis = self.intra_axis or str(self.inter_axis)
+        collectives = {f.collective: f.link() for f in self.collectives if f.axis == intra_axis}
+        hw = Hardware(name=name, tflops=dict(self.tflops), matmul_efficiency=1.0,
+                      memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
+                      memory_bandwidth_gbs=self.memory_bandwidth_gbs,
+                      # a GPU computes while its host queues work and NCCL runs beside it;
+                      # CPU ranks share their cores among dispatch, gloo and the math
+                      asynchronous=self.device == "cuda",
+                      gpus_per_node=self.gpus_per_node, intra=collectives["all_reduce"],
+                      inter=inter, collectives=collectives)
+        return self._with_host_costs(hw)
+
+    def _with_host_costs(self, hw: Hardware) -> Hardware:
+        """Each host cost is what the tiny model's measured time per layer leaves over once
+        the planner has counted everything else it knows (math, memory, collectives, and for
+        a wrapper the plain layer's host time): in the planner's own terms by construction."""
+        layouts = wrapper_layouts(self.world_size)
+        for wrapper, overhead in (("plain", "layer_overhead_us"), ("fsdp", "fsdp_overhead_us"),
+                                  ("tp", "tp_overhead_us")):
+            if wrapper not in self.layer_seconds:
+                continue
+            layout = Layout.parse(layouts[wrapper][2], precision="fp32")
+            times = []
+            for layers in LAYERS:
+                e = estimate(tiny_shape(layers), layout, hw)
+                times.append(e.step_s - e.optimizer_s)  # the measured steps have no optimizer
+            predicted = (times[1] - times[0]) / (LAYERS[1] - LAYERS[0])
+            left = max(0.0, self.layer_seconds[wrapper] - predicted)
+            changes: dict[str, Any] = {overhead: left * 1e6}
+            hw = dataclasses.replace(hw, **changes)
+        return hw
+
+
+def write_profile(calibration: Calibration, path: str | Path, name: str | None = None
+                  ) -> Hardware:
+    """Save ``calibration.profile(name)`` as TOML (``meshlab.plan.hardware.load`` reads it)
+    with where and how it was measured as comments."""
+    path = Path(path)
+    hw = calibration.profile(name or path.stem)
+    save(hw, path)
+    c = calibration
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    lines = [f"# measured by %mesh calibrate on {when}: {c.world_size} ranks on "
+             f"{len(c.hosts)} host(s), {c.device_name} ({c.device}, {c.timer})",
+             f"# mesh {c.mesh or '(none: world group only)'}; intra = {c.intra_axis}, "
+             f"inter = {c.inter_axis or c.intra_axis}; tflops at the largest matmul"]
+    lines += [f"# note: {n}" for n in c.notes]
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    return hw
+
+
+def summary(calibration: Calibration) -> str:
+    """Plain-text tables of a calibration (what the torchrun entry point prints)."""
+    c = calibration
+    out = [f"{c.world_size} ranks, {c.device_name}, mesh {c.mesh or '(world only)'}, "
+           f"{c.seconds:.1f} s",
+           "matmul TFLOP/s (largest size): " + ", ".join(f"{d} {t:.4g}"
+                                                         for d, t in c.tflops.items()),
+           f"memory {c.memory_gib:.1f} GiB/rank, copy {c.memory_bandwidth_gbs:.3g} GB/s, "
+           "tiny layer, forward + backward: " + ", ".join(
+               f"{w} {t * 1e6:.0f} us" for w, t in c.layer_seconds.items()),
+           f"{'axis':<14}{'ranks':>5}  {'collective':<15}{'latency_us':>11}"
+           f"{'bandwidth_gbs':>14}{'residual':>9}"]
+    out += [f"{f.axis:<14}{f.ranks:>5}  {f.collective:<15}{f.latency_us:>11.1f}"
+            f"{f.bandwidth_gbs:>14.4g}{f.residual:>9.2f}" for f in c.collectives]
+    return "\n".join(out + [f"note: {n}" for n in c.notes])
