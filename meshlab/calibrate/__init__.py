@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -46,6 +46,9 @@ from meshlab.calibrate.hosts import choose_axes, device_name, host_facts
 from meshlab.calibrate.result import Calibration, summary, write_profile
 from meshlab.timing import slowest
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 REPS = {"cpu": 5, "cuda": 20}  # timed repetitions per point (the median is kept)
 QUICK_REPS = {"cpu": 3, "cuda": 10}
 
@@ -55,7 +58,7 @@ __all__ = ["BATCH", "COPY_BYTES", "MATMULS", "QUICK_MATMULS", "QUICK_REPS", "QUI
            "parse_sizes", "summary", "write_profile"]
 
 
-def calibrate(mesh: Any = None, *, sizes: Sequence[int] | None = None,
+def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = None,
               matmuls: Sequence[tuple[int, int, int]] | None = None,
               dtypes: Sequence[str] | None = None, reps: int | None = None,
               quick: bool = False) -> Calibration:

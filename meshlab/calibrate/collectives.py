@@ -11,7 +11,7 @@ import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ import torch.distributed as dist
 from meshlab.plan.formulas import COLLECTIVES, bus_factor, ring_steps
 from meshlab.plan.hardware import Link
 from meshlab.timing import median_seconds, slowest
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 KIB, MIB = 2**10, 2**20
 # Collective message sizes (bytes; the planner's nbytes). A CPU sweep stays cheap on gloo; a
@@ -174,7 +177,7 @@ def _collective(collective: str, nbytes: int, group: Any, groups: list[list[int]
     return ping_pong, elems * 4, 0.5
 
 
-def _axes(mesh: Any) -> list[tuple[str, Any, list[list[int]]]]:
+def _axes(mesh: DeviceMesh | None) -> list[tuple[str, Any, list[list[int]]]]:
     """(name, process group, every group's global ranks) for the world and each mesh axis."""
     world = list(range(dist.get_world_size()))
     out: list[tuple[str, Any, list[list[int]]]] = [("world", dist.group.WORLD, [world])]
@@ -188,7 +191,7 @@ def _axes(mesh: Any) -> list[tuple[str, Any, list[list[int]]]]:
     return out
 
 
-def time_collectives(mesh: Any, sizes: Sequence[int], device: torch.device, reps: int
+def time_collectives(mesh: DeviceMesh | None, sizes: Sequence[int], device: torch.device, reps: int
                      ) -> list[CollectiveFit]:
     """Every collective at every size on the world and each axis of ``mesh`` (a DeviceMesh
     or None), fitted; every rank calls it."""

@@ -13,13 +13,16 @@ rank at once, like ``meshlab.calibrate``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from meshlab.plan.shapes import ModelShape
 from meshlab.timing import windowed_seconds
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Tiny enough that the math is a few microseconds and the host time is what is left.
 TINY: dict[str, int] = dict(dim=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
@@ -59,7 +62,7 @@ def layer_seconds(device: torch.device, reps: int) -> dict[str, float]:
     return out
 
 
-def _step(layers: int, mesh: Any, data_parallel: str, device: torch.device
+def _step(layers: int, mesh: DeviceMesh, data_parallel: str, device: torch.device
           ) -> Callable[[], None]:
     from meshlab.models import ModelConfig, Transformer, local_batch
     from meshlab.models.llama import loss_fn
