@@ -17,14 +17,18 @@ NOTEBOOKS = sorted((Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 
 def texts(cell: nbformat.NotebookNode) -> str:
     """Everything a cell showed, as plain text."""
-    parts = []
+    parts, previous = [], None
     for out in cell.get("outputs", []):
-        if out.output_type == "stream":
+        if out.output_type == "stream" and previous == "stream":
+            # the kernel flushes a stream every 0.2 s: how a print splits is timing, not content
+            parts[-1] += out.text
+        elif out.output_type == "stream":
             parts.append(out.text)
         elif out.output_type == "error":
             parts.append("\n".join(out.traceback))
         else:
             parts.append(out.get("data", {}).get("text/plain", ""))
+        previous = out.output_type
     return strip_ansi("\n".join(parts))
 
 
@@ -205,9 +209,13 @@ def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None
     # 5. the notebook's own model on 1,024 GPUs: a profile measured here, and H100s
     assert "calibrated 4 ranks" in everything and (tmp_path / "calibrated.toml").exists()
     assert "on 1024 x calibrated" in everything and "on 1024 x h100-sxm" in everything
-    computing = re.search(r"on calibrated CPU ranks, 1,024 devices compute ([\d.]+)% of their",
-                          everything)  # communication-bound
-    assert computing and float(computing.group(1)) < 20, everything  # host time counts
+    # communication-bound on the measured profile: the exposed waits outweigh the math (the
+    # measured latencies vary from machine to machine, so the shares are compared, not pinned)
+    shares = re.search(r"^calibrated CPU ranks\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", everything,
+                       re.M)
+    assert shares, everything
+    step_ms, computing, exposed_ms = map(float, shares.groups())
+    assert exposed_ms / step_ms > computing, shares.group(0)
     assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
     charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
     assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms
