@@ -2,39 +2,57 @@
 
 "full" keeps only each block's input and recomputes the block in backward; "selective"
 recomputes only the attention core (softmax(qkᵀ)v), the part whose activations grow with
-the sequence squared (Korthikanti et al. 2022).
+the sequence squared (Korthikanti et al. 2022): on meshlab's blocks by wrapping their
+``attention.core``, on any other model's blocks by an op-level policy (torch's selective
+checkpointing) that recomputes the attention kernels and saves every other op's output.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from meshlab.parallel.blocks import find_blocks, items
 
 MODES = ("none", "selective", "full")
 
 
-def apply_ac(model: nn.Module, mode: str) -> nn.Module:
-    """Checkpoint every block ("full") or every attention core ("selective")."""
+def apply_ac(model: nn.Module, mode: str, *, blocks: str | None = None) -> nn.Module:
+    """Checkpoint every block ("full") or every attention core ("selective"); the blocks are
+    found, or taken from the path ``blocks``."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing {mode!r} is not one of {MODES}")
     if mode == "none":
         return model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    layers = cast(nn.ModuleDict, model.layers)
-    for name, block in list(layers.items()):
+    container = find_blocks(model, blocks)[1]
+    for key, block in items(container):
+        core = getattr(getattr(block, "attention", None), "core", None)
         if mode == "full":
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
+            container[key] = checkpoint_wrapper(block, preserve_rng_state=False)  # type: ignore[index]
+        elif core is not None:  # meshlab's blocks name their attention core
             attention: Any = block.attention
-            core = attention.core
 
             def recomputed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            core: Any = core) -> torch.Tensor:
                 return checkpoint(core, q, k, v, use_reentrant=False)
 
             attention.core = recomputed
+        else:  # any other model: recompute the attention kernels' ops, keep the rest
+            container[key] = checkpoint_wrapper(  # type: ignore[index]
+                block, preserve_rng_state=False,
+                context_fn=partial(create_selective_checkpoint_contexts, _recompute_attention))
     return model
+
+
+def _recompute_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = str(op)
+    attention = "scaled_dot_product" in name or "softmax" in name
+    return CheckpointPolicy.PREFER_RECOMPUTE if attention else CheckpointPolicy.MUST_SAVE

@@ -7,9 +7,10 @@ ZeRO-2/3 and HSDP) last, as torchtitan does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,8 +47,16 @@ class ParallelPlan:
     dp_replicate axis)."""
     seq_len: int = 16
     """Sequence length of a batch; context parallelism splits it over the cp axis."""
-    sequence_parallel: bool = True
-    """With tp > 1, also split norms and the residual stream along the sequence."""
+    sequence_parallel: bool | None = None
+    """With tp > 1, also split norms and the residual stream along the sequence; None: where
+    the TP plan has it (meshlab's plan does, transformers' do not)."""
+    tp_plan: Mapping[str, Any] | None = None
+    """With tp > 1: module pattern -> ColwiseParallel() | RowwiseParallel() | ... (torch
+    style), or transformers' names ("colwise", ...); None: the model's own plan (meshlab's, or
+    transformers' ``_tp_plan``)."""
+    blocks: str | None = None
+    """Path to the model's repeated blocks (e.g. "model.layers"), which FSDP shards one by one
+    and activation checkpointing wraps; None: found (meshlab.parallel.blocks)."""
     activation_checkpoint: str = "none"
     """none, selective (attention core) or full (every block)."""
     mixed_precision: bool = False
@@ -127,10 +136,27 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
     if axis_size(mesh, "ep") > 1 and plan.data_parallel != "none":
         raise ValueError("with ep, expert parallelism averages gradients over the data ranks "
                          "itself: use data_parallel='none'")
+    _check_model_supports(model, mesh)
     if axis_size(mesh, "pp") > 1:
         return apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
                         parallelize_stage=partial(_parallelize_stage, mesh=mesh, plan=plan))
     return _parallelize_stage(model, mesh=mesh, plan=plan)
+
+
+def _check_model_supports(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Pipeline, context and expert parallel split meshlab's own Transformer for now: any
+    other model gets an error naming what to change, never a bare AttributeError."""
+    from meshlab.models import Transformer
+
+    if isinstance(model, Transformer):
+        return
+    for axis, what in (("pp", "a pipeline split"), ("cp", "context parallel"),
+                       ("ep", "expert parallel")):
+        if axis_size(mesh, axis) > 1:
+            raise ValueError(f"{what} ({axis}={axis_size(mesh, axis)}) is applied to meshlab's "
+                             f"Transformer only, not yet to {type(model).__name__}: build the "
+                             f"mesh without {axis} (DDP, ZeRO-1/2/3, HSDP, TP and activation "
+                             "checkpointing take any model of repeated blocks)")
 
 
 def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
@@ -146,8 +172,9 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
 
         model = apply_cp(model, mesh, seq_len=plan.seq_len, impl=plan.context_parallel)
     if tp > 1:
-        model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
-    model = apply_ac(model, plan.activation_checkpoint)
+        model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
+                         plan=plan.tp_plan)
+    model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
     if plan.data_parallel != "none" and (dp > 1 or axis_size(mesh, "dp_shard_cp") > 1):
         if plan.data_parallel in ("ddp", "zero1"):
             model = apply_ddp(model, mesh)
@@ -158,7 +185,8 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
             reshard = plan.data_parallel == "zero3" and axis_size(mesh, "pp") == 1
             model = apply_fsdp(model, mesh, reshard_after_forward=reshard,
                                param_dtype=torch.bfloat16 if mixed else None,
-                               reduce_dtype=torch.float32 if mixed else None)
+                               reduce_dtype=torch.float32 if mixed else None,
+                               blocks=plan.blocks)
     return model
 
 

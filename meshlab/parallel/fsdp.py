@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from meshlab.parallel.blocks import find_blocks, items
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,15 +28,16 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """Shard every transformer block, then the rest, as torchtitan does."""
+               reduce_dtype: torch.dtype | None = None, blocks: str | None = None
+               ) -> nn.Module:
+    """Shard every block (found, or at the path ``blocks``), then the rest, as torchtitan
+    does: one FSDP unit per block, gathered only while it runs."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp = fsdp_mesh(mesh)
     # None keeps the parameters' own dtype; mixed precision passes bf16 and fp32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    layers = getattr(model, "layers", {})
-    for block in layers.values():
+    for _, block in items(find_blocks(model, blocks)[1]):
         fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy)
     # The root's parameters (embedding, norm, output) are used last in backward: no point

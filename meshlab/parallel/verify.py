@@ -77,23 +77,36 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         quiet.setLevel(level)
 
 
+LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+
+
+def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+                    ) -> torch.Tensor:
+    """The default loss: cross-entropy of the model's logits against the batch's targets. A
+    model may return the logits, or an output holding them (transformers' ``.logits``)."""
+    inputs, targets = batch
+    out = model(inputs)
+    return loss_fn(getattr(out, "logits", out), targets)
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
           average_over: Any | None = None,
-          step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-          ) -> list[float]:
+          step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
+          loss: LossFn = next_token_loss) -> list[float]:
     """Training steps; each returns its loss averaged over ``average_over`` (a process group).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
-    through the model's pipeline (a model ``parallelize`` split over a pp axis) or the model.
+    through the model's pipeline (a model ``parallelize`` split over a pp axis), or
+    ``loss(model, (inputs, targets))`` then backward.
     """
     pipeline = getattr(model, "pipeline", None)
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if pipeline is not None:  # every pp rank gets the step's mean loss
             return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64)
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        return loss
+        value = loss(model, (inputs, targets))
+        value.backward()
+        return value
 
     losses = []
     for inputs, targets in batches:
@@ -110,15 +123,37 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
 TOLERANCES = {torch.float32: (1e-5, 2e-4), torch.float64: (1e-9, 1e-9)}  # (loss, params)
 
 
-def compare_with_single_process(cfg: ModelConfig, mesh: DeviceMesh, plan: ParallelPlan, *,
-                                steps: int = 5, batch: int = 8, seq: int = 16,
-                                lr: float = 1e-2, dtype: torch.dtype = torch.float32
-                                ) -> Comparison:
-    """Train ``steps`` AdamW steps both ways (on every rank) and compare."""
-    shape = {"batch": batch, "seq": seq, "vocab": cfg.vocab_size, "seed": cfg.seed}
-    reference = Transformer(cfg).to(dtype)
+def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Module],
+                                mesh: DeviceMesh, plan: ParallelPlan, *, steps: int = 5,
+                                batch: int = 8, seq: int = 16, lr: float = 1e-2,
+                                dtype: torch.dtype = torch.float32, loss: LossFn = next_token_loss,
+                                vocab: int | None = None, seed: int = 0) -> Comparison:
+    """Train ``steps`` AdamW steps both ways (on every rank) and compare.
+
+    ``model`` is a meshlab ModelConfig or a factory of any model (a transformers model from
+    its config, one written in a cell): it is called under the same seed for the reference
+    and the parallel run, so both start from the same weights. ``loss(model, batch)`` gives
+    a batch's loss (default: cross-entropy of the logits against the next tokens);
+    ``vocab`` sizes the synthetic batches (default: the model's config)."""
+    if isinstance(model, ModelConfig):
+        cfg = model
+        seed, vocab = cfg.seed, cfg.vocab_size
+
+        def factory() -> torch.nn.Module:
+            return Transformer(cfg)
+    else:
+        factory = model
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(seed)  # the same weights for the reference and the parallel run
+        return factory().to(dtype)
+
+    reference = build()
+    vocab = vocab or _vocab_size(reference)
+    shape = {"batch": batch, "seq": seq, "vocab": vocab, "seed": seed}
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
-    ref_losses = train(reference, ref_opt, [global_batch(step=s, **shape) for s in range(steps)])
+    ref_losses = train(reference, ref_opt, [global_batch(step=s, **shape) for s in range(steps)],
+                       loss=loss)
 
     plan = replace(plan, seq_len=seq)
     rank, ranks = data_rank(mesh)
@@ -130,13 +165,13 @@ def compare_with_single_process(cfg: ModelConfig, mesh: DeviceMesh, plan: Parall
         batches = [(sequence_slice(x, mesh), sequence_slice(y, mesh)) for x, y in batches]
         group = mesh["dp_cp"].get_group()
     # with a pp axis the model is this rank's stages and train() steps its pipeline
-    model = parallelize(Transformer(cfg).to(dtype), mesh, plan)
-    optimizer = build_optimizer(model, mesh, plan, lr=lr)
-    losses = train(model, optimizer, batches, average_over=group)
+    parallel = parallelize(build(), mesh, plan)
+    optimizer = build_optimizer(parallel, mesh, plan, lr=lr)
+    losses = train(parallel, optimizer, batches, average_over=group, loss=loss)
 
     expected = dict(reference.named_parameters())  # a pipeline stage checks only its own
     worst, worst_error = "", 0.0
-    for name, value in full_parameters(model).items():
+    for name, value in full_parameters(parallel).items():
         ref = expected[name].detach()
         if value.shape != ref.shape and axis_size(mesh, "ep") > 1:  # this rank's experts
             n = value.shape[0]
@@ -146,3 +181,12 @@ def compare_with_single_process(cfg: ModelConfig, mesh: DeviceMesh, plan: Parall
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     return Comparison(losses, ref_losses, loss_error, worst_error, worst, *TOLERANCES[dtype])
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    for config in (getattr(model, "cfg", None), getattr(model, "config", None)):
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__} (looked for "
+                     "cfg.vocab_size and config.vocab_size): pass vocab=N")

@@ -1,0 +1,56 @@
+"""The repeated blocks of a model: what FSDP shards one by one and checkpointing wraps.
+
+Any model built of repeated blocks works: meshlab's Transformer (``layers``), a Hugging Face
+model (``model.layers``; its ``_no_split_modules`` names the block class), torchtitan's
+(``layers``), or one written in a cell. The blocks are found as the ModuleList or
+ModuleDict whose children are all of one class (the block class transformers names first,
+else the one holding the most parameters), or taken from ``ParallelPlan(blocks="path")``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+Blocks = nn.ModuleList | nn.ModuleDict
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]:
+    """``(path, container)`` of the model's repeated blocks; ValueError says what it looked
+    for and the argument that fixes it."""
+    if path is not None:
+        return path, _at(model, path)
+    candidates = {name: m for name, m in model.named_modules()
+                  if isinstance(m, Blocks) and len(m) and len({type(c) for c in m.children()}) == 1}
+    if not candidates:
+        raise ValueError(f"found no repeated blocks in {type(model).__name__} (looked for a "
+                         "ModuleList or ModuleDict of one block class): name them with "
+                         "ParallelPlan(blocks='path.to.layers')")
+    named = set(getattr(model, "_no_split_modules", None) or ())  # transformers' block class
+    preferred = {n: m for n, m in candidates.items()
+                 if type(next(iter(m.children()))).__name__ in named}
+    pool = preferred or candidates
+    return max(pool.items(), key=lambda item: sum(p.numel() for p in item[1].parameters()))
+
+
+def items(blocks: Blocks) -> list[tuple[str | int, nn.Module]]:
+    """``(key, block)`` pairs, where ``blocks[key] = wrapped`` replaces a block in place."""
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.items())
+    return list(enumerate(blocks))
+
+
+def _at(model: nn.Module, path: str) -> Blocks:
+    module: nn.Module = model
+    for i, part in enumerate(path.split(".")):
+        child = getattr(module, part, None) if part else None
+        if not isinstance(child, nn.Module):
+            where = ".".join(path.split(".")[:i]) or type(model).__name__
+            found = [n for n, m in model.named_modules() if isinstance(m, Blocks)]
+            raise ValueError(f"ParallelPlan(blocks={path!r}): {where} has no module {part!r}; "
+                             f"the model's ModuleLists/ModuleDicts are: "
+                             f"{', '.join(found) or 'none'}")
+        module = child
+    if not isinstance(module, Blocks):
+        raise ValueError(f"ParallelPlan(blocks={path!r}) is a {type(module).__name__}, not a "
+                         "ModuleList or ModuleDict of blocks: name the container of the blocks")
+    return module
