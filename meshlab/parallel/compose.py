@@ -20,7 +20,7 @@ from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
-from meshlab.parallel.pipeline import apply_pp
+from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import apply_zero1
 from meshlab.schedules import (
@@ -144,17 +144,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
 
 
 def _check_model_supports(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Pipeline, context and expert parallel split meshlab's own Transformer for now: any
-    other model gets an error naming what to change, never a bare AttributeError."""
+    """Context and expert parallel split meshlab's own Transformer for now, and a pipeline
+    also a transformers causal LM: any other model gets an error naming what to change,
+    never a bare AttributeError."""
     from meshlab.models import Transformer
 
     if isinstance(model, Transformer):
         return
-    for axis, what in (("pp", "a pipeline split"), ("cp", "context parallel"),
-                       ("ep", "expert parallel")):
+    checks = [("cp", "context parallel"), ("ep", "expert parallel")]
+    if not is_causal_lm(model):  # a transformers causal LM splits
+        checks.insert(0, ("pp", "a pipeline split"))
+    for axis, what in checks:
         if axis_size(mesh, axis) > 1:
-            raise ValueError(f"{what} ({axis}={axis_size(mesh, axis)}) is applied to meshlab's "
-                             f"Transformer only, not yet to {type(model).__name__}: build the "
+            takers = ("meshlab's Transformer and transformers' causal LMs (a _pp_plan)"
+                      if axis == "pp" else "meshlab's Transformer only")
+            raise ValueError(f"{what} ({axis}={axis_size(mesh, axis)}) is applied to {takers}, "
+                             f"not yet to {type(model).__name__}: build the "
                              f"mesh without {axis} (DDP, ZeRO-1/2/3, HSDP, TP and activation "
                              "checkpointing take any model of repeated blocks)")
 

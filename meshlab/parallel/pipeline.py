@@ -11,6 +11,7 @@ activation checkpointing, FSDP), as torchtitan does, and meshlab's one executor
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,6 +44,9 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
         raise ScheduleError(f"the schedule has {schedule.ranks} ranks but the {axis} axis has "
                             f"{pp.size()}: build it with ranks={pp.size()}")
     mine = schedule.stages_of(pp.get_local_rank())
+    if is_causal_lm(model):
+        return _apply_pp_causal_lm(model, mesh, schedule, mine, loss_fn or next_token_loss,
+                                   parallelize_stage, axis)
     stages = stage_modules(model, mine, schedule.stages)
     if parallelize_stage is not None:
         stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
@@ -64,3 +68,65 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
     transformer.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn or next_token_loss,
                                     axis=axis)
     return model
+
+
+# -- a transformers causal LM (embed_tokens, layers, norm under .model; lm_head) --------------
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A transformers causal LM laid out as its ``_pp_plan`` says: model.embed_tokens,
+    model.layers, model.norm, then lm_head."""
+    plan = getattr(model, "_pp_plan", None) or {}
+    return {"model.embed_tokens", "model.layers", "model.norm", "lm_head"} <= set(plan)
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a transformers causal LM: its decoder layers, with the embedding
+    on the first stage and the final norm and head on the last (shared with the model)."""
+
+    def __init__(self, model: Any, layers: list[nn.Module], *, first: bool, last: bool) -> None:
+        super().__init__()
+        base = copy.copy(model.model)  # the decoder, with its own child tables
+        for key, value in vars(model.model).items():
+            if key.startswith("_") and isinstance(value, dict | set):
+                base.__dict__[key] = copy.copy(value)
+        base.layers = nn.ModuleList(layers)
+        if not first:
+            base.embed_tokens = None  # a later stage starts from hidden states
+        if not last:
+            base.norm = nn.Identity()
+        self.model = base
+        self.lm_head = model.lm_head if last else None
+        self.first = first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the first stage takes token ids (B, T); the others hidden states (B, T, H)
+        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = self.model(**given, use_cache=False).last_hidden_state
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+
+def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        parallelize_stage: Callable[[nn.Module], nn.Module] | None, axis: str
+                        ) -> nn.Module:
+    from meshlab.schedules.execute import stage_layers
+
+    layers = list(model.model.layers)
+    owned = {s: list(stage_layers(len(layers), s, schedule.stages)) for s in mine}
+    stages: dict[int, nn.Module] = {
+        s: CausalLMStage(model, [layers[i] for i in owned[s]], first=s == 0,
+                         last=s == schedule.stages - 1) for s in mine}
+    if parallelize_stage is not None:
+        stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
+    # the model keeps its stages' parts under their full-model names (layer i stays "i")
+    kept = {str(i): block for s, stage in stages.items()
+            for i, block in zip(owned[s], cast(Any, stage).model.layers, strict=True)}
+    model.model.layers = nn.ModuleDict(kept)
+    if 0 not in mine:
+        model.model.embed_tokens = None
+    if schedule.stages - 1 not in mine:
+        model.model.norm = None
+        model.lm_head = None
+    model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
+    return cast(nn.Module, model)

@@ -38,6 +38,11 @@ PLANS = [
     ("dp=2 tp=2", "data_parallel='zero3'"),  # TP from the model's own plan (_tp_plan)
     ("dp=4", "data_parallel='zero3', activation_checkpoint='full'"),
     ("dp=4", "data_parallel='zero3', activation_checkpoint='selective'"),
+    # a pipeline split at block boundaries (transformers' _pp_plan: embedding first, norm
+    # and lm_head last), run by meshlab's executor
+    ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
+    ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe', "
+                  "activation_checkpoint='full'"),
 ]
 
 
@@ -130,14 +135,38 @@ def test_zero3_shards_every_transformers_block_not_only_the_root(cluster: Cluste
 
 
 @pytest.mark.cluster
-def test_a_pipeline_of_a_transformers_model_says_what_to_change(cluster: Cluster) -> None:
+def test_a_pipeline_of_a_model_without_a_pp_plan_says_what_to_change(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaModel\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "try:\n"
+        f"    parallelize({LLAMA.replace('LlamaForCausalLM', 'LlamaModel')}, mesh, "
+        "ParallelPlan())\n"
+        "except ValueError as e:\n"
+        "    print(e)")
+    assert "a pipeline split (pp=2) is applied to meshlab's Transformer and transformers' " \
+           "causal LMs (a _pp_plan), not yet to LlamaModel: build the mesh without pp" \
+        in result.stdout()
+
+
+@pytest.mark.cluster
+def test_a_pipelined_transformers_model_keeps_only_its_stage(cluster: Cluster) -> None:
     cluster.init_mesh("pp=2 dp=2")
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan, parallelize\n"
-        "try:\n"
-        f"    parallelize({LLAMA}, mesh, ParallelPlan())\n"
-        "except ValueError as e:\n"
-        "    print(e)")
-    assert "a pipeline split (pp=2) is applied to meshlab's Transformer only, not yet to " \
-           "LlamaForCausalLM: build the mesh without pp" in result.stdout()
+        f"m = parallelize({LLAMA}, mesh, ParallelPlan(data_parallel='zero3'))\n"
+        "' '.join(sorted({n.rsplit('.', 1)[0] for n, _ in m.named_parameters()} "
+        "| {type(m.pipeline).__name__}))")
+    first, last = result.outputs[0].result, result.outputs[3].result  # pp ranks 0 and 1
+    assert first is not None and last is not None
+    assert first.split() == ["'Executor", "model.embed_tokens", "model.layers.0.input_layernorm",
+                             "model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_proj",
+                             "model.layers.0.mlp.up_proj",
+                             "model.layers.0.post_attention_layernorm",
+                             "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.o_proj",
+                             "model.layers.0.self_attn.q_proj",
+                             "model.layers.0.self_attn.v_proj'"]
+    assert "lm_head" in last and "model.layers.1." in last and "model.norm" in last
+    assert "model.layers.0." not in last and "embed_tokens" not in last
