@@ -250,6 +250,10 @@ def bind(model: Any, mesh: DeviceMesh, schedule: Schedule, *, batch: tuple[Any, 
                                 "model.pipeline.schedule, or parallelize a fresh model with "
                                 "ParallelPlan(pipeline_schedule=...)")
     else:
+        if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+            raise ScheduleError(f"binding splits meshlab's Transformer; split a "
+                                f"{type(model).__name__} first: model = parallelize(model, mesh, "
+                                f"ParallelPlan(pipeline_schedule=...)), then bind that model")
         mine = schedule.stages_of(mesh[axis].get_local_rank())
         executor = Executor(schedule, stage_modules(model, mine, schedule.stages), mesh,
                             loss_fn=loss_fn or next_token_loss, axis=axis)

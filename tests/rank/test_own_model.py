@@ -43,6 +43,7 @@ PLANS = [
     ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe', "
                   "activation_checkpoint='full'"),
+    ("pp=2 tp=2", "data_parallel='zero3'"),  # each stage takes its part of the _tp_plan
 ]
 
 
