@@ -224,7 +224,15 @@ def _kinds(objects: dict[str, Any]) -> dict[str, str]:
 
 def _models_of(objects: dict[str, Any], kinds: dict[str, str]) -> dict[str, str]:
     """optimizer name -> the module it updates: the smallest among ``objects`` that holds every
-    parameter of the optimizer (its state is keyed by that module's parameter names)."""
+    parameter of the optimizer (its state is keyed by that module's parameter names).
+
+    FSDP2 modules a forward left unsharded (no backward after it) are resharded first: until
+    then their parameters are gathered copies, not the sharded ones the optimizer updates."""
+    from meshlab.memory import reshard
+
+    for n, k in kinds.items():
+        if k == "module":
+            reshard(objects[n])
     params = {n: {id(p) for p in objects[n].parameters()}
               for n, k in kinds.items() if k == "module"}
     pairs = {}

@@ -20,7 +20,7 @@ from meshlab.plan.formulas import (  # the closed forms live with the planner: n
 )
 
 __all__ = ["RECOMPUTE_MODES", "ZERO_STAGES", "MemoryReport", "activation_bytes",
-           "activation_bytes_per_layer", "measure", "zero_bytes"]
+           "activation_bytes_per_layer", "measure", "reshard", "zero_bytes"]
 
 @dataclass(slots=True)
 class MemoryReport:
@@ -66,7 +66,12 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]]) -> 
 
 def measure(model: torch.nn.Module,
             optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
-    """Bytes of parameters, gradients and optimizer state this process actually holds."""
+    """Bytes of parameters, gradients and optimizer state this process actually holds.
+
+    FSDP2 modules left unsharded (a forward without backward keeps the root's parameters
+    gathered) are resharded first: their sharded parameters, which hold the gradients and
+    which the optimizer updates, are what this process keeps between steps."""
+    reshard(model)
     seen: set[tuple[int, int, int]] = set()  # shared, so no tensor counts in two categories
     params = list(model.parameters())  # already deduplicates tied parameters
     n_params = _count(params, seen)
@@ -102,9 +107,31 @@ def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
             total += local.numel() * local.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*inputs)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(*inputs)
+    finally:  # a forward without backward leaves FSDP2's root gathered: undo it
+        reshard(model)
     return total
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Reshard every FSDP2 module in ``model`` that a forward left unsharded.
+
+    FSDP2 does not reshard the root after forward (backward would gather it again), so a
+    forward without backward leaves the module's parameters as full, unsharded tensors that
+    are not the ones the optimizer holds. Resharding puts the sharded parameters back; the
+    next forward gathers them again as usual. A no-op for anything else.
+    """
+    if not torch.distributed.is_available():
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _data_ptr(t: torch.Tensor) -> int:

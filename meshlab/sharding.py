@@ -162,6 +162,9 @@ def _placement(p: Any) -> str:
         return "Replicate()"
     if isinstance(p, Partial):
         return f"Partial({p.reduce_op})"
+    if hasattr(p, "split_factor") and hasattr(p, "dim"):  # torch's _StridedShard, "_S(0, 2)"
+        # FSDP2 over a tensor-parallel dim: each rank holds every split_factor-th block of dim
+        return f"strided shard on dim {p.dim} (FSDP over TP, split {p.split_factor} ways)"
     return str(p)
 
 

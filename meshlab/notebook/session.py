@@ -128,9 +128,15 @@ class Session:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options."""
+        from meshlab.notebook.output import MeshError
+
         cluster = self.need_cluster()
-        result = cluster.run(code, ranks, timeout, on_output=on_output,
-                             keep_values=keep_values, comms=comms)
+        try:
+            result = cluster.run(code, ranks, timeout, on_output=on_output,
+                                 keep_values=keep_values, comms=comms)
+        except MeshError:  # not exported, but export names what later cells needed from it
+            self.need_journal().record_failure(code, self.cell_number())
+            raise
         steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
         self.need_journal().record_cell(code, self.cell_number(), result.ranks,
                                         trained=self.optimizer_steps > steps)
@@ -195,7 +201,8 @@ class Session:
             raise SessionError(f"cannot measure {model!r}:\n{e}") from None
         spec = cluster.mesh_spec
         dp = dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
-        return memory_frame(reports, params=params, dp=dp, stage=stage, activations=activations)
+        return memory_frame(reports, params=params, dp=dp, stage=stage, activations=activations,
+                            tp=spec.tp if spec else 1)
 
     # -- checkpoints -----------------------------------------------------------------------
 

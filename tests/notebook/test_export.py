@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,14 +137,42 @@ def test_a_bound_pipeline_becomes_the_same_bind_and_its_steps_one_whole_step() -
     assert bound.endswith(", batch=other, loss_fn=my_loss)")
 
 
+def test_a_failed_cell_that_later_cells_need_is_named() -> None:
+    j = journal((3, "%%mesh\nimport torch\nlr = 0.1"), (6, "%%mesh\nopt = make(model, lr)"),
+                (7, "%%mesh\nprint(opt, model)"))
+    j.record_failure("%%mesh\nmodel = build()\nboom()", 5)
+    with pytest.raises(ExportError, match=r"In \[5\] failed and defines `model`, used by "
+                                          r"In \[6\], In \[7\]: re-run it .* --cells"):
+        script(j, Layout(1, 4))
+    assert "opt = make" not in script(j, Layout(1, 4), cells="1-3")  # leaving them out works
+    # a failed cell whose names nothing later needs, or re-run successfully, goes unmentioned
+    j.record_cell("%%mesh\nmodel = build()", 8)
+    j.record_cell("%%mesh\nprint(model)", 9)
+    assert "print(model)" in script(j, Layout(1, 4), cells="1-3,8-")
+    quiet = journal((6, "%%mesh\nx = 1"))
+    quiet.record_failure("%%mesh\nraise ValueError", 5)
+    assert "x = 1" in script(quiet, Layout(1, 4))
+
+
+def test_a_comms_cell_exports_its_code_without_the_tracing() -> None:
+    text = script(journal((2, "%%mesh --comms\ndist.all_reduce(x)")), Layout(1, 4))
+    assert "dist.all_reduce(x)" in text
+    assert "--comms" not in text and "comms" not in text.split("# In [2]")[1]
+
+
 def test_launch_files_follow_torchrun_and_slurm_conventions() -> None:
-    assert "exec torchrun --standalone --nproc-per-node 4 train.py" in launch_script(Layout(1, 4))
+    one = launch_script(Layout(1, 4))
+    assert ('exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 4 train.py'
+            in one)
+    assert f'PYTHON="${{PYTHON:-{sys.executable}}}"' in one  # the kernel's, not PATH's torchrun
     many = launch_script(Layout(2, 8, gpus=True))
     assert "--nnodes 2 --nproc-per-node 8 --rdzv-backend c10d" in many
     assert '"${MASTER_ADDR:?set MASTER_ADDR' in many
     job = sbatch_script(Layout(2, 8, gpus=True))
     for line in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-                 "#SBATCH --gpus-per-node=8", 'srun torchrun --nnodes "$SLURM_NNODES"',
+                 "#SBATCH --gpus-per-node=8",
+                 'srun "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_NNODES"',
+                 f'PYTHON="${{PYTHON:-{sys.executable}}}"',
                  '--rdzv-endpoint "$head_node:29500" --rdzv-id "$SLURM_JOB_ID"']:
         assert line in job
     assert "--gpus-per-node" not in sbatch_script(Layout(1, 4))
@@ -269,3 +298,39 @@ def test_export_with_nothing_recorded_names_the_fix(shell: Any, tmp_path: Path) 
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'}")
     with pytest.raises(UsageError, match="--nodes 0 --gpus-per-node None: both must be >= 1"):
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'} --nodes 0")
+
+
+def test_export_names_a_failed_cell_a_later_cell_needs(shell: Any, tmp_path: Path) -> None:
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, "gloo")
+    assert not shell.run_cell("%%mesh\nfailed_model = 1\nraise ValueError('no')",
+                              store_history=True).success
+    failed = shell.execution_count - 1
+    assert shell.run_cell("%%mesh\nprint(failed_model)", store_history=True).success
+    with pytest.raises(UsageError, match=rf"In \[{failed}\] failed and defines `failed_model`"):
+        shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'}")
+    assert not (tmp_path / "train.py").exists()
+
+
+def test_launch_sh_runs_torchrun_by_the_exporting_python_without_it_on_path(
+        tmp_path: Path) -> None:
+    # a kernel registered from a virtual environment: its bin/ (torchrun) is not on PATH
+    export(journal((2, "%%mesh\nx = 1")), tmp_path / "train.py", sbatch=True)
+    (tmp_path / "train.py").write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(["bash", str(tmp_path / "launch.sh")], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.split("\n"))[-4:] == [f"rank {r}" for r in range(4)]
+    subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], check=True)
+
+
+def test_a_saved_notebook_names_a_failed_cell_a_later_cell_needs(tmp_path: Path) -> None:
+    failed = nbformat.v4.new_code_cell("%%mesh\nmodel = build()", execution_count=2)
+    failed.outputs = [nbformat.v4.new_output("error", ename="E", evalue="", traceback=[])]
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("%mesh init dp=4", execution_count=1), failed,
+        nbformat.v4.new_code_cell("%%mesh\nprint(model)", execution_count=3)])
+    nbformat.write(nb, tmp_path / "s.ipynb")
+    with pytest.raises(ExportError, match=r"In \[2\] failed and defines `model`, used by In \[3\]"):
+        select(read_notebook(tmp_path / "s.ipynb"))

@@ -153,6 +153,26 @@ def test_fsdp_round_trip_resumes_with_the_same_loss(cluster: Cluster, tmp_path: 
 
 
 @pytest.mark.cluster
+def test_a_forward_only_cell_changes_neither_memory_nor_save(cluster: Cluster,
+                                                             tmp_path: Path) -> None:
+    # FSDP2 keeps the root gathered after a forward without backward (issue 17): measuring
+    # activations, or any forward-only cell, must leave the figures and the save working
+    path = str(tmp_path / "ckpt")
+    cluster.init_mesh("dp=4")
+    cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n"
+                "x = local_batch(step=0, batch=8, seq=16, vocab=cfg.vocab_size, rank=0, "
+                "ranks=1)[0]")
+    before, _, _ = cluster.memory("model", "optimizer")
+    measured, _, acts = cluster.memory("model", "optimizer", "x")
+    after, _, _ = cluster.memory("model", "optimizer")
+    assert measured == before and after == before and all(a > 0 for a in acts.values())
+    cluster.run("model(x)")  # a forward without backward, then a save
+    cluster.run(f"checkpoint.save({path!r}, {OBJECTS})")
+    assert cluster.memory("model", "optimizer")[0] == before
+    assert manifest(path)["names"] == ["model", "optimizer", "step"]
+
+
+@pytest.mark.cluster
 def test_async_save_holds_the_state_of_when_it_was_called(cluster: Cluster,
                                                           tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
@@ -251,3 +271,31 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(test_profile: Pat
         for k, v in s.items():
             assert torch.equal(v, saved[1][f"{names[i]}.{k}"]), (names[i], k)
     assert json.loads((Path(path) / MANIFEST).read_text())["world_size"] == 2
+
+
+def test_an_optimizer_pairs_with_its_fsdp_model_after_a_forward_only(tmp_path: Path) -> None:
+    # A forward without backward leaves FSDP2's root gathered: the module's parameters are
+    # then not the optimizer's; save must reshard first instead of asking for the model.
+    import torch.distributed as dist
+    from torch import nn
+
+    from meshlab.checkpoint import _models_of
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group already in this process")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
+        fully_shard(model[1], mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root holds model[0]'s parameters itself
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.randn(3, 16))
+        objects = {"model": model, "opt": opt}
+        assert _models_of(objects, {"model": "module", "opt": "optimizer"}) == {"opt": "model"}
+    finally:
+        dist.destroy_process_group()

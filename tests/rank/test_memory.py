@@ -199,3 +199,53 @@ def test_activation_bytes_shrink_with_checkpointing() -> None:
              for mode in ("none", "selective", "full")}
     assert sizes["full"] < sizes["selective"] < sizes["none"]
     assert sizes["none"] >= 4 * 16 * 64 * 4  # the output projection saves its input, at least
+
+
+def _fsdp_root_with_params(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    # The root holds parameters of its own: FSDP2 keeps those gathered after a forward.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 16))
+    fully_shard(model[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_activation_bytes_leaves_fsdp_sharded(fake_world: int) -> None:
+    from meshlab.memory import activation_bytes
+
+    model, opt = _fsdp_root_with_params(fake_world)
+    before = measure(model, opt)
+    local = (16 * 8 + 8 + 8 * 16 + 16) // fake_world * 4
+    assert (before.params, before.grads) == (local, local)
+    assert activation_bytes(model, torch.randn(3, 16)) > 0
+    # the same figures after the measuring forward, and the optimizer's parameters are
+    # still the module's own
+    assert measure(model, opt) == before
+    ids = {id(p) for p in model.parameters()}
+    assert all(id(p) in ids for g in opt.param_groups for p in g["params"])
+
+
+def test_measure_reshards_a_forward_only_fsdp_module(fake_world: int) -> None:
+    model, opt = _fsdp_root_with_params(fake_world)
+    before = measure(model, opt)
+    model(torch.randn(3, 16))  # a forward without backward: FSDP2 keeps the root gathered
+    assert measure(model, opt) == before
+
+
+def test_zero3_formula_row_divides_parameters_by_tp() -> None:
+    from meshlab.notebook.tables.memory import memory_frame
+
+    reports = {0: MemoryReport(params=40, grads=40, optimizer=80)}
+    plain = memory_frame(reports, params=80, dp=2, stage=3)
+    assert plain.loc["ZeRO-3 formula", "params"] == 80 * 4 / 2
+    frame = memory_frame(reports, params=80, dp=2, tp=2, stage=3)
+    row = frame.loc["ZeRO-3 formula"]
+    assert (row["params"], row["grads"], row["optimizer"]) == (80 * 4 / 4, 80 * 4 / 4,
+                                                                80 * 8 / 4)

@@ -76,6 +76,22 @@ def test_describe_refuses_what_it_cannot_draw() -> None:
         describe([1, 2])
 
 
+def test_strided_shard_is_said_in_words() -> None:
+    # TP + FSDP2 gives torch's internal _StridedShard, printed as "_S(0, 2)"
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from meshlab.notebook.widgets.sharding import default_dims
+    from meshlab.sharding import ShardingReport, _placement
+
+    text = _placement(_StridedShard(0, split_factor=2))
+    assert text == "strided shard on dim 0 (FSDP over TP, split 2 ways)"
+    assert "_S(" not in text
+    assert _placement(Shard(1)) == "Shard(1)"
+    report = ShardingReport("w", "DTensor", [4, 6, 8], "float32", [2, 2], ["dp", "tp"],
+                            [text, "Shard(2)"])
+    assert default_dims(report) == (0, 2)  # the strided dim counts as sharded
+
+
 LAYOUTS = """
 from torch.distributed.tensor import distribute_tensor, Shard, Replicate, Partial, DTensor
 from torch.distributed.device_mesh import init_device_mesh

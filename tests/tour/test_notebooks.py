@@ -40,11 +40,27 @@ def test_notebooks_are_committed_without_outputs(path: Path) -> None:
 
 
 def execute(name: str, cwd: Path) -> nbformat.NotebookNode:
-    """Run a tour notebook in a real kernel; nbclient raises on any unexpected error."""
+    """Run a tour notebook in a real kernel; nbclient raises on any unexpected error.
+
+    ``cwd`` stands for notebooks/: run there, a notebook must leave it as it found it (what
+    it writes goes to a scratch folder it names and removes)."""
     nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / name, as_version=4)
+    before = set(cwd.iterdir())
     NotebookClient(nb, timeout=300, kernel_name="python3",
                    resources={"metadata": {"path": str(cwd)}}).execute()
+    left = sorted(p.name for p in set(cwd.iterdir()) - before)
+    assert not left, f"{name} left {left} in its folder: write them under a scratch folder"
     return nb
+
+
+def scratch_files(nb: nbformat.NotebookNode) -> list[str]:
+    """What the notebook wrote into its scratch folder, as its last cell listed it before
+    removing the folder (checked gone)."""
+    shown = texts(nb.cells[-1])
+    match = re.search(r"^removing (\S+):(.*)$", shown, re.M)
+    assert match, shown
+    assert not Path(match[1]).exists(), f"{match[1]} was not removed"
+    return match[2].split()
 
 
 def test_quickstart_runs_end_to_end(tmp_path: Path) -> None:
@@ -126,8 +142,9 @@ def test_export_notebook_runs_its_script_with_torchrun_and_gets_the_same_losses(
     nb = execute("07-export-to-batch.ipynb", tmp_path)
     shown = [texts(c) for c in nb.cells if c.cell_type == "code"]
     everything = "\n".join(shown)
-    assert "wrote train.py, launch.sh, job.sbatch" in everything
-    script = (tmp_path / "train.py").read_text()
+    assert re.search(r"wrote (\S+)/train.py, \1/launch.sh, \1/job.sbatch", everything)
+    script = next(texts(c) for c in nb.cells if 'train.py").read()' in c.source)
+    assert set(scratch_files(nb)) == {"train.py", "launch.sh", "job.sbatch"}
     assert "meshlab: skip" not in script and "inspect" not in script
     assert 'mesh = build_mesh("dp_shard=2 tp=2")' in script and "lr = 0.01" in script
     verdict = next(t for t in shown if "batch_losses ==" in t or t.rstrip().endswith("True)"))
@@ -161,9 +178,9 @@ def test_faults_and_recovery_restores_the_same_losses(tmp_path: Path) -> None:
     # "killed by SIGKILL", or "its engine stopped responding" when the controller saw it first
     assert "1 of 1 rank failed:\n  [rank 3] " in everything
     assert "`%mesh restart` starts fresh engines and replays" in everything
-    assert "skipped: it trained, ckpt holds that" in everything
+    assert re.search(r"skipped: it trained, \S+/ckpt holds that", everything)
     assert "match the uninterrupted run's, bit for bit" in everything
-    assert (tmp_path / "ckpt" / "meshlab.json").exists()
+    assert "ckpt/meshlab.json" in scratch_files(nb)
 
 
 def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None:
@@ -207,7 +224,7 @@ def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None
     assert row("ZeRO-3 / FSDP: 2 all-gathers + reduce-scatter", "421.7", "33.7")
     assert row("h100 at 100 Gbit/s", "18.585", "11.458", "3.512", "0.429")  # in the markdown
     # 5. the notebook's own model on 1,024 GPUs: a profile measured here, and H100s
-    assert "calibrated 4 ranks" in everything and (tmp_path / "calibrated.toml").exists()
+    assert "calibrated 4 ranks" in everything and scratch_files(nb) == ["calibrated.toml"]
     assert "on 1024 x calibrated" in everything and "on 1024 x h100-sxm" in everything
     # communication-bound on the measured profile: the exposed waits outweigh the math (the
     # measured latencies vary from machine to machine, so the shares are compared, not pinned)
@@ -219,3 +236,16 @@ def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None
     assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
     charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
     assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms
+
+
+def test_bring_your_own_model_notebook_matches_one_process_for_each_strategy(
+        tmp_path: Path) -> None:
+    nb = execute("12-bring-your-own-model.ipynb", tmp_path)
+    everything = "\n".join(texts(c) for c in nb.cells if c.cell_type == "code")
+    for name in ("Llama, ZeRO-3", "Llama, ZeRO-3 + selective AC", "GPT in a cell, ZeRO-3 + full AC",
+                 "Llama, TP x DP (its _tp_plan)", "GPT in a cell, TP x DP (a plan)",
+                 "Llama, PP x DP (1F1B, ZeRO-3)"):
+        assert re.search(rf"{re.escape(name)}\s+matches one process: True", everything), name
+    assert "Out[ranks 0-3]: True" in everything  # every check, on every rank
+    assert "reduce_scatter" in everything and "all_gather" in everything  # the traced step
+    assert scratch_files(nb) == ["launch.sh", "train.py"]

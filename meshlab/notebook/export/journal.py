@@ -1,5 +1,5 @@
-"""The session journal: what a session ran on its ranks that succeeded, and which of it to
-export. Notebook side, plain Python (no IPython)."""
+"""The session journal: what a session ran on its ranks that succeeded (and which cells
+failed), and which of it to export. Notebook side, plain Python (no IPython)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ class Journal:
     entries: list[Entry] = field(default_factory=list)
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Names this session in the checkpoints it saves (a restore replays only its own)."""
+    failed: list[Entry] = field(default_factory=list)
+    """%%mesh cells that failed: never exported or replayed, but export refuses to leave one
+    out silently when a later exported cell uses a name it would have defined."""
 
     def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
                     mark: str | None = None, trained: bool = False) -> None:
@@ -67,6 +70,10 @@ class Journal:
         mark = mark or next((m for line, m in MARKS.items() if line in lines), None)
         taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
         self.entries.append(Entry("cell", number, code, taken, mark, trained=trained))
+
+    def record_failure(self, code: str, number: int) -> None:
+        """A %%mesh cell that failed on some rank: kept apart from ``entries``."""
+        self.failed.append(Entry("cell", number, code))
 
     def record_mesh(self, spec: MeshSpec | str, number: int) -> None:
         self.entries.append(Entry("mesh", number, str(spec), note="%mesh init"))
@@ -168,4 +175,67 @@ def select(journal: Journal, cells: str | None = None) -> list[Entry]:
     for e in entries:
         if e.problem:
             raise ExportError(e.problem)
+    _check_failures(journal, entries)
     return entries
+
+
+def _check_failures(journal: Journal, entries: list[Entry]) -> None:
+    """ExportError if a failed cell would have defined a name that an exported cell after it
+    uses and that nothing exported before that cell defines: the script would fail there."""
+    for failed in journal.failed:
+        lost = _names(failed.code)[0]
+        if not lost:
+            continue
+        users: dict[str, list[int]] = {}
+        for i, e in enumerate(entries):
+            if e.kind != "cell" or e.number <= failed.number:
+                continue
+            before: set[str] = set()
+            for earlier in entries[:i]:
+                before |= {"mesh"} if earlier.kind == "mesh" else _names(earlier.code)[0]
+            for name in sorted((lost & _names(e.code)[1]) - before):
+                users.setdefault(name, []).append(e.number)
+        if users:
+            names = ", ".join(f"`{n}`" for n in users)
+            cells = sorted({n for numbers in users.values() for n in numbers})
+            used_by = ", ".join(f"In [{n}]" for n in cells)
+            raise ExportError(
+                f"In [{failed.number}] failed and defines {names}, used by {used_by}: re-run it "
+                f"successfully (or a cell defining {names}) or leave {used_by} out with --cells")
+
+
+def _names(code: str) -> tuple[set[str], set[str]]:
+    """(names a cell binds at its top level, names it reads), from its Python lines."""
+    lines = code.splitlines()
+    if lines and lines[0].lstrip().startswith("%%"):
+        lines = lines[1:]
+    text = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return set(), set()
+    bound: set[str] = set()
+    for node in _top_level(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.Global):
+            bound |= set(node.names)
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bound, read
+
+
+def _top_level(tree: ast.AST) -> list[ast.AST]:
+    """Every node of the module, but not inside function or class bodies (their locals)."""
+    out: list[ast.AST] = []
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                 ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return out

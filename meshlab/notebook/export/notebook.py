@@ -32,6 +32,9 @@ def read_notebook(path: str | Path) -> Journal:
         source = "".join(cell["source"])
         number = cell.get("execution_count") or position
         if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            if source.lstrip().startswith("%%mesh") or (auto and not source.lstrip()
+                                                        .startswith("%")):
+                journal.record_failure(source, number)
             continue
         tag = next((TAGS[t] for t in cell.get("metadata", {}).get("tags", []) if t in TAGS),
                    None)

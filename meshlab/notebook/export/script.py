@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import datetime
 import io
+import shlex
+import sys
 import tokenize
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -167,23 +169,39 @@ def torchrun_args(where: Layout) -> str:
             f'--rdzv-endpoint "$MASTER_ADDR:{PORT}" --rdzv-id "${{RUN_ID:-meshlab}}"')
 
 
-def launch_script(where: Layout, train: str = "train.py") -> str:
-    """launch.sh: torchrun on this node, or on each node with the first one's address."""
+def _python_line(python: str | None) -> str:
+    """PYTHON: the interpreter that wrote the file unless the environment says otherwise."""
+    return f'PYTHON="${{PYTHON:-{shlex.quote(python or sys.executable)}}}"'
+
+
+TORCHRUN = '"$PYTHON" -m torch.distributed.run'
+"""torchrun, run by the session's interpreter: a kernel's venv need not be on PATH."""
+
+
+def launch_script(where: Layout, train: str = "train.py", python: str | None = None) -> str:
+    """launch.sh: torchrun on this node, or on each node with the first one's address.
+
+    torchrun runs as ``"$PYTHON" -m torch.distributed.run``, PYTHON defaulting to ``python``
+    (the interpreter exporting: the kernel's, whose bin/ may not be on PATH)."""
     lines = ["#!/usr/bin/env bash", "# Exported by meshlab."]
     if where.nodes == 1:
         lines.append(f"# Runs {train} on {where.per_node} processes of this machine.")
     else:
         lines += [f"# Run this on each of the {where.nodes} nodes, with MASTER_ADDR set to the "
                   "first node's address", "# (and the same RUN_ID on all of them)."]
-    lines += ["set -euo pipefail", 'cd "$(dirname "$0")"']
+    lines += ["set -euo pipefail", 'cd "$(dirname "$0")"',
+              "# torchrun, by the Python that exported this (set PYTHON to use another)",
+              _python_line(python)]
     if where.nodes > 1:
         lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the first node\'s address}"')
-    lines.append(f'exec torchrun {torchrun_args(where)} {train} "$@"')
+    lines.append(f'exec {TORCHRUN} {torchrun_args(where)} {train} "$@"')
     return "\n".join(lines) + "\n"
 
 
-def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab") -> str:
-    """job.sbatch: one task per node, each running torchrun, rendezvous on the first node."""
+def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab",
+                  python: str | None = None) -> str:
+    """job.sbatch: one task per node, each running torchrun, rendezvous on the first node;
+    torchrun as in launch.sh, ``"$PYTHON" -m torch.distributed.run``."""
     lines = [
         "#!/usr/bin/env bash",
         f"#SBATCH --job-name={job}",
@@ -197,7 +215,9 @@ def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab") 
         "set -euo pipefail",
         'cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"',
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc-per-node {where.per_node} \\",
+        "# torchrun, by the Python that exported this (set PYTHON to use another)",
+        _python_line(python),
+        f"srun {TORCHRUN} --nnodes \"$SLURM_NNODES\" --nproc-per-node {where.per_node} \\",
         f'    --rdzv-backend c10d --rdzv-endpoint "$head_node:{PORT}" '
         '--rdzv-id "$SLURM_JOB_ID" \\',
         f"    {train}",

@@ -12,17 +12,23 @@ PARTS = ("params", "grads", "optimizer")
 
 
 def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | None,
-                 activations: dict[int, int] | None = None, param_bytes: int = 4,
+                 tp: int = 1, activations: dict[int, int] | None = None, param_bytes: int = 4,
                  grad_bytes: int = 4, optimizer_bytes: int = 8) -> pd.DataFrame:
     """One row per rank (measured) and, with a stage, one row of the formula.
 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
     optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy).
+
+    ``params`` is the model's whole parameter count. Tensor parallelism splits every
+    parameter ``tp`` ways before ZeRO shards it over ``dp``, so the formula row takes
+    ``params / tp`` parameters per tensor-parallel rank, then divides by ``dp`` as ZeRO does.
     """
+    if tp < 1:
+        raise ValueError(f"tp (tensor-parallel degree) must be >= 1, got {tp}")
     rows = [{"rank": str(r), **{p: getattr(m, p) for p in PARTS}, "source": "measured"}
             for r, m in sorted(reports.items())]
     if stage is not None:
-        formula = zero_bytes(params, dp=dp, stage=stage, param_bytes=param_bytes,
+        formula = zero_bytes(params // tp, dp=dp, stage=stage, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
         rows.append({"rank": f"ZeRO-{stage} formula", **{p: formula[p] for p in PARTS},
                      "source": "formula"})

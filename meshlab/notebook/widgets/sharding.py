@@ -8,6 +8,7 @@ thing; the front end (sharding.js) only draws and reports clicks.
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,8 @@ def default_dims(report: ShardingReport) -> tuple[int, ...]:
     n = len(report.global_shape)
     if n <= 2:
         return tuple(range(n))
-    sharded = sorted({int(p[6:-1]) for p in report.placements if p.startswith("Shard(")})
+    sharded = sorted({int(m[1]) for p in report.placements
+                      if (m := re.match(r"(?:Shard\(|strided shard on dim )(\d+)", p))})
     rest = [d for d in range(n) if d not in sharded]
     return tuple(sorted((sharded + rest[::-1])[:2]))
 
