@@ -23,7 +23,7 @@ from meshlab.mesh import MeshSpec
 from meshlab.notebook import restore
 from meshlab.notebook.cluster import Cluster, ClusterError
 from meshlab.notebook.export import Journal, export
-from meshlab.notebook.output import CellResult, postmortem_text, stacks_text
+from meshlab.notebook.output import CellResult, MeshError, postmortem_text, stacks_text
 from meshlab.notebook.profiles import Profile
 from meshlab.notebook.ranks import parse_ranks
 from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
@@ -128,8 +128,6 @@ class Session:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options."""
-        from meshlab.notebook.output import MeshError
-
         cluster = self.need_cluster()
         try:
             result = cluster.run(code, ranks, timeout, on_output=on_output,
