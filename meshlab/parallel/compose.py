@@ -23,14 +23,7 @@ from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import apply_zero1
-from meshlab.schedules import (
-    TAKES_VIRTUAL,
-    Schedule,
-    ScheduleError,
-    build,
-    canonical,
-    stages_per_rank,
-)
+from meshlab.schedules import Schedule, ScheduleError, build, canonical, check_virtual
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,13 +84,7 @@ class ParallelPlan:
             self._check_own_schedule(self.pipeline_schedule)
         else:
             key = self.pipeline_schedule = canonical(self.pipeline_schedule)
-            fixed = stages_per_rank(key)
-            if key not in TAKES_VIRTUAL and self.virtual not in (1, fixed):
-                per = "1 stage" if fixed == 1 else f"{fixed} stages"
-                raise ScheduleError(f"pipeline_schedule={key!r} places {per} per rank, so "
-                                    f"virtual={self.virtual} does not apply: leave virtual=1, "
-                                    f"or use {' or '.join(sorted(TAKES_VIRTUAL))} for "
-                                    f"{self.virtual} stages per rank")
+            check_virtual(key, self.virtual, said=f"pipeline_schedule={key!r}")
         if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
             raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
                              "'zero3'")

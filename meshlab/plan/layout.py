@@ -17,7 +17,7 @@ from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
 from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
-from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, stages_per_rank
+from meshlab.schedules import BUILDERS, check_virtual, stages_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,14 +199,7 @@ def check(model: ModelShape, layout: Layout) -> None:
                         ("ffn", model.ffn)):
         if value % t:
             raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
-    fixed = stages_per_rank(layout.schedule)
-    if layout.schedule not in TAKES_VIRTUAL and layout.virtual not in (1, fixed):
-        per = "1 stage" if fixed == 1 else f"{fixed} stages"
-        leave = "virtual=1" + (f" (or {fixed})" if fixed > 1 else "")
-        raise ValueError(f"{layout.schedule} places {per} per rank, so virtual={layout.virtual} "
-                         f"does not apply: leave {leave}, or use "
-                         f"{' or '.join(sorted(TAKES_VIRTUAL))} for {layout.virtual} stages "
-                         "per rank")
+    check_virtual(layout.schedule, layout.virtual)  # a ScheduleError is a ValueError
     stages = layout.pp * layout.stages_per_rank
     if stages > model.layers:
         raise ValueError(f"pp={layout.pp} x {layout.stages_per_rank} stages per rank = {stages} "

@@ -24,10 +24,11 @@ from meshlab.schedules.builders import (
     V_SHAPED,
     build,
     canonical,
+    check_virtual,
     stages_per_rank,
 )
 from meshlab.schedules.simulate import Costs, Timeline
 
 __all__ = ["BREADTH_FIRST", "BUILDERS", "TAKES_VIRTUAL", "V_SHAPED", "Action", "Costs",
-           "Schedule", "ScheduleError", "Timeline", "build", "canonical", "contiguous", "looped",
-           "parse", "stages_per_rank", "vshape"]
+           "Schedule", "ScheduleError", "Timeline", "build", "canonical", "check_virtual",
+           "contiguous", "looped", "parse", "stages_per_rank", "vshape"]

@@ -218,13 +218,22 @@ def build(name: str, *, ranks: int, microbatches: int, virtual: int = 1) -> Sche
     key = canonical(name)
     if key in TAKES_VIRTUAL:
         return BUILDERS[key](ranks, microbatches, virtual=virtual)
-    fixed = stages_per_rank(key)
-    if virtual not in (1, fixed):
-        per = "1 stage" if fixed == 1 else f"{fixed} stages"
-        raise ScheduleError(f"{key} places {per} per rank, so virtual={virtual} "
-                            f"does not apply: leave virtual=1, or use interleaved_1f1b or "
-                            f"looped_bfs for {virtual} stages per rank")
+    check_virtual(key, virtual)
     return BUILDERS[key](ranks, microbatches)
+
+
+def check_virtual(name: str, virtual: int, *, said: str | None = None) -> None:
+    """Refuse ``virtual`` stages per rank on a schedule that places its own (``said``: how
+    the caller's user wrote the schedule, for the message)."""
+    key = canonical(name)
+    fixed = stages_per_rank(key)
+    if key in TAKES_VIRTUAL or virtual in (1, fixed):
+        return
+    per = "1 stage" if fixed == 1 else f"{fixed} stages"
+    leave = "virtual=1" + (f" (or {fixed})" if fixed > 1 else "")
+    raise ScheduleError(f"{said or key} places {per} per rank, so virtual={virtual} does not "
+                        f"apply: leave {leave}, or use {' or '.join(sorted(TAKES_VIRTUAL))} "
+                        f"for {virtual} stages per rank")
 
 
 class _Next:
