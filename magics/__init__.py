@@ -39,8 +39,14 @@ class MeshMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.session = Session()
-        self.session.cell_number = lambda: self.shell.execution_count
+        self.session.cell_number = self._cell_number
         self.auto = False
+
+    def _cell_number(self) -> int:
+        """The In [n] of the running cell. Recent IPython (9.18) counts a cell up before it
+        runs, so execution_count reads n + 1 in it; 8.x counts after. Both have stored its
+        input as history entry n by then."""
+        return len(self.shell.history_manager.input_hist_raw) - 1
 
     @line_cell_magic
     def mesh(self, line: str, cell: str | None = None) -> Any:

@@ -300,6 +300,16 @@ def test_export_with_nothing_recorded_names_the_fix(shell: Any, tmp_path: Path) 
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'} --nodes 0")
 
 
+def test_the_journal_numbers_a_cell_as_jupyter_shows_it(shell: Any) -> None:
+    # IPython 9.18 counts a cell up before running it, 8.x after: In [n] either way
+    session = shell.magics_manager.registry["MeshMagics"].session
+    result = shell.run_cell("number_inside = get_ipython().magics_manager.registry["
+                            "'MeshMagics'].session.cell_number()", store_history=True)
+    assert result.success and result.execution_count is not None
+    assert shell.user_ns["number_inside"] == result.execution_count
+    assert session.cell_number() == result.execution_count  # the last stored cell
+
+
 def test_export_names_a_failed_cell_a_later_cell_needs(shell: Any, tmp_path: Path) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session
     session.journal = Journal(4, "gloo")
