@@ -7,7 +7,7 @@ ZeRO-2/3 and HSDP) last, as torchtitan does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,9 @@ class ParallelPlan:
     """Micro-batches per step through the pipeline (must divide the local batch)."""
     virtual: int = 1
     """Stages per rank for the looped schedules (interleaved_1f1b, looped_bfs)."""
+    split_points: Sequence[str] | None = None
+    """The blocks that open pipeline stages 1, 2, ... (torchtitan's names: ["layers.3"], or
+    ["model.layers.3"] on a transformers model); None: blocks split as evenly as they go."""
     context_parallel: str = "auto"
     """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
     CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
@@ -120,31 +123,43 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
         raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
                          "all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
+    if axis_size(mesh, "cp") > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
+        raise ValueError(f"data_parallel='none' with cp={axis_size(mesh, 'cp')}: each cp rank "
+                         "computes gradients from its slice of the sequence, and they must be "
+                         "summed: use data_parallel='ddp', 'zero2' or 'zero3'")
     if axis_size(mesh, "ep") > 1 and plan.data_parallel != "none":
         raise ValueError("with ep, expert parallelism averages gradients over the data ranks "
                          "itself: use data_parallel='none'")
-    _check_model_supports(model, mesh)
+    _check_model_supports(model, mesh, plan)
     if axis_size(mesh, "pp") > 1:
         return apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
+                        split_points=plan.split_points,
                         parallelize_stage=partial(_parallelize_stage, mesh=mesh, plan=plan))
     return _parallelize_stage(model, mesh=mesh, plan=plan)
 
 
-def _check_model_supports(model: nn.Module, mesh: DeviceMesh) -> None:
+def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> None:
     """Context and expert parallel split meshlab's own Transformer for now, and a pipeline
     also a transformers causal LM: any other model gets an error naming what to change,
-    never a bare AttributeError."""
+    never a bare AttributeError. Checked before any rank builds anything, so every rank
+    refuses alike (one refusing alone would leave its pipeline peers waiting)."""
     from meshlab.models import Transformer
 
     if isinstance(model, Transformer):
         return
-    checks = [("cp", "context parallel"), ("ep", "expert parallel")]
-    if not is_causal_lm(model):  # a transformers causal LM splits
-        checks.insert(0, ("pp", "a pipeline split"))
-    for axis, what in checks:
-        if axis_size(mesh, axis) > 1:
-            takers = ("meshlab's Transformer and transformers' causal LMs (a _pp_plan)"
-                      if axis == "pp" else "meshlab's Transformer only")
+    if axis_size(mesh, "pp") > 1 and axis_size(mesh, "tp") > 1 and plan.sequence_parallel:
+        raise ValueError(f"sequence_parallel=True with pp={axis_size(mesh, 'pp')} is applied "
+                         f"to meshlab's Transformer only, not yet to {type(model).__name__} "
+                         "(its stages pass whole-sequence activations): pass "
+                         "sequence_parallel=False, or build the mesh without pp")
+    from meshlab.parallel import context, expert
+
+    checks = [("pp", "a pipeline split", is_causal_lm(model),
+               "meshlab's Transformer and transformers' causal LMs (a _pp_plan)"),
+              ("cp", "context parallel", context.takes(model), context.TAKES),
+              ("ep", "expert parallel", expert.takes(model), expert.TAKES)]
+    for axis, what, takes, takers in checks:
+        if axis_size(mesh, axis) > 1 and not takes:
             raise ValueError(f"{what} ({axis}={axis_size(mesh, axis)}) is applied to {takers}, "
                              f"not yet to {type(model).__name__}: build the "
                              f"mesh without {axis} (DDP, ZeRO-1/2/3, HSDP, TP and activation "
@@ -154,7 +169,7 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh) -> None:
 def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
                        ) -> nn.Module:
     """Expert, context and tensor parallel, activation checkpointing, data parallel."""
-    tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
+    tp = axis_size(mesh, "tp")
     if axis_size(mesh, "ep") > 1:
         from meshlab.parallel.expert import apply_ep
 
@@ -167,9 +182,10 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
-    if plan.data_parallel != "none" and (dp > 1 or axis_size(mesh, "dp_shard_cp") > 1):
+    if plan.data_parallel != "none" and axis_size(mesh, "dp_cp") > 1:
         if plan.data_parallel in ("ddp", "zero1"):
-            model = apply_ddp(model, mesh)
+            # cp ranks hold replicas too, trained on other parts of the same sequences
+            model = apply_ddp(model, mesh, axis="dp_cp" if axis_size(mesh, "cp") > 1 else "dp")
         elif plan.data_parallel in ("zero2", "zero3"):
             # mixed precision: bf16 compute, fp32 gradient reduction (the usual recipe)
             mixed = plan.mixed_precision

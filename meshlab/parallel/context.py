@@ -8,10 +8,20 @@ exact implementation ("meshlab"); its backward sums the key/value gradients from
 simpler.) On CUDA ranks the default is torch's own ring attention ("torch"), attached to the
 attention core the way torchtitan does, with contiguous slices (no load balancing) so the
 RoPE offsets stay those of meshlab's slices.
+
+A transformers causal LM (LlamaForCausalLM and the like: a ``_pp_plan`` and attention
+through transformers' AttentionInterface) takes the same all-gather attention, registered
+as an attention implementation of its own and set on the model's config, and a forward
+pre-hook on its decoder that gives the rotary embedding this rank's positions
+(``position_ids`` from the rank's offset) when the caller gives none. It trains on whole,
+unpadded sequences: a padding attention_mask, a KV cache or torch's ring attention are
+refused with the fix to make.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -46,6 +56,34 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return cast(torch.Tensor, _GatherSequence.apply(x, group, dim))
 
 
+# the models apply_cp splits (compose refuses others before any rank builds anything)
+TAKES = ("meshlab's Transformer and transformers' causal LMs (a _pp_plan, attention through "
+         "transformers' AttentionInterface)")
+
+
+def takes(model: nn.Module) -> bool:
+    from meshlab.models import Transformer
+    from meshlab.parallel.pipeline import is_causal_lm
+
+    if isinstance(model, Transformer):
+        return True
+    decoder = _decoder(model)
+    return is_causal_lm(model) and decoder is not None and decoder._can_set_attn_implementation()
+
+
+def _decoder(model: nn.Module) -> Any:
+    """The transformers decoder (model.model, a PreTrainedModel holding the layers) of a
+    causal LM or of one of its pipeline stages; None for any other model."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    inner = getattr(model, "model", None)
+    if isinstance(inner, PreTrainedModel) and hasattr(inner, "layers"):
+        return inner
+    return None
+
+
 IMPLEMENTATIONS = ("auto", "meshlab", "torch")
 
 
@@ -54,7 +92,8 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
     """Make every attention layer attend across the cp ranks' slices of the sequence.
 
     impl: "meshlab" (all-gather K/V, any device), "torch" (torch's ring attention, CUDA
-    only) or "auto" (torch's on CUDA, meshlab's elsewhere).
+    only) or "auto" (torch's on CUDA, meshlab's elsewhere). A transformers causal LM (or a
+    pipeline stage of one) takes meshlab's only, whatever the device.
     """
     cp = mesh[axis]
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
@@ -62,6 +101,13 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
         raise ValueError(f"cp={size} must divide the sequence length {seq_len}")
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS}")
+    from meshlab.models import Transformer
+
+    if not isinstance(model, Transformer):
+        if _decoder(model) is None:
+            raise ValueError(f"context parallel is applied to {TAKES}, not yet to "
+                             f"{type(model).__name__}: build the mesh without cp")
+        return _apply_cp_transformers(model, cp, seq_len=seq_len, impl=impl)
     if impl == "auto":
         impl = "torch" if cp.device_type == "cuda" else "meshlab"
     if impl == "torch" and cp.device_type != "cuda":
@@ -85,6 +131,116 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
         attention: Any = block.attention
         attention.core = core
     return model
+
+
+_NAMES = itertools.count()  # transformers' attention registry is global: one name per apply
+
+
+def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, impl: str
+                           ) -> nn.Module:
+    """All-gather K/V attention for a transformers causal LM (or a pipeline stage of one)."""
+    from transformers import AttentionInterface
+
+    decoder = _decoder(model)
+    kind = type(decoder).__name__
+    if impl == "torch":
+        raise ValueError(f"impl='torch': torch's ring attention is attached to meshlab's "
+                         f"Transformer only, not yet to {kind}; use impl='meshlab' (or 'auto')")
+    if not decoder._can_set_attn_implementation():
+        raise ValueError(f"context parallel needs {kind} to call its attention through "
+                         "transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), which "
+                         "it does not: build the mesh without cp")
+    size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
+    chunk = seq_len // size
+    offset = rank * chunk
+
+    def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+                  ) -> tuple[torch.Tensor, None]:
+        """transformers' attention interface: (B, H, T/cp, D) local q, k, v in,
+        (B, T/cp, H, D) out, every key of the whole sequence attended causally."""
+        if attention_mask is not None:
+            raise ValueError(f"context parallel got an attention mask of shape "
+                             f"{tuple(attention_mask.shape)}; expected None (its attention "
+                             "is causal over whole, unpadded sequences): pass "
+                             "attention_mask=None")
+        for name in ("softcap", "s_aux"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"context parallel got {name}={kwargs[name]!r} from "
+                                 f"{type(module).__name__}; expected None (its all-gather "
+                                 "attention is plain scaled dot-product): build the mesh "
+                                 "without cp")
+        if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+            raise ValueError(f"context parallel got a non-causal {type(module).__name__}; "
+                             "expected causal attention: build the mesh without cp")
+        keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
+        repeats = query.shape[1] // keys.shape[1]  # grouped-query heads (transformers' repeat_kv)
+        if repeats > 1:
+            keys = keys.repeat_interleave(repeats, dim=1)
+            values = values.repeat_interleave(repeats, dim=1)
+        query_pos = torch.arange(offset, offset + query.shape[2], device=query.device)[:, None]
+        keys_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
+        mask = keys_pos <= query_pos
+        window = kwargs.get("sliding_window")
+        if window is not None:  # as transformers' sliding_window_overlay
+            mask = mask & (keys_pos > query_pos - window)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                             dropout_p=dropout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    name = f"meshlab_cp_{next(_NAMES)}"
+    AttentionInterface.register(name, attention)
+    # an implementation create_causal_mask does not know: it passes the caller's mask through
+    decoder.set_attn_implementation(name)
+    if decoder.config._attn_implementation != name:
+        raise ValueError(f"context parallel could not set {kind}'s attention implementation "
+                         f"(it stayed {decoder.config._attn_implementation!r}): build the mesh "
+                         "without cp")
+    decoder.register_forward_pre_hook(_slice_inputs_hook(decoder, offset, chunk, seq_len, size),
+                                      with_kwargs=True)
+    return model
+
+
+def _slice_inputs_hook(decoder: nn.Module, offset: int, chunk: int, seq_len: int, size: int
+                       ) -> Any:
+    """A forward pre-hook giving the decoder this rank's positions, and refusing what the
+    all-gather attention cannot do (padding, a KV cache, a slice of the wrong length)."""
+    positional = [p.name for p in inspect.signature(decoder.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs = {**dict(zip(positional, args, strict=False)), **kwargs}
+        args = args[len(positional):]
+        inputs = kwargs.get("input_ids")
+        inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
+        if inputs is not None and inputs.shape[1] != chunk:
+            raise ValueError(f"context parallel: this rank's slice has {inputs.shape[1]} "
+                             f"tokens; expected seq_len/cp = {seq_len}/{size} = {chunk}: feed "
+                             "each cp rank sequence_slice(tokens, mesh) of a "
+                             f"{seq_len}-token batch (or set the plan's seq_len to the "
+                             "batches' length)")
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or not bool(mask.all()):
+                raise ValueError(f"context parallel got an attention_mask of shape "
+                                 f"{tuple(mask.shape)} that masks some tokens; expected "
+                                 "None or all ones (its attention is causal over whole, "
+                                 "unpadded sequences): pack sequences without padding and "
+                                 "pass attention_mask=None")
+            kwargs["attention_mask"] = None  # all ones: nothing to mask
+        if kwargs.get("past_key_values") is not None:
+            raise ValueError("context parallel got a KV cache (past_key_values); expected "
+                             "None (each rank holds only its slice of the keys): pass "
+                             "past_key_values=None, or build the mesh without cp to generate")
+        kwargs["use_cache"] = False  # a cache would hold only this rank's keys
+        if kwargs.get("position_ids") is None and inputs is not None:
+            positions = torch.arange(offset, offset + chunk, device=inputs.device)
+            kwargs["position_ids"] = positions.unsqueeze(0)  # rotary angles of our slice
+        return args, kwargs
+
+    return hook
 
 
 class _CausalAttention(nn.Module):

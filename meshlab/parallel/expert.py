@@ -4,12 +4,27 @@ Tokens travel to the rank that holds their expert and back with all-to-all. The 
 version (torch.distributed.nn.functional.all_to_all_single) is required: the plain
 dist.all_to_all_single is invisible to autograd, and the experts would silently get no
 gradient. ep is carved out of dp_shard x cp (meshlab.mesh), so the ranks of an ep group
-also hold different data. apply_ep installs the dispatch on each MoE layer
-(``moe.dispatch``), so the model itself never imports this module.
+also hold different data.
+
+Two kinds of MoE layer are split, both through the one exchange below (``exchange``):
+
+- meshlab's own (meshlab.models.moe.MoE): apply_ep installs the dispatch on each layer
+  (``moe.dispatch``), so the model itself never imports this module.
+- a transformers MoE model (Mixtral, Qwen3-MoE, OLMoE, ...): the experts modules and their
+  stacked (num_experts, ...) weights are those its config's ``base_model_ep_plan`` names
+  ("ep_dispatch_experts" and "grouped_gemm", transformers' own EP plan). apply_ep keeps this
+  rank's slice of those weights and replaces the experts module's forward: the router's
+  global expert ids are exchanged, and the arrived tokens run through the module's own
+  forward (whatever ``config._experts_implementation`` it uses) on local expert ids with
+  weight 1, as transformers' AllToAllEP does; the routing weights are applied on the way back.
+  The router's auxiliary loss is not made global: with ``output_router_logits`` and labels,
+  each rank's aux loss sees only its own tokens (as under any data parallelism).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,14 +39,39 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+# the models apply_ep splits (compose refuses others before any rank builds anything)
+TAKES = ("meshlab's Transformer and transformers' MoE models whose config has an EP plan "
+         "(base_model_ep_plan: Mixtral, Qwen3-MoE, OLMoE, ...)")
+
+# the styles of transformers' EP plan apply_ep knows: the experts module, and a weight stacked
+# along its first dimension (one slice per expert)
+EXPERTS, STACKED = "ep_dispatch_experts", "grouped_gemm"
+
+
+def takes(model: nn.Module) -> bool:
+    from meshlab.models import Transformer
+
+    return isinstance(model, Transformer) or EXPERTS in _ep_plan(model).values()
+
+
 def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Module:
     """Keep this rank's slice of the experts, send tokens to their experts' ranks, and
     average gradients like one process would."""
     ep = mesh[axis]
     size, rank = ep.size(), ep.get_local_rank()
+    from meshlab.models import Transformer
+
+    if not isinstance(model, Transformer) and _ep_plan(model):
+        experts = _apply_ep_transformers(model, ep.get_group(), size, rank)
+        _average_gradients(model, mesh, experts)
+        return model
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
-        raise ValueError("expert parallelism needs an MoE model: ModelConfig(n_experts=...)")
+        if isinstance(model, Transformer):
+            raise ValueError("expert parallelism needs an MoE model: ModelConfig(n_experts=...)")
+        raise ValueError(f"expert parallel (ep={size}) is applied to {TAKES}; "
+                         f"{type(model).__name__} has neither meshlab's MoE layers nor an EP plan "
+                         "in its config: build the mesh without ep")
     for moe in moes:
         if moe.n_experts % size:
             raise ValueError(f"ep={size} must divide n_experts={moe.n_experts}")
@@ -44,25 +84,104 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Modu
                                local=local)
         moe.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
                             persistent=False)
-    _average_gradients(model, mesh, moes)
+    _average_gradients(model, mesh, {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)})
     return model
 
 
-def _average_gradients(model: nn.Module, mesh: DeviceMesh, moes: list[MoE]) -> None:
-    """The single-process gradient is the mean over all data ranks.
+def _ep_plan(model: nn.Module) -> dict[str, str]:
+    """transformers' EP plan of a model (its config's ``base_model_ep_plan``), or {}."""
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+    return dict(plan) if isinstance(plan, dict) else {}
 
-    A replicated (non-expert) parameter sums its gradient over every data rank. An expert
-    already received the gradients of every token routed to it from its ep group, so it
-    only sums over its replicas in the other ep groups. Both then divide by the number of
-    data ranks.
+
+def _matches(pattern: str, name: str) -> bool:
+    """Does module or parameter ``name`` (of the whole model) match a plan ``pattern``
+    (relative to the base model, ``*`` standing for a layer index)?"""
+    regex = re.escape(pattern).replace(r"\*", r"\d+")
+    return re.fullmatch(rf"(?:.+\.)?{regex}", name) is not None
+
+
+def _apply_ep_transformers(model: nn.Module, group: Any, size: int, rank: int) -> set[int]:
+    """Split the experts modules the model's EP plan names; the ids of the kept slices."""
+    plan, kind = _ep_plan(model), type(model).__name__
+    unknown = {p: s for p, s in plan.items() if s not in (EXPERTS, STACKED)}
+    if unknown:
+        raise ValueError(f"{kind}'s EP plan has {unknown}; meshlab's expert parallel splits "
+                         f"only {EXPERTS!r} modules and their {STACKED!r} weights: build the "
+                         "mesh without ep")
+    modules = [(name, module) for name, module in model.named_modules()
+               if any(s == EXPERTS and _matches(p, name) for p, s in plan.items())]
+    if not modules:
+        raise ValueError(f"{kind}'s EP plan names experts modules {sorted(plan)} but the model "
+                         "has none of them: build the mesh without ep")
+    kept: set[int] = set()
+    for name, experts in modules:
+        n = getattr(experts, "num_experts", None)
+        if not isinstance(n, int) or n % size:
+            raise ValueError(f"ep={size} must divide the experts of {name} (num_experts={n}): "
+                             f"build the mesh with an ep that divides {n}")
+        local = n // size
+        for pname, param in list(experts.named_parameters(recurse=False)):
+            full = f"{name}.{pname}"
+            stacked = any(s == STACKED and _matches(p, full) for p, s in plan.items())
+            if not stacked or param.dim() < 1 or param.shape[0] != n:
+                raise ValueError(f"{full} {tuple(param.shape)} is not a weight stacked over "
+                                 f"the {n} experts in {kind}'s EP plan (expected "
+                                 f"'{STACKED}' with first dimension {n}): build the mesh "
+                                 "without ep")
+            piece = nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone(),
+                                 requires_grad=param.requires_grad)
+            setattr(experts, pname, piece)
+            kept.add(id(piece))
+        experts.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
+                                persistent=False)
+        own = experts.forward  # the model's own computation, on local expert ids
+        experts.num_experts = local
+        # an instance attribute: nn.Module.__call__ runs it in place of the class's forward
+        experts.forward = partial(_transformers_dispatch, own, n, experts.tokens_received,
+                                  group=group, ranks=size)
+    return kept
+
+
+def _transformers_dispatch(own: Callable[..., torch.Tensor], n_experts: int,
+                           received: torch.Tensor, hidden_states: torch.Tensor,
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                           group: Any, ranks: int) -> torch.Tensor:
+    """A transformers experts module's forward under ep: (tokens, global top-k expert ids,
+    their weights) -> the weighted sum of each token's experts, as the unsplit module."""
+    local = n_experts // ranks
+
+    def run(arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(local, device=counts.device).repeat(ranks)
+        ids = ids.repeat_interleave(counts.flatten())[:, None]
+        ones = arrived.new_ones(ids.shape)
+        if arrived.shape[0]:
+            return own(arrived, ids, ones)
+        # no token for this rank's experts: a zero-row run keeps them in the backward graph,
+        # so they get a (zero) gradient like the unsplit module's
+        return own(arrived.sum(0, keepdim=True), ids.new_zeros(1, 1), ones.new_ones(1, 1))[:0]
+
+    return exchange(hidden_states, top_k_index, top_k_weights, n_experts=n_experts,
+                    run=run, received=received, group=group, ranks=ranks)
+
+
+def _average_gradients(model: nn.Module, mesh: DeviceMesh, experts: set[int]) -> None:
+    """The single-process gradient is the mean over all data ranks (with cp, the ranks
+    holding different parts of the sequences count too: dp_cp).
+
+    A replicated (non-expert) parameter sums its gradient over every such rank. An expert
+    (``experts``: the ids of the kept slices) already received the gradients of every token
+    routed to it from its ep group, so it only sums over its replicas in the other ep groups.
+    Both then divide by the number of those ranks.
     """
-    data = axis_size(mesh, "dp")
-    experts = {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)}
-    dp_group = mesh["dp"].get_group() if data > 1 else None
+    data = axis_size(mesh, "dp_cp")
+    dp_group = mesh["dp_cp"].get_group() if data > 1 else None
     replicas = axis_size(mesh, "dp_shard_mod_ep") * axis_size(mesh, "dp_replicate")
     replica_group = _expert_replica_group(mesh) if replicas > 1 else None
 
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
         group = replica_group if id(p) in experts else dp_group
 
         def hook(param: torch.Tensor, group: Any = group) -> None:
@@ -83,30 +202,48 @@ def _expert_replica_group(mesh: DeviceMesh) -> Any:
 def dispatch_and_combine(moe: MoE, tokens: torch.Tensor, experts: torch.Tensor,
                          weights: torch.Tensor, *, group: Any, ranks: int, local: int
                          ) -> torch.Tensor:
-    """Send each (token, expert) pair to the expert's rank among the ``ranks`` of ``group``
-    (each holding ``local`` experts), run it there, bring it back."""
+    """meshlab's MoE layer: send each (token, expert) pair to the expert's rank among the
+    ``ranks`` of ``group`` (each holding ``local`` experts), run it there, bring it back."""
+
+    def run(arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        pieces, start = [], 0
+        for source in range(ranks):  # each source sent its pairs sorted by expert
+            for e in range(local):
+                n = int(counts[source, e])
+                pieces.append(moe.experts(arrived[start:start + n], e))
+                start += n
+        return torch.cat(pieces) if pieces else arrived
+
+    return exchange(tokens, experts, weights, n_experts=moe.n_experts, run=run,
+                    received=moe.get_buffer("tokens_received"), group=group, ranks=ranks)
+
+
+def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
+             n_experts: int, run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             received: torch.Tensor, group: Any, ranks: int) -> torch.Tensor:
+    """Tokens (N, dim) with their top-k global expert ids and weights (N, k) -> the weighted
+    sum of their experts' outputs (N, dim), the experts spread evenly over the ``ranks`` of
+    ``group``. ``run(arrived, counts)`` runs this rank's experts on the rows that arrived:
+    ``counts[source, e]`` rows from each source rank for each local expert, in that order.
+    ``received`` (local,) counts the rows each local expert got."""
     from torch.distributed.nn.functional import all_to_all_single
 
+    local = n_experts // ranks
     flat = experts.flatten()  # (N * k,) global expert ids
     order = flat.argsort(stable=True)  # group the pairs by expert, hence by owner rank
-    token_of_pair = (torch.arange(flat.numel()) // experts.shape[1])[order]
-    counts = torch.bincount(flat, minlength=moe.n_experts).view(ranks, local)  # to each rank
+    token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
+    counts = torch.bincount(flat, minlength=n_experts).view(ranks, local)  # to each rank
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # sizes only: no autograd
     send, recv = counts.sum(1).tolist(), received_counts.sum(1).tolist()
 
     routed = tokens[token_of_pair]
-    arrived = all_to_all_single(torch.empty(sum(recv), tokens.shape[1], dtype=tokens.dtype),
-                                routed, recv, send, group=group)
-    moe.get_buffer("tokens_received").add_(received_counts.sum(0).detach())
-    pieces, start = [], 0
-    for source in range(ranks):  # each source sent its pairs sorted by expert
-        for e in range(local):
-            n = int(received_counts[source, e])
-            pieces.append(moe.experts(arrived[start:start + n], e))
-            start += n
-    done = torch.cat(pieces) if pieces else arrived
+    arrived = all_to_all_single(tokens.new_empty(sum(recv), tokens.shape[1]), routed, recv, send,
+                                group=group)
+    received.add_(received_counts.sum(0).detach())
+    done = run(arrived, received_counts)
     returned = all_to_all_single(torch.empty_like(routed), done, send, recv, group=group)
     gate = weights.flatten()[order, None]
     out = torch.zeros_like(tokens)
-    return cast(torch.Tensor, out.index_add(0, token_of_pair, returned * gate))
+    # the weights may be wider than the tokens (transformers' routers give float32)
+    return cast(torch.Tensor, out.index_add(0, token_of_pair, (returned * gate).to(out.dtype)))

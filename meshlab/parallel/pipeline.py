@@ -12,7 +12,7 @@ activation checkpointing, FSDP), as torchtitan does, and meshlab's one executor
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -28,10 +28,14 @@ if TYPE_CHECKING:
 def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
-             axis: str = "pp") -> nn.Module:
+             split_points: Sequence[str] | None = None, axis: str = "pp") -> nn.Module:
     """Cut ``model`` (a meshlab Transformer) down to this rank's stages of ``schedule``, in
     place, and parallelize each stage with ``parallelize_stage``; then
     ``model.pipeline.step(inputs, targets)`` runs one forward+backward and returns the loss.
+
+    ``split_points``: the blocks that open stages 1, 2, ... as torchtitan names them
+    (``["layers.3"]``; ``["model.layers.3"]`` on a transformers model); None splits the
+    blocks as evenly as the counts allow.
 
     The model keeps the full model's parameter names; ``model.pipeline`` is the executor
     (``.stages`` its torch PipelineStages, ``.advance(n)`` steps it slot by slot).
@@ -44,10 +48,15 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
         raise ScheduleError(f"the schedule has {schedule.ranks} ranks but the {axis} axis has "
                             f"{pp.size()}: build it with ranks={pp.size()}")
     mine = schedule.stages_of(pp.get_local_rank())
-    if is_causal_lm(model):
+    causal_lm = is_causal_lm(model)
+    blocks = "model.layers" if causal_lm else "layers"
+    starts = (None if split_points is None else
+              stage_starts(split_points, blocks, len(cast(nn.ModuleList, model.get_submodule(
+                  blocks))), schedule.stages))
+    if causal_lm:
         return _apply_pp_causal_lm(model, mesh, schedule, mine, loss_fn or next_token_loss,
-                                   parallelize_stage, axis)
-    stages = stage_modules(model, mine, schedule.stages)
+                                   parallelize_stage, starts, axis)
+    stages = stage_modules(model, mine, schedule.stages, starts)
     if parallelize_stage is not None:
         stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
     # The model keeps only its stages' parts (with any wrapper a stage put on a block).
@@ -68,6 +77,28 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
     transformer.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn or next_token_loss,
                                     axis=axis)
     return model
+
+
+def stage_starts(split_points: Sequence[str], blocks: str, n_blocks: int, stages: int
+                 ) -> list[int]:
+    """The first block of stages 1, 2, ... from torchtitan-style split points
+    (``"layers.3"``); ValueError naming the fix for a point that is no boundary."""
+    if len(split_points) != stages - 1:
+        raise ValueError(f"split_points={list(split_points)} gives {len(split_points) + 1} "
+                         f"stages but the schedule has {stages}: name {stages - 1} blocks, "
+                         f"each opening a stage (e.g. {blocks}.{n_blocks // stages})")
+    starts = []
+    for point in split_points:
+        path, _, index = point.rpartition(".")
+        if path != blocks or not index.isdigit() or not 0 < int(index) < n_blocks:
+            raise ValueError(f"split point {point!r} is not a block of this model: name one of "
+                             f"{blocks}.1 ... {blocks}.{n_blocks - 1}, the block that opens a "
+                             "stage")
+        starts.append(int(index))
+    if starts != sorted(set(starts)):
+        raise ValueError(f"split_points={list(split_points)} must name blocks in increasing "
+                         "order, each once: every stage holds at least one block")
+    return starts
 
 
 # -- a transformers causal LM (embed_tokens, layers, norm under .model; lm_head) --------------
@@ -112,12 +143,12 @@ class CausalLMStage(nn.Module):
 
 def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                        parallelize_stage: Callable[[nn.Module], nn.Module] | None, axis: str
-                        ) -> nn.Module:
+                        parallelize_stage: Callable[[nn.Module], nn.Module] | None,
+                        starts: list[int] | None, axis: str) -> nn.Module:
     from meshlab.schedules.execute import stage_layers
 
     layers = list(model.model.layers)
-    owned = {s: list(stage_layers(len(layers), s, schedule.stages)) for s in mine}
+    owned = {s: list(stage_layers(len(layers), s, schedule.stages, starts)) for s in mine}
     stages: dict[int, nn.Module] = {
         s: CausalLMStage(model, [layers[i] for i in owned[s]], first=s == 0,
                          last=s == schedule.stages - 1) for s in mine}

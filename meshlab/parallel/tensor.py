@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -42,13 +44,15 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     if plan is None and _is_meshlab(model):
         return _apply_meshlab_tp(model, tp_mesh, sequence_parallel is not False)
     plan = plan if plan is not None else model_plan(model)
-    styles = {pattern: _style(pattern, style) for pattern, style in plan.items()}
+    if sequence_parallel and all(isinstance(style, str) for style in plan.values()):
+        styles = sequence_parallel_plan(model, plan)
+    else:
+        styles = {pattern: _style(pattern, style) for pattern, style in plan.items()}
     if sequence_parallel and not any(type(s).__name__ == "SequenceParallel"
                                      for s in styles.values()):
         raise ValueError("sequence_parallel=True, but the TP plan has no SequenceParallel "
-                         "entry (transformers' plans keep norms replicated): pass "
-                         "sequence_parallel=False, or a tp_plan with SequenceParallel() on the "
-                         "norms and the layouts around them")
+                         "entry: pass sequence_parallel=False, or a tp_plan with "
+                         "SequenceParallel() on the norms and the layouts around them")
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, tp_mesh, styles)
@@ -67,9 +71,86 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     return dict(plan)
 
 
+def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
+    """Sequence parallelism added to a plan in transformers' style names: the residual
+    stream stays split along the sequence (Shard(1)) between the parallel regions, the
+    blocks' norms and the final norm run on their part of it (SequenceParallel), and the
+    sequence is gathered once on the way into each module holding column-parallel
+    projections (the attention, the MLP). The stream is kept as DTensors so code between
+    (a causal mask, rotary positions) reads the whole sequence's length."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    seq = Shard(1)
+    sp: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        if style == "embedding_rowwise":
+            sp[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                          use_local_output=False)
+        elif style == "rowwise":
+            sp[pattern] = RowwiseParallel(output_layouts=seq, use_local_output=False)
+        elif style == "colwise_gather_output":
+            sp[pattern] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        elif style == "colwise":
+            sp[pattern] = ColwiseParallel()
+            sp[pattern.rpartition(".")[0]] = GatherSequence()
+        else:
+            raise ValueError(f"TP plan entry {pattern!r}: {style!r} has no sequence-parallel "
+                             "form meshlab knows: pass sequence_parallel=False, or a torch-"
+                             "style tp_plan with SequenceParallel() where you want it")
+    if not any(style == "embedding_rowwise" for style in plan.values()):
+        raise ValueError("sequence_parallel=True needs the embedding in the TP plan (an "
+                         "'embedding_rowwise' entry) to split the sequence: pass "
+                         "sequence_parallel=False, or a torch-style tp_plan with "
+                         "SequenceParallel()")
+    for blocks in {p.partition(".*.")[0] for p in plan if ".*." in p}:
+        first = model.get_submodule(f"{blocks}.0") if _has(model, f"{blocks}.0") else None
+        outer = blocks.rpartition(".")[0]
+        for name, child in (first.named_children() if first is not None else ()):
+            if _is_norm(child):
+                sp[f"{blocks}.*.{name}"] = SequenceParallel()
+        for name, child in model.get_submodule(outer).named_children():
+            if _is_norm(child):
+                sp[f"{outer}.{name}" if outer else name] = SequenceParallel()
+    return sp
+
+
+class GatherSequence(ParallelStyle):
+    """Before a module: every input split along the sequence is gathered whole (one
+    all-gather; its backward reduces each rank's gradient back to its part)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        return module
+
+
+def _gather_sequence(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def gather(x: Any) -> Any:
+        if isinstance(x, DTensor) and Shard(1) in x.placements:
+            return x.redistribute(placements=[Replicate()]).to_local()
+        return x
+
+    return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(("Norm", "RMSNorm", "LayerNorm"))
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 # transformers' style names, as torch ParallelStyles (integrations/tensor_parallel.py)
 def _style(pattern: str, style: Any) -> Any:
-    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         ParallelStyle,
@@ -103,7 +184,6 @@ def _is_meshlab(model: nn.Module) -> bool:
 def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool
                       ) -> nn.Module:
     """Megatron's plan on meshlab's Transformer (a pipeline stage may lack some parts)."""
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,

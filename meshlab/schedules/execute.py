@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -31,16 +31,22 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def stage_layers(n_layers: int, stage: int, stages: int) -> range:
-    """The layer indices a stage owns: as even a split as the counts allow."""
+def stage_layers(n_layers: int, stage: int, stages: int,
+                 starts: Sequence[int] | None = None) -> range:
+    """The layer indices a stage owns: from ``starts`` (the first layer of stages 1, 2, ...)
+    where given, else as even a split as the counts allow."""
     if stages > n_layers:
         raise ValueError(f"{stages} pipeline stages need at least {stages} layers, the model "
                          f"has {n_layers}: use fewer stages (lower pp, or virtual) or add "
                          "layers")
-    return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+    if starts is None:
+        return range(stage * n_layers // stages, (stage + 1) * n_layers // stages)
+    bounds = [0, *starts, n_layers]
+    return range(bounds[stage], bounds[stage + 1])
 
 
-def stage_modules(model: Any, stages: list[int], total: int) -> dict[int, nn.Module]:
+def stage_modules(model: Any, stages: list[int], total: int,
+                  starts: Sequence[int] | None = None) -> dict[int, nn.Module]:
     """Views of a whole meshlab Transformer holding only each stage's layers (parameters
     shared with ``model``, so gradients land on it); stage 0 embeds, the last stage projects."""
     layers = cast(nn.ModuleDict, model.layers)
@@ -53,7 +59,7 @@ def stage_modules(model: Any, stages: list[int], total: int) -> dict[int, nn.Mod
         for key, value in vars(model).items():
             if key.startswith("_") and isinstance(value, dict | set):
                 view.__dict__[key] = copy.copy(value)
-        keep = [names[i] for i in stage_layers(len(names), stage, total)]
+        keep = [names[i] for i in stage_layers(len(names), stage, total, starts)]
         view.layers = nn.ModuleDict({n: layers[n] for n in keep})
         if stage != 0:
             view.tok_embeddings = None

@@ -36,6 +36,7 @@ PLANS = [
     ("dp=4", "data_parallel='zero3'"),
     ("dp_replicate=2 dp=2", "data_parallel='zero3'"),  # HSDP
     ("dp=2 tp=2", "data_parallel='zero3'"),  # TP from the model's own plan (_tp_plan)
+    ("dp=2 tp=2", "data_parallel='zero3', sequence_parallel=True"),  # + SP derived from it
     ("dp=4", "data_parallel='zero3', activation_checkpoint='full'"),
     ("dp=4", "data_parallel='zero3', activation_checkpoint='selective'"),
     # a pipeline split at block boundaries (transformers' _pp_plan: embedding first, norm
@@ -44,6 +45,13 @@ PLANS = [
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe', "
                   "activation_checkpoint='full'"),
     ("pp=2 tp=2", "data_parallel='zero3'"),  # each stage takes its part of the _tp_plan
+    # context parallel: all-gather K/V attention registered with transformers, rotary
+    # positions from each rank's offset
+    ("dp=2 cp=2", "data_parallel='zero3'"),
+    ("dp=2 cp=2", "data_parallel='ddp'"),
+    ("cp=4", "data_parallel='zero2'"),  # the cp ranks' gradients are averaged by FSDP
+    ("cp=2 tp=2", "data_parallel='zero3'"),
+    ("pp=2 cp=2", "data_parallel='zero3'"),
 ]
 
 
@@ -171,3 +179,171 @@ def test_a_pipelined_transformers_model_keeps_only_its_stage(cluster: Cluster) -
                              "model.layers.0.self_attn.v_proj'"]
     assert "lm_head" in last and "model.layers.1." in last and "model.norm" in last
     assert "model.layers.0." not in last and "embed_tokens" not in last
+
+
+@pytest.mark.cluster
+def test_sequence_parallel_keeps_the_residual_stream_split_along_the_sequence(
+        cluster: Cluster) -> None:
+    cluster.init_mesh("dp=2 tp=2")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        f"m = parallelize({LLAMA}, mesh, ParallelPlan(data_parallel='zero3', "
+        "sequence_parallel=True))\n"
+        "seen = {}\n"
+        "for name in ['model.layers.0.input_layernorm', 'model.layers.0.self_attn.q_proj', "
+        "'model.layers.1.mlp.down_proj', 'model.norm']:\n"
+        "    m.get_submodule(name).register_forward_hook(lambda mod, i, o, name=name: "
+        "seen.__setitem__(name, (str(getattr(i[0], 'placements', 'local')), "
+        "str(getattr(o, 'placements', 'local')))))\n"
+        "m(torch.randint(0, 64, (2, 8)))\n"
+        "seen")
+    seen = result.outputs[0].result
+    assert seen is not None
+    split = "(Shard(dim=1),)"
+    for norm in ("'model.layers.0.input_layernorm': ('(Shard(dim=1),)', '(Shard(dim=1),)')",
+                 "'model.norm': ('(Shard(dim=1),)', '(Shard(dim=1),)')"):
+        assert norm in seen, seen
+    # gathered once before the attention (its projections see the whole sequence) ...
+    assert "'model.layers.0.self_attn.q_proj': ('(Replicate(),)', 'local')" in seen, seen
+    # ... and reduce-scattered back to the sequence split after the MLP
+    assert f"'model.layers.1.mlp.down_proj': ('(Shard(dim=2),)', '{split}')" in seen, seen
+
+
+@pytest.mark.cluster
+def test_context_parallel_refuses_what_its_attention_cannot_do(cluster: Cluster) -> None:
+    cluster.init_mesh("cp=4")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "from meshlab.parallel.context import sequence_slice\n"
+        "said = []\n"
+        f"m = parallelize({LLAMA}, mesh, ParallelPlan(data_parallel='none'))\n"
+        "x = sequence_slice(torch.randint(0, 64, (2, 16)), mesh)\n"
+        "padded = torch.ones_like(x)\n"
+        "padded[0, 0] = 0\n"
+        f"other = {LLAMA.replace('LlamaForCausalLM', 'LlamaModel')}\n"
+        "for call in (lambda: m(x, attention_mask=padded), lambda: m(x[:, :2]),\n"
+        f"             lambda: parallelize({LLAMA}, mesh,\n"
+        "                                 ParallelPlan(context_parallel='torch')),\n"
+        "             lambda: parallelize(other, mesh, ParallelPlan())):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as e:\n"
+        "        said.append(str(e))\n"
+        "ones = m(x, attention_mask=torch.ones_like(x)).logits\n"  # all ones: nothing masked
+        "(torch.equal(ones, m(x).logits), said)")
+    verdict = result.outputs[0].result or ""
+    assert verdict.startswith("(True,"), verdict
+    for message in ("got an attention_mask of shape (2, 4) that masks some tokens; expected None "
+                    "or all ones", "this rank's slice has 2 tokens; expected seq_len/cp = "
+                    "16/4 = 4", "impl='torch': torch's ring attention is attached to meshlab's "
+                    "Transformer only, not yet to LlamaModel; use impl='meshlab'",
+                    "context parallel (cp=4) is applied to meshlab's Transformer and "
+                    "transformers' causal LMs"):
+        assert message in " ".join(verdict.split()), verdict
+
+
+@pytest.mark.cluster
+def test_sequence_parallel_with_a_pipeline_is_refused_on_every_rank(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 tp=2")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "try:\n"
+        f"    parallelize({LLAMA}, mesh, ParallelPlan(sequence_parallel=True))\n"
+        "except ValueError as e:\n"
+        "    print(e)")
+    assert all("sequence_parallel=True with pp=2 is applied to meshlab's Transformer only, not "
+               "yet to LlamaForCausalLM" in out.stdout for out in result.outputs.values())
+
+
+@pytest.mark.cluster
+def test_every_pipeline_schedule_trains_a_transformers_llama_like_one_process(
+        cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from meshlab.parallel import ParallelPlan\n"
+        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "from meshlab.schedules import TAKES_VIRTUAL\n"
+        "failed = []\n"
+        "for name in ['gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zbv', "
+        "'dualpipev']:\n"
+        "    plan = ParallelPlan(data_parallel='zero2', pipeline_schedule=name, microbatches=4, "
+        "virtual=2 if name in TAKES_VIRTUAL else 1)\n"
+        f"    r = compare_with_single_process(lambda: {LLAMA.replace('layers=2', 'layers=4')}, "
+        "mesh, plan, steps=2, dtype=torch.float64)\n"
+        "    failed += [] if r.ok else [(name, r.max_loss_error, r.max_param_error)]\n"
+        "failed", timeout=400)
+    assert all(out.result == "[]" for out in result.outputs.values()), result.results()
+
+
+@pytest.mark.cluster
+def test_a_pipeline_split_where_the_user_says(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    three = LLAMA.replace("layers=2", "layers=3")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "plan = ParallelPlan(data_parallel='zero3', split_points=['model.layers.2'])\n"
+        f"held = sorted(parallelize({three}, mesh, plan).model.layers)\n"
+        f"r = compare_with_single_process(lambda: {three}, mesh, plan, steps=3, "
+        "dtype=torch.float64)\n"
+        "(held, r.ok)", timeout=180)
+    assert result.outputs[0].result == "(['0', '1'], True)", result.results()
+    assert result.outputs[3].result == "(['2'], True)", result.results()
+
+
+MIXTRAL = ("MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
+           "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
+           "num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32, "
+           "experts_implementation={impl!r}))")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("spec, impl, dtype", [
+    ("dp=4 ep=4", "eager", "float64"),
+    ("dp=4 ep=2", "batched_mm", "float64"),
+    ("dp=2 cp=2 ep=2", "eager", "float64"),  # ep spans cp: gradients averaged over dp_cp
+    # transformers' default; its CPU grouped_mm kernel takes no float64
+    ("dp=4 ep=2", "grouped_mm", "float32"),
+])
+def test_expert_parallel_trains_a_transformers_mixtral_like_one_process(
+        cluster: Cluster, spec: str, impl: str, dtype: str) -> None:
+    # output_router_logits is off (Mixtral's default) and the loss passes no labels, so the
+    # router's aux loss is not part of the loss: each rank's would see only its own tokens
+    cluster.init_mesh(spec)
+    cell = CELL.replace("LlamaConfig, LlamaForCausalLM", "MixtralConfig, MixtralForCausalLM")
+    cell = cell.replace("torch.float64", f"torch.{dtype}")
+    result = cluster.run(cell.format(model=MIXTRAL.format(impl=impl),
+                                     plan="data_parallel='none'"), timeout=180)
+    verdicts = [out.result or "" for out in result.outputs.values()]
+    assert all(v.startswith("(True,") for v in verdicts), f"{spec} {impl}: " + result.results()
+
+
+def test_expert_parallel_refuses_an_ep_that_does_not_divide_the_experts() -> None:
+    from typing import Any, cast
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from meshlab.parallel.expert import apply_ep, takes
+
+    class Ep:  # the ep axis of a mesh, as apply_ep reads it
+        def size(self) -> int:
+            return 3
+
+        def get_local_rank(self) -> int:
+            return 0
+
+        def get_group(self) -> None:
+            return None
+
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, num_local_experts=4))
+    assert takes(model) and not takes(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"ep=3 must divide the experts of "
+                                         r"model.layers.0.mlp.experts \(num_experts=4\)"):
+        apply_ep(model, cast(Any, {"ep": Ep()}))

@@ -37,6 +37,7 @@ CONFIGS = [
     ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe'"),
     ("dp=2 cp=2", "data_parallel='zero3'"),
+    ("dp=2 cp=2", "data_parallel='ddp'"),  # DDP averages over dp and cp
     ("cp=4", "data_parallel='zero2', context_parallel='meshlab'"),
 ]
 
@@ -68,7 +69,7 @@ MOE = "n_experts=4, top_k=2"
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("spec", ["dp=4 ep=4", "dp=4 ep=2"])
+@pytest.mark.parametrize("spec", ["dp=4 ep=4", "dp=4 ep=2", "dp=2 cp=2 ep=2"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_expert_parallel_matches_one_process(cluster: Cluster, spec: str, dtype: str) -> None:
     check(cluster, spec, "data_parallel='none'", dtype, model=MOE)
@@ -121,7 +122,9 @@ def test_plans_refuse_what_cannot_work() -> None:
      r"dualpipev with ranks=2 .* pass microbatches=4 or more"),
     ("pp=4", "data_parallel='none', pipeline_schedule='zbv'",
      r"8 pipeline stages need at least 8 layers, the model has 2"),
-], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers"])
+    ("cp=4", "data_parallel='none'",
+     r"data_parallel='none' with cp=4: .* use data_parallel='ddp', 'zero2' or 'zero3'"),
+], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers", "cp-unsummed"])
 def test_plans_the_mesh_cannot_run_say_the_fix(cluster: Cluster, spec: str, plan: str,
                                                why: str) -> None:
     from meshlab import MeshError
@@ -158,6 +161,30 @@ def test_pipeline_needs_a_layer_per_stage() -> None:
     with pytest.raises(ValueError, match="4 pipeline stages need at least 4 layers, the model "
                                          "has 2: use fewer stages"):
         stage_layers(2, 0, 4)
+
+
+def test_split_points_open_the_stages_they_name() -> None:
+    from meshlab.parallel.pipeline import stage_starts
+    from meshlab.schedules.execute import stage_layers
+
+    starts = stage_starts(["model.layers.1", "model.layers.4"], "model.layers", 5, 3)
+    assert [list(stage_layers(5, s, 3, starts)) for s in range(3)] == [[0], [1, 2, 3], [4]]
+
+
+@pytest.mark.parametrize("points, message", [
+    (["layers.2"], r"split_points=\['layers.2'\] gives 2 stages but the schedule has 3: name "
+                   r"2 blocks, each opening a stage \(e.g. layers.1\)"),
+    (["layers.0", "layers.2"], r"split point 'layers.0' is not a block of this model: name "
+                               r"one of layers.1 ... layers.4"),
+    (["model.layers.2", "layers.3"], r"split point 'model.layers.2' is not a block"),
+    (["layers.3", "layers.2"], r"must name blocks in increasing order, each once"),
+])
+def test_a_split_point_that_is_no_boundary_names_the_fix(points: list[str], message: str
+                                                         ) -> None:
+    from meshlab.parallel.pipeline import stage_starts
+
+    with pytest.raises(ValueError, match=message):
+        stage_starts(points, "layers", 5, 3)
 
 
 # A user's own schedule: 1F1B-like with every backward split into I and W, Ws late.

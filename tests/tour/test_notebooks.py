@@ -244,8 +244,9 @@ def test_bring_your_own_model_notebook_matches_one_process_for_each_strategy(
     nb = execute("12-bring-your-own-model.ipynb", tmp_path)
     everything = "\n".join(texts(c) for c in nb.cells if c.cell_type == "code")
     for name in ("Llama, ZeRO-3", "Llama, ZeRO-3 + selective AC", "GPT in a cell, ZeRO-3 + full AC",
-                 "Llama, TP x DP (its _tp_plan)", "GPT in a cell, TP x DP (a plan)",
-                 "Llama, PP x DP (1F1B, ZeRO-3)"):
+                 "Llama, TP + SP x DP (its _tp_plan)", "GPT in a cell, TP x DP (a plan)",
+                 "Llama, PP x DP (1F1B, ZeRO-3)", "Llama, PP x DP (split at layer 1)",
+                 "Llama, CP x DP (ZeRO-3)", "Mixtral, EP x DP"):
         assert re.search(rf"{re.escape(name)}\s+matches one process: True", everything), name
     assert "Out[ranks 0-3]: True" in everything  # every check, on every rank
     assert "reduce_scatter" in everything and "all_gather" in everything  # the traced step
