@@ -58,6 +58,10 @@ class MeshMagics(Magics):
             return getattr(self, f"_{sub}")(args)
         except ValueError as e:  # a request the session refused: its message names the fix
             raise UsageError(str(e)) from None
+        except KeyboardInterrupt:  # Ctrl-C while waiting on the ranks: one line, not 10 KB
+            raise UsageError(f"%mesh {sub} interrupted. " + _INTERRUPTED.get(
+                sub, "The ranks may still be finishing it; `%mesh status` shows them, "
+                "`%mesh restart` replaces them")) from None
 
     mesh.__doc__ = commands.help_text()
 
@@ -213,7 +217,8 @@ class MeshMagics(Magics):
         live = LiveOutput()
         try:
             result = self.session.run(cell, args.ranks, args.timeout, on_output=live.update,
-                                      keep_values=bool(args.output), comms=args.comms)
+                                      keep_values=bool(args.output), comms=args.comms,
+                                      max_lines=args.max_lines)
         except MeshError as e:
             live.finish(e.result)
             if args.output:
@@ -233,6 +238,14 @@ class MeshMagics(Magics):
             self.shell.input_transformers_cleanup.remove(_auto_transform)
 
 
+_INTERRUPTED = {
+    "start": "No cluster is running; `%mesh start N` starts again.",
+    "restart": "The cluster may be half-replayed; `%mesh restart` again, or `%mesh stop`.",
+    "init": "The ranks may still be building the mesh: `%mesh init AXES` again once they "
+            "answer (`%mesh status`), or `%mesh restart`.",
+}
+
+
 def _auto_transform(lines: list[str]) -> list[str]:
     """With `%mesh auto on`, a cell becomes a %%mesh cell unless it is a %mesh line itself."""
     if not lines or lines[0].lstrip().startswith(("%mesh", "%%mesh")) or not "".join(
@@ -245,7 +258,7 @@ def _show_error(shell: Any, etype: type, value: BaseException, tb: Any,
                 tb_offset: int | None = None) -> list[str]:
     """Show a failed cell as a summary by rank plus one traceback, not meshlab's own frames."""
     if isinstance(value, MeshError):
-        stb = summary_lines(value.result)
+        stb = summary_lines(value.result) + list(getattr(value, "__notes__", []))
     else:
         stb = [f"\x1b[31m{etype.__name__}\x1b[0m: {strip_ansi(str(value))}"]
     shell._showtraceback(etype, value, stb)  # IPython discards what a custom handler returns

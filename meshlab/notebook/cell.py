@@ -8,9 +8,13 @@ changes no cluster state: the cluster reads ``stuck`` and ``dist_failed`` afterw
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
+import tempfile
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 from meshlab.notebook.output import CellResult, RankError, RankOutput
 
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
 
 GRACE = 2.0  # seconds an interrupted rank gets to leave Python code before we call it stuck
 POLL = 0.05  # seconds between looks at streamed output, dead ranks and the deadline
-DIST_ERRORS = ("DistBackendError", "DistError", "DistNetworkError", "DistStoreError")
+_CELLS = itertools.count(1)  # names each cell's folder of cut output
 
 
 class CellRun:
@@ -34,6 +38,12 @@ class CellRun:
         self.deadline = time.monotonic() + timeout if timeout else None
         self.stuck: dict[int, str] = {}  # rank -> msg id of the cell it is still running
         self.dist_failed = False  # a rank raised from torch.distributed: re-form the group
+        self.max_lines = getattr(cluster, "max_output_lines", 5000)
+        self.max_bytes = getattr(cluster, "max_output_bytes", 2**20)
+        self.number = next(_CELLS)
+        self._seen: dict[tuple[int, str], int] = {}  # characters of ipyparallel's text read
+        self._lines: dict[tuple[int, str], int] = {}  # lines kept
+        self._files: dict[tuple[int, str], IO[str]] = {}  # the whole output, once cut
 
     def wait(self) -> CellResult:
         """Block until every rank is done, dead, timed out or interrupted."""
@@ -53,20 +63,87 @@ class CellRun:
         except KeyboardInterrupt:
             self._stop("interrupted")
         self._stream()
+        self._let_go()
+        self._errors_from_replies()
         self._classify()
         return self.result
+
+    def _let_go(self) -> None:
+        """Close the full-output files; drop ipyparallel's copy of finished ranks' output
+        (it keeps all of it, for ever): the cell's memory stays within its cap."""
+        for file in self._files.values():
+            file.close()
+        for r, md in self.metadata.items():
+            if md["status"] and r not in self.stuck:
+                md["stdout"] = md["stderr"] = ""
+
+    def _errors_from_replies(self) -> None:
+        """A UsageError (``%nosuchmagic`` on the ranks) fails the cell without an error
+        message on iopub: take the exception from the execute reply instead."""
+        for md, child in zip(self.metadata.values(), self.ar._children, strict=True):
+            if md["status"] == "error" and md["error"] is None and child.done():
+                reply = child.exception() or child.result()  # the reply's RemoteError
+                if isinstance(reply, BaseException) and hasattr(reply, "ename"):
+                    md["error"] = reply
 
     def _done(self, r: int) -> bool:
         return bool(self.metadata[r]["status"])
 
     def _stream(self) -> None:
+        """Take what each rank printed since the last look; hand on_output the result."""
         changed = False
         for r, md in self.metadata.items():
-            out = self.result.outputs[r]
-            if (out.stdout, out.stderr) != (md["stdout"], md["stderr"]):
-                out.stdout, out.stderr, changed = md["stdout"], md["stderr"], True
+            for name in ("stdout", "stderr"):
+                text, seen = md[name] or "", self._seen.get((r, name), 0)
+                if len(text) < seen:  # a carriage return rewrote it: start over
+                    self._reset(r, name)
+                    seen = 0
+                if len(text) > seen:
+                    self._keep(r, name, text[seen:])
+                    self._seen[r, name], changed = len(text), True
         if changed and self.on_output:
             self.on_output(self.result)
+
+    def _reset(self, r: int, name: str) -> None:
+        out = self.result.outputs[r]
+        setattr(out, name, "")
+        out.dropped.pop(name, None)
+        self._lines[r, name] = 0
+        if (r, name) in self._files:
+            self._files.pop((r, name)).close()
+
+    def _keep(self, r: int, name: str, new: str) -> None:
+        """Keep ``new`` up to the cell's cap of lines and bytes; past it, count the lines
+        and write them (with everything before) to the rank's file."""
+        out = self.result.outputs[r]
+        kept, lines = getattr(out, name), self._lines.get((r, name), 0)
+        cut = 0 if name in out.dropped else len(new)
+        if cut:
+            cut = 0
+            while lines < self.max_lines:
+                nl = new.find("\n", cut)
+                end = len(new) if nl < 0 else nl + 1
+                if len(kept) + end > self.max_bytes:
+                    break
+                cut = end
+                if nl < 0:
+                    break
+                lines += 1
+            setattr(out, name, kept + new[:cut])
+            self._lines[r, name] = lines
+        rest = new[cut:]
+        if not rest:
+            return
+        out.dropped[name] = out.dropped.get(name, 0) + rest.count("\n")  # whole lines
+        file = self._files.get((r, name))
+        if file is None:
+            folder = Path(self.cluster.output_dir or tempfile.gettempdir()) / (
+                f"meshlab-{os.getpid()}") / f"cell-{self.number}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.result.full_output = str(folder)
+            file = self._files[r, name] = open(folder / f"rank{r}.{name}", "w")  # noqa: SIM115
+            file.write(kept + new[:cut])
+        file.write(rest)
 
     def _notice_deaths(self) -> bool:
         dead = self.cluster.dead()
@@ -111,7 +188,7 @@ class CellRun:
             elif err is not None:
                 out.status = "error"
                 out.error = RankError(err.ename, err.evalue, _traceback_chunks(err))
-                self.dist_failed |= err.ename in DIST_ERRORS
+                self.dist_failed |= out.error.from_backend()  # any class gloo/NCCL raise
 
 
 def _traceback_chunks(err: Any) -> list[str]:

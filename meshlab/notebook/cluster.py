@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 import signal
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
+from ipyparallel.serialize import serialize_object
 
 import meshlab.comms
 from meshlab import runtime
@@ -24,10 +28,31 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
 from meshlab.notebook.probes import RankProbes
-from meshlab.notebook.ranks import format_ranks, label, parse_ranks
+from meshlab.notebook.ranks import format_ranks, label, parse_ranks, ranks_are
 from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# cells that make process groups; with destroy_process_group, those after which meshlab
+# checks every rank's groups (one round trip, only after such a cell)
+GROUP_CREATION = re.compile(r"\b(new_group|new_subgroups\w*|split_group|init_device_mesh|"
+                            r"DeviceMesh|init_process_group)\b")
+GROUP_CALLS = re.compile(GROUP_CREATION.pattern + r"|\bdestroy_process_group\b")
+CONSTRUCTOR_FRAMES = ("_new_process_group_helper", "ProcessGroupGloo(", "ProcessGroupNCCL(",
+                      "init_process_group")
+PULL_WARN_BYTES = 256 * 2**20
+MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
+MAX_OUTPUT_BYTES = 2**20
+
+
+class PullSizeWarning(UserWarning):
+    """A pull that copies a lot of memory into the notebook."""
+
+
+warnings.filterwarnings("always", category=PullSizeWarning)  # every such pull, not the first
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
 
 
 class Cluster(RankProbes):
@@ -63,7 +88,14 @@ class Cluster(RankProbes):
         self.mesh_spec: MeshSpec | None = None  # the mesh every rank holds as `mesh`
         self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
         self._needs_regroup = False
+        self._diverged: str | None = None  # ranks made different groups: why, till regroup
+        self._wedged = False  # stuck ranks outlived the process-group timeout: restart
+        self._recovered: list[str] = []  # one line per recovery made before the next cell
         self._dead: dict[int, str] = {}
+        self.pull_warn_bytes = PULL_WARN_BYTES  # pull() warns above this many bytes in all
+        # a cell keeps this much of each rank's stdout and stderr; the rest goes to a file
+        self.max_output_lines, self.max_output_bytes = MAX_OUTPUT_LINES, MAX_OUTPUT_BYTES
+        self.output_dir: Path | None = None  # where cut output goes; None: a temp folder
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -111,6 +143,7 @@ class Cluster(RankProbes):
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()
         self._generation, self._needs_regroup, self._members = 0, False, None
+        self._diverged, self._wedged, self._recovered = None, False, []
         self.mesh_spec = None
 
     def restart(self) -> Cluster:
@@ -163,7 +196,7 @@ class Cluster(RankProbes):
         ``comms`` traces the collectives each rank issues into ``result.comms``.
         """
         ranks = self._ranks(ranks)
-        self._recover()
+        self._recover(creates_groups=bool(GROUP_CREATION.search(code)))
         timeout = timeout if timeout is not None else self.profile.cell_timeout
         view = self._client.direct_view([self._engines[r] for r in ranks])
         if comms:
@@ -175,40 +208,61 @@ class Cluster(RankProbes):
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
         self._busy.update(cell.stuck)
         self._needs_regroup |= cell.dist_failed or bool(self._busy)
-        if self._busy:
+        result.notes += self._recovered
+        self._recovered = []
+        constructing = [r for r in cell.stuck if any(
+            f in (result.outputs[r].stack or "") for f in CONSTRUCTOR_FRAMES)]
+        if constructing:
+            self._wedged = True  # the next cell fails at once instead of waiting for them
             result.notes.append(
-                f"ranks {format_ranks(self._busy)} are stuck in native code (usually a "
-                f"collective) and ignore interrupts until the process-group timeout "
-                f"({self.profile.pg_timeout:g} s) makes it raise. The next cell waits for them, "
-                f"then re-forms the process group; `%mesh restart` replaces the engines now.")
+                f"{ranks_are(constructing)} stuck creating a process group (usually because "
+                "the ranks did not all create the same groups before): that wait has no "
+                "timeout, so only `%mesh restart` frees them.")
+        elif self._busy:
+            result.notes.append(
+                f"{ranks_are(self._busy)} stuck in native code (usually a collective), "
+                f"deaf to interrupts until the process-group timeout "
+                f"({self.profile.pg_timeout:g} s) makes it raise. The next cell waits for "
+                f"{'it' if len(self._busy) == 1 else 'them'}, then re-forms the process "
+                "group; `%mesh restart` replaces the engines now.")
         if self._dead:
             result.notes.append(
                 "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
                 "engines and replays this session's successful %%mesh cells (or `%mesh restart "
                 "--from-checkpoint DIR` from a saved checkpoint).")
+        elif cell.dist_failed and not self._busy:
+            failed = [r for r, o in result.outputs.items() if o.error and o.error.from_backend()]
+            result.notes.append(
+                f"the process group failed on {label(failed)[1:-1]} in this cell: meshlab "
+                "re-forms it before the next cell (and rebuilds the mesh).")
+        elif not self._busy and GROUP_CALLS.search(code):
+            result.notes += self._check_groups()
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
-            try:
-                result.values = self._last_values(with_values) if with_values else {}
-            except ClusterError as e:  # e.g. a value that cannot be pickled
-                result.notes.append(f"values not kept: {e}")
+            result.values, unsent = self._last_values(with_values)
+            result.notes += [f"{label(rs)} value not kept: {why}" for rs, why in group(unsent)]
         if on_output:
             on_output(result)
         if not result.ok:
             raise MeshError(result)
         return result
 
-    def _last_values(self, ranks: list[int]) -> dict[int, Any]:
+    def _last_values(self, ranks: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
+        """``({rank: value}, {rank: why it could not be sent})``, rank by rank: one rank's
+        unpicklable value (a lock, a generator) costs only that rank's."""
         # the newest entry of IPython's output history: `_` stops following outputs once a
         # cell assigns it (`x, _ = batch`)
-        view = self._client.direct_view([self._engines[r] for r in ranks])
-        try:
-            values = view.apply_sync(on_ranks.newest_output, ipp.Reference("_oh"))
-        except ipp.CompositeError as e:
-            r, ename, evalue = self._failures(e, ranks)[0]
-            raise ClusterError(f"could not pull the value from rank {r}: {ename}: {evalue}") \
-                from None
-        return dict(zip(ranks, values, strict=True))
+        pending = {r: self._client[self._engines[r]].apply_async(
+            on_ranks.newest_output, ipp.Reference("_oh")) for r in ranks}
+        values, unsent = {}, {}
+        for r, ar in pending.items():
+            try:
+                values[r] = ar.get(timeout=60)
+            except ipp.RemoteError as e:
+                unsent[r] = f"{e.ename}: {e.evalue}"
+            except Exception as e:  # it arrived but cannot be unpickled here
+                unsent[r] = f"{type(e).__name__}: {e}"
+        return values, unsent
 
     def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
         alive = [r for r in ranks if r not in self._dead]
@@ -218,25 +272,67 @@ class Cluster(RankProbes):
             meshlab.comms.stop)
         return dict(zip(alive, ar.get(timeout=30), strict=True))
 
-    def _recover(self) -> None:
-        """Before a cell: wait for ranks a previous cell left stuck, then re-form the group."""
+    def _check_groups(self) -> list[str]:
+        """After a cell that made or destroyed process groups (one round trip): re-form a
+        destroyed default group now; note groups some ranks made and others did not (the
+        next group creation would deadlock) so that it is preceded by a regroup."""
+        live = [r for r in range(self.world_size) if r not in self._dead]
+        view = self._client.direct_view([self._engines[r] for r in live])
+        states = dict(zip(live, view.apply_async(on_ranks.group_state).get(timeout=60),
+                          strict=True))
+        members = self._members if self._members is not None else list(range(self.world_size))
+        gone = [r for r in members if r in states and not states[r][0]]
+        if gone:
+            self.regroup(self._members)
+            return [f"the default process group was destroyed on {label(gone)[1:-1]} "
+                    f"(dist.destroy_process_group()): meshlab re-formed it."]
+        counts = {r: states[r][1] for r in members if r in states}
+        if len(set(counts.values())) > 1:
+            by_count = " · ".join(f"{label(rs)} {n}" for rs, n in group(
+                {r: str(n) for r, n in counts.items()}))
+            self._diverged = f"the ranks made different numbers of process groups ({by_count})"
+            return [f"{self._diverged}: dist.new_group must be called by every rank, members "
+                    "or not, or the next group creation deadlocks. meshlab re-forms the process "
+                    "group (dropping these groups) before the next `%mesh init` or cell that "
+                    "makes a group."]
+        return []
+
+    def _recover(self, creates_groups: bool = False) -> None:
+        """Before a cell: wait for ranks a previous cell left stuck, then re-form the group
+        if it failed (or, before a group is made, if the ranks made different groups)."""
         if self._busy:
             pending = list(self._busy.values())
             ranks = format_ranks(self._busy)
-            limit = self.profile.pg_timeout + 30
+            subject = ranks_are(self._busy)
+            # ranks that already outlived the process-group timeout get a last look only
+            limit = 1.0 if self._wedged else self.profile.pg_timeout + 30
             logging.getLogger("meshlab").warning(
-                "waiting up to %g s for ranks %s to leave the stuck collective", limit, ranks)
+                "waiting up to %g s for %s to leave the stuck collective", limit,
+                f"rank{'s' if len(self._busy) > 1 else ''} {ranks}")
             try:
                 done = self._client.wait(pending, timeout=limit)
             except KeyboardInterrupt:
-                done = False
+                raise ClusterError(f"{subject} still stuck from an earlier cell (the wait for "
+                                   "them was interrupted): `%mesh restart` replaces the "
+                                   "engines") from None
             if not done:
+                self._wedged = True
                 raise ClusterError(
-                    f"ranks {ranks} are still stuck from an earlier cell; "
-                    "`%mesh restart` replaces the engines")
+                    f"{subject} still stuck from an earlier cell, past the process-group "
+                    "timeout (a wait in native code that does not time out): `%mesh restart` "
+                    "replaces the engines")
             self._busy.clear()
+            self._wedged = False
+        if self._diverged and creates_groups:
+            self._needs_regroup = True
+            self._recovered.append(f"{self._diverged}: meshlab re-formed the process group "
+                                   "first, so that the new group does not deadlock.")
         if self._needs_regroup:
             self.regroup(self._members)
+            if not self._recovered:
+                self._recovered.append(f"the process group was re-formed after the failure "
+                                       f"(generation {self._generation}).")
+            logging.getLogger("meshlab").warning("%s", self._recovered[-1])
 
     def regroup(self, ranks: str | list[int] | None = None) -> None:
         """Replace the process group by a fresh one over all ranks (or a subset).
@@ -249,7 +345,7 @@ class Cluster(RankProbes):
         gen = self._generation
         self._apply_each(on_ranks.regroup_rank, lambda r: {"generation": gen, "members": members},
                          timeout=self.profile.pg_timeout + 30)
-        self._needs_regroup = False
+        self._needs_regroup, self._diverged = False, None
         if self.mesh_spec is not None:
             if members is None:
                 self.init_mesh(self.mesh_spec)
@@ -261,7 +357,12 @@ class Cluster(RankProbes):
         spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
         spec.check(self.world_size if self._members is None else len(self._members))
         self._ranks(None)
-        self._recover()
+        if not self._busy and not self._dead and not self._diverged:
+            # one round trip per `%mesh init`: groups made unevenly where meshlab could not
+            # see it would deadlock the mesh's own new_group calls
+            for note in self._check_groups():
+                logging.getLogger("meshlab").info("%s", note)
+        self._recover(creates_groups=True)
         self._apply_each(on_ranks.build_mesh, lambda r: {"spec": spec},
                          timeout=self.profile.pg_timeout + 30)
         self.mesh_spec = spec
@@ -272,12 +373,31 @@ class Cluster(RankProbes):
     def push(self, mapping: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
         """Copy notebook values to the ranks' namespaces."""
         targets = [self._engines[r] for r in self._ranks(ranks)]
-        self._client.direct_view(targets).push(dict(mapping), block=True)
+        try:
+            self._client.direct_view(targets).push(dict(mapping), block=True)
+        except (TypeError, AttributeError, pickle.PicklingError):  # serializing, here
+            for name, value in mapping.items():  # one line naming it, not ipyparallel's
+                try:
+                    serialize_object(value)
+                except Exception as why:  # whatever pickling raises
+                    raise ClusterError(
+                        f"cannot push {name!r}: a {type(value).__name__} cannot be sent to the "
+                        f"ranks ({type(why).__name__}: {why}). Push what it is made from and "
+                        "build it in a %%mesh cell") from None
+            raise
 
     def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
         """``{rank: value}`` of a name in the ranks' namespaces."""
         ranks = self._ranks(ranks)
-        ar = self._client.direct_view([self._engines[r] for r in ranks]).pull(name, block=False)
+        view = self._client.direct_view([self._engines[r] for r in ranks])
+        sizes = [n for n in view.apply_sync(on_ranks.nbytes, name) if n is not None]
+        if sum(sizes) > self.pull_warn_bytes:
+            warnings.warn(
+                f"pulling {name!r} copies {_size(sum(sizes))} into the notebook ("
+                f"{len(sizes)} rank{'s' if len(sizes) > 1 else ''}, up to {_size(max(sizes))} "
+                f"each); `%mesh pull {name} --ranks 0` (or pull(name, ranks=...)) takes fewer",
+                PullSizeWarning, stacklevel=2)
+        ar = view.pull(name, block=False)
         try:
             return dict(zip(ranks, ar.get(), strict=True))
         except ipp.CompositeError as e:
@@ -350,13 +470,27 @@ class Cluster(RankProbes):
         pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
                    for r, eid in enumerate(self._engines)}
         out, failed, tracebacks = {}, {}, {}
-        for r, ar in pending.items():
-            if not ar.wait(max(0.0, timeout)):
-                raise ClusterError(f"rank {r} did not answer within {timeout:g} s")
-            try:
-                out[r] = ar.get()
-            except ipp.RemoteError as e:
-                failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
+        try:
+            for r, ar in pending.items():
+                if not ar.wait(max(0.0, timeout)):
+                    raise TimeoutError
+                try:
+                    out[r] = ar.get()
+                except ipp.RemoteError as e:
+                    failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
+        except (KeyboardInterrupt, TimeoutError) as stop:
+            # meshlab must know the ranks still in it: the next cell waits for them, then
+            # re-forms the group (a Ctrl-C'd `%mesh init` would otherwise hang the next cell)
+            stuck = {r: ar.msg_ids[0] for r, ar in pending.items() if not ar.ready()}
+            self.interrupt(list(stuck))
+            self._busy.update(stuck)
+            self._needs_regroup = True
+            why = ("was interrupted" if isinstance(stop, KeyboardInterrupt)
+                   else f"did not finish within {timeout:g} s")
+            raise ClusterError(
+                f"{fn.__name__} {why}; {ranks_are(stuck)} still in it. The next cell waits up "
+                f"to {self.profile.pg_timeout + 30:g} s for them, then re-forms the process "
+                "group; `%mesh restart` replaces the engines now.") from None
         if failed:  # one line per group of ranks; the lowest rank's traceback at debug level
             logging.getLogger("meshlab").debug("rank %d: %s", min(failed),
                                                strip_ansi(tracebacks[min(failed)]))

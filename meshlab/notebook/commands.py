@@ -232,6 +232,9 @@ def export(line: str) -> None:
 @output_option("{rank: value of the last expression}")
 @argument("--comms", action="store_true",
           help="trace the collectives each rank issued: counts, bytes, mesh axis")
+@argument("--max-lines", type=int, metavar="N",
+          help="keep at most N lines of each rank's stdout and stderr (default 5000); the "
+          "rest goes to a file per rank, named under the output")
 def cell(line: str) -> None:
     """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
 

@@ -5,6 +5,7 @@ Notebook side, but free of ipyparallel imports: it reads the launcher objects it
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import Any
 
@@ -36,9 +37,18 @@ class EngineProcesses:
                     codes[process.pid] = None
         return codes
 
-    def cause_of_death(self, pid: int) -> str:
-        """``killed by SIGKILL``, ``exited with status 1``, or what we can say from afar."""
+    def cause_of_death(self, pid: int, wait: float = 2.0) -> str:
+        """``killed by SIGKILL``, ``exited with status 1``, or what we can say from afar.
+
+        The controller may see an engine go before its process is reaped: one of ours gets
+        up to ``wait`` seconds to show how it ended."""
         code = self.exit_codes().get(pid)
+        process = next((p for launcher in self._launchers()
+                        if (p := getattr(launcher, "process", None)) is not None
+                        and p.pid == pid), None)
+        if code is None and process is not None and wait > 0:
+            with contextlib.suppress(psutil.TimeoutExpired, psutil.Error):
+                code = process.wait(wait)
         if code is None:
             return "its engine stopped responding"
         if code < 0:

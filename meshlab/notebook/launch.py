@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from meshlab.notebook import watchdog
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.profiles import Profile
+
+_scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
 
 def start(profile: Profile, n: int, progress: bool = True
@@ -30,8 +33,10 @@ def start(profile: Profile, n: int, progress: bool = True
     client = None
     try:
         # a batch launcher writes its job script (slurm_engine.sbatch) to the working
-        # directory: not into the notebook's folder
-        with _working_directory(tempfile.mkdtemp(prefix="meshlab-")):
+        # directory: not into the notebook's folder. Engines start in it too (then move to
+        # the notebook's), so it goes when they have stopped.
+        _scratch[id(cluster)] = tempfile.mkdtemp(prefix="meshlab-")
+        with _working_directory(_scratch[id(cluster)]):
             cluster.start_cluster_sync()
         watchdog.watch(cluster)  # a watchdog stops them if this process dies
         client = cluster.connect_client_sync()
@@ -56,6 +61,11 @@ def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
         except Exception as e:  # a half-started cluster: nothing more to stop
             logging.getLogger("meshlab").debug("stop: %r", e)
         watchdog.release(cluster)
+        # the controller's record of its engines, kept for a restart of the same controller
+        with contextlib.suppress(OSError, TypeError):
+            os.remove(os.path.join(cluster.profile_dir, "log",
+                                   f"engines{cluster.cluster_id}.json"))
+        shutil.rmtree(_scratch.pop(id(cluster), ""), ignore_errors=True)
 
 
 def visible_gpus() -> int:

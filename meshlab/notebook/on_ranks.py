@@ -58,7 +58,31 @@ def regroup_rank(generation: int, members: list[int] | None) -> None:
     globals().update(meshlab.runtime.reform(generation, members))
 
 
+def group_state() -> tuple[bool, int]:
+    """Runs on a rank: whether it has a default process group, and how many groups it has
+    made since (ranks that made different numbers deadlock in the next new_group)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    return dist.is_initialized(), int(distributed_c10d._world.group_count)
+
+
 @ipp.interactive
 def newest_output(history: dict[int, Any]) -> Any:
     """Runs on a rank: the value of the last cell that had one."""
     return history[max(history)]
+
+
+@ipp.interactive
+def nbytes(name: str) -> int | None:
+    """Runs on a rank: about how many bytes pulling ``name`` copies (None: not defined)."""
+    import sys
+
+    if name not in globals():
+        return None
+    value = globals()[name]
+    if hasattr(value, "numel") and hasattr(value, "element_size"):  # a tensor
+        return int(value.numel() * value.element_size())
+    if hasattr(value, "nbytes"):  # a numpy array
+        return int(value.nbytes)
+    return sys.getsizeof(value)

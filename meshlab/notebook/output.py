@@ -15,6 +15,10 @@ from meshlab.notebook.ranks import label
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Frames from the machinery between the user's cell and the rank: never the user's fault.
+BACKEND_ERRORS = ("DistBackendError", "DistError", "DistNetworkError", "DistStoreError")
+# what gloo and NCCL say when a peer failed, timed out or went away
+_BACKEND_TEXT = re.compile(r"\bgloo\b|\bNCCL\b|ProcessGroup|Connection closed by peer|"
+                           r"pair closure|Connection reset by peer")
 _INTERNAL_FRAME = re.compile(r"(/ipyparallel/|/ipykernel/|/meshlab/(?!models/)|/IPython/core/)")
 
 
@@ -34,6 +38,13 @@ class RankError:
     def headline(self) -> str:
         return f"{self.ename}: {self.evalue}" if self.evalue else self.ename
 
+    def from_backend(self) -> bool:
+        """Raised by torch.distributed or its backend, whatever the class (gloo raises a
+        plain RuntimeError): a consequence, usually, of another rank's failure."""
+        if self.ename in BACKEND_ERRORS or _BACKEND_TEXT.search(self.evalue):
+            return True
+        return any("torch/distributed/" in strip_ansi(chunk) for chunk in self.traceback)
+
 
 @dataclass(slots=True)
 class RankOutput:
@@ -46,6 +57,7 @@ class RankOutput:
     result: str | None = None  # text/plain of the cell's last expression
     error: RankError | None = None
     stack: str | None = None  # main-thread stack when it timed out or stayed stuck
+    dropped: dict[str, int] = field(default_factory=dict)  # stream -> lines past the cap
 
 
 @dataclass(slots=True)
@@ -59,6 +71,7 @@ class CellResult:
     values: dict[int, Any] = field(default_factory=dict)  # last-expression values, if pulled
     comms: dict[int, list[Any]] = field(default_factory=dict)  # traced collectives, if asked
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # on a hang
+    full_output: str | None = None  # folder with each rank's whole output, if some was cut
 
     @property
     def ok(self) -> bool:
@@ -73,6 +86,18 @@ class CellResult:
 
     def stderr(self) -> str:
         return render_groups({r: o.stderr for r, o in self.outputs.items()})
+
+    def truncated(self) -> str:
+        """``[ranks 0-3] … 195,000 more stdout lines not shown`` and where they went."""
+        lines = []
+        for name in ("stdout", "stderr"):
+            counts = {r: f"… {o.dropped[name]:,} more {name} lines not shown"
+                      for r, o in self.outputs.items() if o.dropped.get(name)}
+            lines += [f"{label(ranks)} {text}" for ranks, text in group(counts)]
+        if lines and self.full_output:
+            lines.append(f"full output of each rank: {self.full_output}/rank<N>.stdout "
+                         "(and .stderr)")
+        return "\n".join(lines)
 
     def results(self) -> str:
         values = {r: o.result for r, o in self.outputs.items() if o.result is not None}
@@ -103,17 +128,29 @@ class CellResult:
                 reasons[r] = "interrupted (KeyboardInterrupt)"
             elif o.status == "died":
                 reasons[r] = o.error.evalue if o.error else "died"
-        return group(reasons)
+        # the root cause first: a dead rank, or one whose own code raised; then the ranks
+        # that failed because of it (backend errors, timeouts, interrupts)
+        return sorted(group(reasons), key=lambda g: self._consequence(g[0][0]))
+
+    def _consequence(self, rank: int) -> int:
+        """0: a root cause (died, or raised from its own code); 1: a backend error; 2: the
+        rest (timed out, interrupted)."""
+        o = self.outputs[rank]
+        if o.status == "died" or (o.status == "error" and o.error is not None
+                                  and not o.error.from_backend()):
+            return 0
+        return 1 if o.status == "error" else 2
 
     def first_traceback(self) -> list[str]:
-        """The traceback of the lowest rank that raised, internal frames removed."""
-        for o in self.outputs.values():
+        """The traceback of the root-cause rank (the lowest that raised from its own code,
+        else the lowest that raised), internal frames removed."""
+        for o in sorted(self.outputs.values(), key=lambda o: (self._consequence(o.rank), o.rank)):
             if o.status == "error" and o.error is not None and o.error.traceback:
                 return [f"Traceback from rank {o.rank}:", *clean_traceback(o.error.traceback)]
         return []
 
     def __str__(self) -> str:
-        parts = [self.stdout(), self.stderr(), self.results(), self.summary()]
+        parts = [self.stdout(), self.stderr(), self.truncated(), self.results(), self.summary()]
         return "\n".join(p for p in parts if p)
 
 
@@ -197,33 +234,52 @@ def clean_traceback(lines: Iterable[str]) -> list[str]:
 
 
 class LiveOutput:
-    """Shows a running cell's grouped output in the notebook, updated in place."""
+    """Shows a running cell's output in the notebook as it arrives, then its grouped result.
+
+    While the cell runs, only what is new is sent: each poll's complete new lines, grouped
+    (ranks that sent the same lines show them once). When it ends, that live output is
+    cleared and replaced, once, by the grouped output of the whole cell (each rank's kept
+    lines, then a marker for what the cap dropped). ``sent`` counts the characters shown.
+    """
 
     def __init__(self) -> None:
-        self._handles: dict[str, Any] = {}
-        self._shown: dict[str, str] = {}
+        self._shown: dict[tuple[int, str], int] = {}  # (rank, stream) -> characters shown
+        self._live = False
+        self.sent = 0
 
     def update(self, result: CellResult) -> None:
-        self._show("stdout", result.stdout())
-        self._show("stderr", result.stderr())
+        for name in ("stdout", "stderr"):
+            new: dict[int, str] = {}
+            for r, o in result.outputs.items():
+                text, shown = getattr(o, name), self._shown.get((r, name), 0)
+                end = text.rfind("\n") + 1  # whole lines only, so equal ranks group
+                if end > shown:
+                    new[r], self._shown[r, name] = text[shown:end], end
+            if new:
+                self._live = True
+                self._show(name, render_groups(new))
 
     def finish(self, result: CellResult) -> None:
-        self.update(result)
-        self._show("results", result.results())
+        if self._live:
+            from IPython.display import clear_output
 
-    def _show(self, key: str, text: str) -> None:
+            clear_output()
+        for name, text in (("stdout", result.stdout()), ("stderr", result.stderr()),
+                           ("stderr", result.truncated()), ("stdout", result.results())):
+            self._show(name, text)
+        if result.ok and result.notes:  # a failed cell's notes close its error summary
+            self._show("stderr", "\n".join(result.notes))
+
+    def _show(self, stream: str, text: str) -> None:
         from IPython.display import display
 
-        if not text or self._shown.get(key) == text:
+        if not text:
             return
-        self._shown[key] = text
+        self.sent += len(text)
         bundle = {"text/plain": text}
-        if key == "stderr":  # JupyterLab draws this MIME type like a stderr stream
+        if stream == "stderr":  # JupyterLab draws this MIME type like a stderr stream
             bundle["application/vnd.jupyter.stderr"] = text
-        if key in self._handles:
-            self._handles[key].update(bundle, raw=True)
-        else:
-            self._handles[key] = display(bundle, raw=True, display_id=True)
+        display(bundle, raw=True)
 
 
 def stacks_text(stacks: dict[int, str], collectives: dict[int, list[dict[str, Any]]],

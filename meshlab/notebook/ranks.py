@@ -52,3 +52,9 @@ def label(ranks: Iterable[int]) -> str:
     """``[rank 2]`` or ``[ranks 0-3]``: the prefix used for grouped output."""
     ranks = sorted(set(ranks))
     return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {format_ranks(ranks)}]"
+
+
+def ranks_are(ranks: Iterable[int]) -> str:
+    """``rank 0 is`` / ``ranks 0,2 are``: the subject of a sentence about some ranks."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} are"

@@ -40,12 +40,17 @@ class Replay:
     """Cells before the checkpoint that trained: the checkpoint holds their effect."""
     load: Entry | None = None
     """Loading the checkpoint, run after the setup that defines what it loads into."""
+    unsafe: list[Entry] = field(default_factory=list)
+    """Cells left out because they would break the restored session (they destroy the
+    default process group)."""
 
 
 def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = None) -> Replay:
     """The entries to run again: all (or those up to In [upto], or to the last restore
     point); with a checkpoint, its session's setup, the load, then what ran after it."""
     entries = [e for e in journal.entries if e.replayed]
+    unsafe = [e for e in entries if e.kind == "cell" and destroys_default_group(e.code)]
+    entries = [e for e in entries if e not in unsafe]
     marked = [e.number for e in entries if e.kind == "cell" and RESTORE_POINT in e.code]
     if upto is None and marked:
         upto = marked[-1]
@@ -56,7 +61,7 @@ def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = 
                                f"recorded: {known or 'none'}")
         entries = [e for e in entries if e.number <= upto]
     if checkpoint is None:
-        return Replay(entries)
+        return Replay(entries, unsafe=unsafe)
     saved = read_manifest(checkpoint)
     extra = saved.get("extra") or {}
     if extra.get("session") != journal.session:
@@ -70,7 +75,26 @@ def plan(journal: Journal, *, upto: int | None = None, checkpoint: str | None = 
     return Replay(setup + [e for e in entries if e.number > cell],
                   skipped=[e for e in before if e not in setup],
                   load=Entry("code", cell, load_code(checkpoint, names),
-                             note=f"%mesh checkpoint load {checkpoint}"))
+                             note=f"%mesh checkpoint load {checkpoint}"), unsafe=unsafe)
+
+
+def destroys_default_group(code: str) -> bool:
+    """Does the cell call ``destroy_process_group()`` on the default group (no argument, or
+    None)? Replaying it would leave the restored ranks without a process group."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return "destroy_process_group()" in code
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        args = [*node.args, *(k.value for k in node.keywords if k.arg == "group")]
+        if name == "destroy_process_group" and all(
+                isinstance(a, ast.Constant) and a.value is None for a in args):
+            return True
+    return False
 
 
 def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]], object],
@@ -161,5 +185,5 @@ def _first_line(error: BaseException) -> str:
             lines[0] if lines else type(error).__name__)
 
 
-__all__ = ["DEFAULT_NAMES", "RESTORE_POINT", "Replay", "RestoreError", "load_code", "plan",
-           "read_manifest", "replay", "save_code"]
+__all__ = ["DEFAULT_NAMES", "RESTORE_POINT", "Replay", "RestoreError", "destroys_default_group",
+           "load_code", "plan", "read_manifest", "replay", "save_code"]

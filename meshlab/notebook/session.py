@@ -12,6 +12,7 @@ it: each parses its line, makes one call here and displays what comes back.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import time
@@ -111,6 +112,9 @@ class Session:
                  f"{len(steps.entries) + bool(steps.load)} recorded entries")
         for entry in steps.skipped:
             progress(f"  In [{entry.number}] skipped: it trained, {from_checkpoint} holds that")
+        for entry in steps.unsafe:
+            progress(f"  In [{entry.number}] skipped: it destroys the default process group "
+                     "(dist.destroy_process_group()), which would leave the ranks without one")
         self.journal = Journal(cluster.world_size, cluster.backend)  # replays record nothing
         try:
             restore.replay(cluster, steps, redo=lambda verb, kwargs: getattr(self, verb)(
@@ -124,17 +128,24 @@ class Session:
 
     def run(self, code: str, ranks: str | list[int] | None = None,
             timeout: float | None = None, *, on_output: Callable[[CellResult], None] | None
-            = None, keep_values: bool = False, comms: bool = False) -> CellResult:
+            = None, keep_values: bool = False, comms: bool = False,
+            max_lines: int | None = None) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
-        See Cluster.run for the options."""
+        See Cluster.run for the options. ``max_lines``: keep at most this many lines of
+        each rank's stdout and stderr for this cell (default ``cluster.max_output_lines``);
+        the rest goes to a file per rank that ``result.full_output`` names."""
         cluster = self.need_cluster()
+        default = cluster.max_output_lines
         try:
+            cluster.max_output_lines = max_lines or default
             result = cluster.run(code, ranks, timeout, on_output=on_output,
                                  keep_values=keep_values, comms=comms)
         except MeshError:  # not exported, but export names what later cells needed from it
             self.need_journal().record_failure(code, self.cell_number())
             raise
+        finally:
+            cluster.max_output_lines = default
         steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
         self.need_journal().record_cell(code, self.cell_number(), result.ranks,
                                         trained=self.optimizer_steps > steps)
@@ -220,7 +231,13 @@ class Session:
                                "optimizer")
         code = (restore.save_code(path, names, journal, number, background=background)
                 if action == "save" else restore.load_code(path, names))
-        cluster.run(code)  # a failure shows as any cell's would
+        try:
+            cluster.run(code)  # a failure shows as any cell's would
+        except MeshError as e:
+            for left in sorted(Path(path).parent.glob(f"{glob.escape(Path(path).name)}.partial-*")):
+                e.add_note(f"{left} holds the shards written before the save stopped "
+                           f"({_megabytes(left)}): the next save to {path} removes it")
+            raise
         journal.record_checkpoint(code, number, action, path)
         # loading a fresh optimizer's state takes a zero-lr step: not the next cell's training
         self.optimizer_steps = cluster.optimizer_steps()
@@ -320,3 +337,7 @@ class Session:
 
 
 __all__ = ["Session", "SessionError"]
+
+
+def _megabytes(folder: Path) -> str:
+    return f"{sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()) / 2**20:.0f} MB"

@@ -206,3 +206,24 @@ def test_kept_values_are_the_cells_own_even_after_a_cell_assigns_underscore(
         cluster: Cluster) -> None:
     cluster.run("first, _ = 'a', 'b'")  # IPython stops updating `_` after this
     assert cluster.run("rank * 3", keep_values=True).values == {0: 0, 1: 3, 2: 6, 3: 9}
+
+
+@pytest.mark.cluster
+def test_a_stopped_cluster_leaves_no_folder_or_engine_record_behind(test_profile: Path) -> None:
+    from meshlab.notebook import launch
+
+    with Cluster(2, profile=test_profile) as pair:
+        ipp = pair._ipp
+        scratch = Path(launch._scratch[id(ipp)])
+        record = Path(ipp.profile_dir, "log", f"engines{ipp.cluster_id}.json")
+        assert scratch.is_dir() and scratch.name.startswith("meshlab-")
+    assert not scratch.exists() and not record.exists()
+    assert id(ipp) not in launch._scratch
+
+
+def test_one_stuck_rank_is_named_in_the_singular(cluster: Cluster) -> None:
+    with pytest.raises(MeshError) as info:
+        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=2)
+    assert "rank 1 is stuck in native code" in info.value.result.summary()
+    after = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
+    assert after.results() == "Out[ranks 0-3]: 4.0"

@@ -137,3 +137,68 @@ def test_help_documents_every_subcommand() -> None:
                 assert unwrapped(shown) in section, (name, shown)
 
 
+
+
+def test_o_keeps_the_values_that_travel_and_names_the_rank_whose_value_cannot(
+        shell: Any) -> None:
+    result, shown = run(shell, "%%mesh -o vals\nimport threading\n"
+                               "threading.Lock() if rank == 2 else rank")
+    assert result.success
+    assert shell.user_ns["vals"] == {0: 0, 1: 1, 3: 3}
+    assert "[rank 2] value not kept: TypeError: cannot pickle '_thread.lock' object" in shown
+
+
+def test_push_of_a_value_that_cannot_travel_is_one_line_naming_it(shell: Any) -> None:
+    import threading
+
+    shell.user_ns["lock"] = threading.Lock()
+    result, shown = run(shell, "%mesh push lock")
+    assert not result.success
+    assert "cannot push 'lock': a lock cannot be sent to the ranks" in shown
+    assert "build it in a %%mesh cell" in shown
+    assert "Traceback" not in shown and "ipyparallel" not in shown and len(shown) < 600
+
+
+def test_a_magic_the_ranks_lack_fails_every_rank_with_its_usage_error(shell: Any) -> None:
+    result, shown = run(shell, "%%mesh\n%nosuchmagic")
+    assert not result.success
+    assert "4 of 4 ranks failed:" in shown and "0 of 4" not in shown
+    assert "[ranks 0-3] UsageError: Line magic function `%nosuchmagic` not found" in shown
+
+
+def test_a_flood_of_output_is_capped_with_a_marker_naming_the_full_output(shell: Any) -> None:
+    result, shown = run(shell, "%%mesh --max-lines 100\nfor i in range(5000):\n"
+                               "    print('line', i)")
+    assert result.success
+    assert "line 99\n" in shown and "line 100\n" not in shown
+    assert "[ranks 0-3] … 4,900 more stdout lines not shown" in shown, shown[-600:]
+    folder = shown.split("full output of each rank: ")[1].split("/rank<N>")[0]
+    with open(f"{folder}/rank3.stdout") as f:
+        assert f.read().splitlines()[-1] == "line 4999"
+
+
+def test_a_large_pull_warns_and_offers_ranks(shell: Any) -> None:
+    from meshlab.notebook.cluster import PullSizeWarning
+
+    cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
+    run(shell, "%%mesh\nbig = torch.zeros(1000)")
+    cluster.pull_warn_bytes = 10_000
+    try:
+        with pytest.warns(PullSizeWarning, match="--ranks"):
+            values = shell.run_line_magic("mesh", "pull big")
+    finally:
+        cluster.pull_warn_bytes = 256 * 2**20
+    assert sorted(values) == [0, 1, 2, 3]
+
+
+def test_ctrl_c_while_a_subcommand_waits_is_one_line_naming_what_to_do(
+        shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    session = shell.magics_manager.registry["MeshMagics"].session
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(session, "init", interrupted)
+    result, shown = run(shell, "%mesh init dp=4")
+    assert not result.success and "Traceback" not in shown
+    assert "%mesh init interrupted. The ranks may still be building the mesh" in shown

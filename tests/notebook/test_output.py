@@ -30,3 +30,75 @@ def test_clean_traceback_drops_internal_frames() -> None:
               "File /x/site-packages/ipyparallel/engine/kernel.py:10, in run\n  ...",
               "File /work/model.py:3, in f\n  raise ValueError", "ValueError: bad"]
     assert clean_traceback(chunks) == [chunks[0], chunks[1], chunks[3], chunks[4]]
+
+
+class _FakeAsyncResult:
+    """Stands in for ipyparallel's AsyncResult: each wait() the ranks print one more chunk."""
+
+    def __init__(self, ranks: int, chunks: list[str]) -> None:
+        self.metadata = [{"stdout": "", "stderr": "", "status": None, "error": None,
+                          "execute_result": None} for _ in range(ranks)]
+        self.msg_ids = [f"m{r}" for r in range(ranks)]
+        self._children: list[object] = [None] * ranks  # futures; read only on errors
+        self.chunks = list(chunks)
+
+    def ready(self) -> bool:
+        return not self.chunks
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.chunks:
+            chunk = self.chunks.pop(0)
+            for md in self.metadata:
+                md["stdout"] += chunk
+        if not self.chunks:
+            for md in self.metadata:
+                md["status"] = "ok"
+        return self.ready()
+
+    def wait_for_output(self, timeout: float | None = None) -> bool:
+        return True
+
+
+class _FakeCluster:
+    def __init__(self, folder: object) -> None:
+        self.output_dir, self.max_output_lines, self.max_output_bytes = folder, 1000, 2**20
+
+    def dead(self) -> dict[int, str]:
+        return {}
+
+
+def test_a_flood_is_streamed_in_increments_and_capped_with_a_marker(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from meshlab.notebook.cell import CellRun
+    from meshlab.notebook.output import LiveOutput
+
+    lines = [f"step {i} loss 2.72\n" for i in range(20_000)]
+    chunks = ["".join(lines[i:i + 500]) for i in range(0, len(lines), 500)]
+    ar = _FakeAsyncResult(4, chunks)
+    live, sent = LiveOutput(), []
+
+    def on_output(result: CellResult) -> None:
+        before = live.sent
+        live.update(result)
+        sent.append(live.sent - before)
+
+    run = CellRun(_FakeCluster(tmp_path), ar, [0, 1, 2, 3], None, on_output)  # type: ignore[arg-type]
+    result = run.wait()
+    # each update carries only what is new (the 4 equal ranks once), never the whole so far
+    assert max(sent) <= max(len(c) for c in chunks) + 100
+    out = result.outputs[2]
+    assert out.stdout.count("\n") == 1000 and out.dropped == {"stdout": 19_000}
+    assert sum(len(o.stdout) for o in result.outputs.values()) <= 4 * len("".join(lines[:1000]))
+    marker = result.truncated()
+    assert "[ranks 0-3] … 19,000 more stdout lines not shown" in marker
+    assert result.full_output is not None and result.full_output in marker
+    assert (Path(result.full_output) / "rank2.stdout").read_text() == "".join(lines)
+    assert "19,000 more stdout lines" in str(result)
+    assert ar.metadata[0]["stdout"] == ""  # ipyparallel's copy let go once the rank finished
+
+
+def test_sentences_about_one_rank_are_singular() -> None:
+    from meshlab.notebook.ranks import ranks_are
+
+    assert ranks_are([0]) == "rank 0 is" and ranks_are([2, 0]) == "ranks 0,2 are"

@@ -210,6 +210,31 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(cluster: Clust
     assert [p.name for p in Path(path).parent.iterdir()] == ["ckpt"]
 
 
+@pytest.mark.cluster
+def test_a_failed_save_names_the_shards_it_left_and_who_removes_them(shell: Any,
+                                                                    tmp_path: Path) -> None:
+    from meshlab.notebook.export import Journal
+
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, "gloo")
+    path = tmp_path / "ckpt"
+    session.cluster.init_mesh("dp=4")
+    session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n"
+                        "import torch.distributed.checkpoint.filesystem as fs\n"
+                        "write = fs._write_item\n"
+                        "def failing(*args):\n"
+                        "    raise OSError('disk full on rank 2')\n"
+                        "fs._write_item = failing if rank == 2 else write")
+    try:
+        with pytest.raises(MeshError, match="disk full on rank 2") as failed:
+            session.checkpoint("save", path)
+    finally:
+        session.cluster.run("fs._write_item = write")
+    [note] = failed.value.__notes__
+    assert note.startswith(f"{tmp_path}/ckpt.partial-") and \
+        note.endswith(f"MB): the next save to {path} removes it")
+
+
 # -- clusters of their own ---------------------------------------------------------------------
 
 @pytest.mark.cluster
