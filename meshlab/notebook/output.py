@@ -202,12 +202,16 @@ def first_mismatch(collectives: dict[int, list[dict[str, Any]]]) -> str | None:
     order = sorted({k for d in issued.values() for k in d}, key=lambda k: (k[1], k[0]))
     for group_name, seq in order:
         calls: dict[int, str] = {}
+        finished: set[str | None] = set()  # the op, if every rank finished it; else None
         for r, d in issued.items():
             seqs = [s for g, s in d if g == group_name]
             if not seqs or seq < min(seqs):
                 continue  # not in this group, or its history no longer reaches back this far
             call = d.get((group_name, seq))
             calls[r] = f"{call['op']}{_sizes(call)}" if call else "never issued it"
+            finished.add(call["op"] if call and call.get("state") == "done" else None)
+        if len(finished) == 1 and None not in finished:
+            continue  # finished alike on every rank (a scatter's root alone lists sizes)
         if len(set(calls.values())) > 1:
             parts = " · ".join(f"{label(ranks)} {text}" for ranks, text in group(calls))
             return f"ranks part at collective #{seq} on {group_name}: {parts}"

@@ -99,19 +99,27 @@ def test_steps_replay_one_by_one_and_export_as_one_whole_step() -> None:
 
 
 def test_the_first_collective_the_ranks_issued_differently_is_named() -> None:
-    def call(seq: int, op: str, size: int, group: str = "default_pg") -> dict[str, Any]:
-        return {"seq": seq, "op": op, "sizes": [[size]], "group": group, "state": "done"}
+    def call(seq: int, op: str, size: int, group: str = "default_pg", state: str = "done"
+             ) -> dict[str, Any]:
+        return {"seq": seq, "op": op, "sizes": [[size]] if size else [], "group": group,
+                "state": state}
 
     same = [call(1, "all_reduce", 4), call(2, "broadcast", 4)]
     assert first_mismatch({0: same, 1: same}) is None
     skipped = {0: [*same, call(3, "all_reduce", 8)], 1: same, 2: [*same, call(3, "all_reduce", 8)]}
     assert first_mismatch(skipped) == ("ranks part at collective #3 on default_pg: "
                                        "[ranks 0,2] all_reduce[8] · [rank 1] never issued it")
-    sizes = {0: [call(7, "all_reduce", 8)], 1: [call(7, "all_reduce", 3)]}
+    sizes = {0: [call(7, "all_reduce", 8, state="in flight")],
+             1: [call(7, "all_reduce", 3, state="in flight")]}
     assert "[rank 0] all_reduce[8] · [rank 1] all_reduce[3]" in (first_mismatch(sizes) or "")
     # a rank whose history no longer reaches back that far, or outside the group, is not blamed
     assert first_mismatch({0: [call(1, "x", 1), call(2, "y", 1)], 1: [call(2, "y", 1)]}) is None
     assert first_mismatch({0: [call(1, "x", 1, "mesh_tp")], 1: [call(1, "y", 1)]}) is None
+    # a collective every rank finished is not where they part: a scatter's root alone passes
+    # the list (after an interrupted checkpoint save, it was blamed)
+    finished = {0: [call(6, "scatter", 32)], 1: [call(6, "scatter", 0)]}
+    assert first_mismatch(finished) is None
+    assert first_mismatch({**finished, 1: [call(6, "scatter", 0, state="in flight")]})
 
 
 def test_stacks_group_identical_ranks_and_name_the_silent_ones() -> None:
