@@ -7,6 +7,9 @@ hold losses and parameters to 1e-9 (only the order of floating-point sums differ
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +18,16 @@ from meshlab import Cluster
 from meshlab.parallel.blocks import find_blocks
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+
+
+@pytest.fixture(scope="module")
+def cluster(test_profile: Path) -> Iterator[Cluster]:
+    """Ranks of this file's own: in full-suite runs the shared cluster, after the tests before
+    this file, failed the first cell after the pipelined-model test here (a process group
+    already destroyed, 'Could not resolve the process group registered under the name 33');
+    the file passes alone every time. Under investigation; until then, fresh engines."""
+    with Cluster(4, profile=test_profile) as ranks:
+        yield ranks
 
 LLAMA = ("LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, "
          "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
