@@ -20,7 +20,7 @@ start_timeout = 120
 """
 
 # Fixtures that hand a test running engines, and markers whose tests start their own.
-ENGINE_FIXTURES = {"cluster", "shell"}
+ENGINE_FIXTURES = {"cluster", "shell", "_shared_cluster"}
 ENGINE_MARKERS = {"notebook", "browser", "slurm"}
 
 
@@ -52,19 +52,28 @@ def test_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(test_profile: Path) -> Iterator[Cluster]:
+def _shared_cluster(test_profile: Path) -> Iterator[Cluster]:
     with Cluster(4, profile=test_profile) as c:
         yield c
 
 
+@pytest.fixture
+def cluster(_shared_cluster: Cluster) -> Cluster:
+    """The shared 4-rank cluster; fresh engines first if an earlier test left a rank dead or
+    stuck past the process-group timeout (one such test must not fail all that follow)."""
+    if _shared_cluster._dead or _shared_cluster._wedged:
+        _shared_cluster.restart()
+    return _shared_cluster
+
+
 @pytest.fixture(scope="session")
-def shell(cluster: Cluster):  # type: ignore[no-untyped-def]
+def shell(_shared_cluster: Cluster):  # type: ignore[no-untyped-def]
     """A real IPython shell with `%load_ext meshlab`, driving the shared cluster."""
     from IPython.testing.globalipapp import start_ipython
 
     ip = start_ipython()
     ip.run_line_magic("load_ext", "meshlab")
     session = ip.magics_manager.registry["MeshMagics"].session
-    session.cluster = cluster
+    session.cluster = _shared_cluster
     yield ip
     session.cluster = None  # the cluster fixture stops it

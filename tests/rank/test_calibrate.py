@@ -126,10 +126,10 @@ def test_torchrun_calibrates_without_the_notebook_stack(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def report(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> CalibrationReport:
-    cluster.init_mesh("dp=2 tp=2")
+def report(_shared_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> CalibrationReport:
+    _shared_cluster.init_mesh("dp=2 tp=2")
     path = tmp_path_factory.mktemp("calibrate") / "cpu4.toml"
-    return calibrate_profile(cluster, path, quick=True)
+    return calibrate_profile(_shared_cluster, path, quick=True)
 
 
 @pytest.mark.cluster

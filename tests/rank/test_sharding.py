@@ -111,9 +111,9 @@ local = {n: list(t.to_local().shape) for n, t in [("uneven", uneven), ("grid", g
 
 
 @pytest.fixture(scope="module")
-def layouts(cluster):  # type: ignore[no-untyped-def]
-    cluster.run(LAYOUTS)
-    return cluster.pull("local")
+def layouts(_shared_cluster):  # type: ignore[no-untyped-def]
+    _shared_cluster.run(LAYOUTS)
+    return _shared_cluster.pull("local")
 
 
 @pytest.mark.cluster
