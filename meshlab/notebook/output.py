@@ -163,6 +163,11 @@ class MeshError(RuntimeError):
         super().__init__(result.summary() + ("\n\n" + tb if tb else ""))
 
 
+def size_text(n: int) -> str:
+    """Bytes as people read them: ``512 MB``, ``3.6 GB``."""
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
 def group(values: dict[int, str]) -> list[tuple[list[int], str]]:
     """Ranks with identical text, in order of their lowest rank; empty texts dropped."""
     by_text: dict[str, list[int]] = {}
@@ -315,5 +320,5 @@ def summary_lines(result: CellResult) -> list[str]:
 __all__ = [
     "CellResult", "LiveOutput", "MeshError", "RankError", "RankOutput",
     "clean_traceback", "collective_lines", "first_mismatch", "group", "postmortem_text",
-    "render_groups", "stacks_text", "strip_ansi", "summary_lines",
+    "render_groups", "size_text", "stacks_text", "strip_ansi", "summary_lines",
 ]

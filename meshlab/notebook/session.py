@@ -24,7 +24,13 @@ from meshlab.mesh import MeshSpec
 from meshlab.notebook import restore
 from meshlab.notebook.cluster import Cluster, ClusterError
 from meshlab.notebook.export import Journal, export
-from meshlab.notebook.output import CellResult, MeshError, postmortem_text, stacks_text
+from meshlab.notebook.output import (
+    CellResult,
+    MeshError,
+    postmortem_text,
+    size_text,
+    stacks_text,
+)
 from meshlab.notebook.profiles import Profile
 from meshlab.notebook.ranks import parse_ranks
 from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
@@ -236,7 +242,7 @@ class Session:
         except MeshError as e:
             for left in sorted(Path(path).parent.glob(f"{glob.escape(Path(path).name)}.partial-*")):
                 e.add_note(f"{left} holds the shards written before the save stopped "
-                           f"({_megabytes(left)}): the next save to {path} removes it")
+                           f"({size_text(_bytes_in(left))}): the next save to {path} removes it")
             raise
         journal.record_checkpoint(code, number, action, path)
         # loading a fresh optimizer's state takes a zero-lr step: not the next cell's training
@@ -339,5 +345,5 @@ class Session:
 __all__ = ["Session", "SessionError"]
 
 
-def _megabytes(folder: Path) -> str:
-    return f"{sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()) / 2**20:.0f} MB"
+def _bytes_in(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())

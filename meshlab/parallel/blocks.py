@@ -39,6 +39,14 @@ def items(blocks: Blocks) -> list[tuple[str | int, nn.Module]]:
     return list(enumerate(blocks))
 
 
+def holds(model: nn.Module, path: str) -> bool:
+    """Whether ``model`` has a module at ``path`` (a pipeline stage lacks some)."""
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
 def _at(model: nn.Module, path: str) -> Blocks:
     module: nn.Module = model
     for i, part in enumerate(path.split(".")):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from meshlab.parallel.blocks import holds
 from meshlab.schedules.actions import Schedule, ScheduleError
 from meshlab.schedules.execute import Executor, stage_modules
 
@@ -132,7 +133,7 @@ class CausalLMStage(nn.Module):
         # the model's TP plan, less the parts another stage holds (paths are the same here)
         plan = getattr(model, "_tp_plan", None) or {}
         self._tp_plan = {path: style for path, style in plan.items()
-                         if _holds(self, path.split(".*")[0])}
+                         if holds(self, path.split(".*")[0])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the first stage takes token ids (B, T); the others hidden states (B, T, H)
@@ -165,10 +166,3 @@ def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: 
         model.lm_head = None
     model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
     return cast(nn.Module, model)
-
-
-def _holds(module: nn.Module, path: str) -> bool:
-    try:
-        return module.get_submodule(path) is not None
-    except AttributeError:
-        return False

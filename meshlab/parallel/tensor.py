@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshlab.parallel.blocks import holds
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -107,7 +109,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
                          "sequence_parallel=False, or a torch-style tp_plan with "
                          "SequenceParallel()")
     for blocks in {p.partition(".*.")[0] for p in plan if ".*." in p}:
-        first = model.get_submodule(f"{blocks}.0") if _has(model, f"{blocks}.0") else None
+        first = model.get_submodule(f"{blocks}.0") if holds(model, f"{blocks}.0") else None
         outer = blocks.rpartition(".")[0]
         for name, child in (first.named_children() if first is not None else ()):
             if _is_norm(child):
@@ -139,14 +141,6 @@ def _gather_sequence(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("Norm", "RMSNorm", "LayerNorm"))
-
-
-def _has(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 # transformers' style names, as torch ParallelStyles (integrations/tensor_parallel.py)
