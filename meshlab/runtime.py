@@ -234,6 +234,7 @@ def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
     st = state()
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_sharding_caches()
     members = list(range(st.cluster_size)) if members is None else members
     st.generation = generation
     if st.cluster_rank in members:
@@ -241,6 +242,23 @@ def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
         os.environ.update(RANK=str(st.rank), WORLD_SIZE=str(st.world_size))
         _init_group(st.rank, st.world_size)
     return namespace()
+
+
+def forget_sharding_caches() -> None:
+    """Drop DTensor's memoised sharding decisions: they hold the DeviceMesh first seen.
+
+    A mesh compares equal to any mesh of the same shape and names, whatever its process
+    groups, and group names restart at 0 with a new default group. So after a re-form the
+    cache hands the first forward the old mesh, whose group names resolve to nothing
+    ("Could not resolve the process group") or to another axis's group (a hang). Megatron
+    and transformers met the same (Megatron-LM PR 7029, transformers PR 48383).
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def init_from_env(backend: str = "auto", timeout: float = 600.0) -> dict[str, Any]:

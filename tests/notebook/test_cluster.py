@@ -136,6 +136,24 @@ def test_process_group_reforms_over_a_subset_and_back(cluster: Cluster) -> None:
     assert cluster.run("world_size").results() == "Out[ranks 0-3]: 4"
 
 
+TP_FORWARD = """
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+torch.manual_seed(0)
+m = parallelize_module(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+                       mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+round(m(torch.ones(2, 8)).sum().item(), 4)
+"""
+
+
+def test_tensor_parallel_works_after_a_re_form(cluster: Cluster) -> None:
+    # DTensor caches sharding decisions with the first mesh of a shape; after a re-form the
+    # group names restart, so a cached old mesh named missing or other groups (a hang)
+    cluster.run("extra = dist.new_group(list(range(world_size)))")  # shift the group names
+    cluster.init_mesh("dp=2 tp=2")
+    before = cluster.run(TP_FORWARD, timeout=60).results()
+    cluster.regroup()  # rebuilds the mesh on the new group, its names counted from 0 again
+    assert cluster.run(TP_FORWARD, timeout=60).results() == before
+
 def test_bad_arguments_name_the_problem(cluster: Cluster, test_profile: object) -> None:
     with pytest.raises(ValueError, match="out of range"):
         cluster.run("1", ranks="7")

@@ -326,7 +326,9 @@ def test_launch_sh_runs_torchrun_by_the_exporting_python_without_it_on_path(
         tmp_path: Path) -> None:
     # a kernel registered from a virtual environment: its bin/ (torchrun) is not on PATH
     export(journal((2, "%%mesh\nx = 1")), tmp_path / "train.py", sbatch=True)
-    (tmp_path / "train.py").write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    # one write(2) per rank: the four share the pipe, and print's pieces could interleave
+    (tmp_path / "train.py").write_text(
+        "import os\nos.write(1, f\"rank {os.environ['RANK']}\\n\".encode())\n")
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     done = subprocess.run(["bash", str(tmp_path / "launch.sh")], capture_output=True,
                           text=True, env=env, timeout=120)
