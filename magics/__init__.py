@@ -26,7 +26,7 @@ from meshlab.notebook.charts import (
 from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
-from meshlab.notebook.tables.comms import comms_frame, comms_totals
+from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
 
@@ -189,10 +189,9 @@ class MeshMagics(Magics):
               f"{c.seconds:.1f} s, mesh {c.mesh or '(none)'}")
         for note in c.notes:
             print(f"note: {note}")
-        collectives = report.collectives.set_index(["axis", "collective"])
-        if not collectives["note"].any():
-            collectives = collectives.drop(columns="note")
-        display(report.matmul.set_index(["dtype", "m", "n", "k"]), collectives)
+        from meshlab.notebook.calibrate import calibration_tables
+
+        display(*calibration_tables(report))
         print(f"wrote {report.path}: {report.describe()}")
         print(f"use it: %mesh plan MODEL --hardware {args.path}")
 
@@ -202,9 +201,10 @@ class MeshMagics(Magics):
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
             precision=args.precision, top=args.top, tokens=args.tokens)
-        print(result.text())
-        display(result.table(), plan_memory_chart(result.memory_frame()),
-                plan_comm_chart(result.comm_frame()))
+        from meshlab.notebook.tables.plan import plan_summary, plan_table
+
+        display(plan_summary(result), plan_table(result),
+                plan_memory_chart(result.memory_frame()), plan_comm_chart(result.comm_frame()))
         if args.output:
             self.shell.user_ns[args.output] = result
 
@@ -229,8 +229,7 @@ class MeshMagics(Magics):
             self.shell.user_ns[args.output] = result.values
         if args.comms and (cluster := self.session.cluster) is not None:
             frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
-            display(frame.set_index(["rank", "op", "axis"]), comms_totals(frame),
-                    comms_chart(frame))
+            display(*comms_tables(frame), comms_chart(frame))
 
     def _auto_off(self) -> None:
         self.auto = False

@@ -11,6 +11,7 @@ import pandas as pd
 
 from meshlab.calibrate import Calibration, write_profile
 from meshlab.notebook.cluster import Cluster
+from meshlab.notebook.tables.table import Table, sig
 from meshlab.plan.hardware import Hardware
 
 
@@ -61,8 +62,14 @@ def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
                              matmul=matmul_frame(calibration), points=points_frame(calibration))
 
 
+PROFILE_FIELDS = ("used_in_profile: the profile fields a fit fills (intra: all_reduce within a "
+                  "node; inter: all_reduce across nodes; collectives: the per-collective "
+                  "table)")
+LARGEST_SHAPE = "used_in_profile: the largest shape per dtype gives the profile's TFLOP/s"
+
+
 def collectives_frame(calibration: Calibration) -> pd.DataFrame:
-    """Fits by axis and collective; ``profile`` names the fields of the profile they fill."""
+    """Fits by axis and collective; ``used_in_profile`` names the profile fields they fill."""
     c = calibration
     rows = []
     for f in c.collectives:
@@ -73,19 +80,37 @@ def collectives_frame(calibration: Calibration) -> pd.DataFrame:
             used.append("inter")
         rows.append({"axis": f.axis, "ranks": f.ranks, "collective": f.collective,
                      "latency_us": f.latency_us, "bandwidth_gbs": f.bandwidth_gbs,
-                     "fit_residual": f.residual, "profile": ", ".join(used), "note": f.note})
+                     "fit_residual": f.residual, "used_in_profile": ", ".join(used),
+                     "note": f.note})
     return pd.DataFrame(rows, columns=["axis", "ranks", "collective", "latency_us",
-                                       "bandwidth_gbs", "fit_residual", "profile", "note"])
+                                       "bandwidth_gbs", "fit_residual", "used_in_profile",
+                                       "note"])
 
 
 def matmul_frame(calibration: Calibration) -> pd.DataFrame:
-    """Matmul points; ``profile`` marks the ones whose TFLOP/s the profile took."""
+    """Matmul points; ``used_in_profile`` marks the ones whose TFLOP/s the profile took."""
     largest = max((p.m * p.n * p.k, (p.m, p.n, p.k)) for p in calibration.matmul)[1]
     rows = [{"dtype": p.dtype, "m": p.m, "n": p.n, "k": p.k, "median_ms": p.seconds * 1e3,
-             "tflops": p.tflops, "profile": (p.m, p.n, p.k) == largest}
+             "tflops": p.tflops, "used_in_profile": (p.m, p.n, p.k) == largest}
             for p in calibration.matmul]
     return pd.DataFrame(rows, columns=["dtype", "m", "n", "k", "median_ms", "tflops",
-                                       "profile"])
+                                       "used_in_profile"])
+
+
+def calibration_tables(report: CalibrationReport) -> tuple[Table, Table]:
+    """What ``%mesh calibrate`` shows: matmul speeds and collective fits, rounded to the
+    digits a timing supports (three significant), each with a caption and a note."""
+    three = sig(3)
+    matmul = Table(report.matmul, caption="matmul: achieved TFLOP/s on the slowest rank",
+                   formats={"median_ms": three, "tflops": three}, note=LARGEST_SHAPE)
+    collectives = report.collectives
+    if not collectives["note"].any():
+        collectives = collectives.drop(columns="note")
+    fits = Table(collectives, note=PROFILE_FIELDS,
+                 caption="collectives: time = latency + bytes / bandwidth, fitted per axis",
+                 formats={"latency_us": three, "bandwidth_gbs": three,
+                          "fit_residual": "{:.1%}"})
+    return matmul, fits
 
 
 def points_frame(calibration: Calibration) -> pd.DataFrame:

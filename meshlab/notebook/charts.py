@@ -1,4 +1,6 @@
-"""Altair charts, shown as SVG so they render offline (no JavaScript from a CDN)."""
+"""Altair charts that render offline: an interactive widget (tooltips) while a kernel is
+live, and the same chart as SVG drawn here for saved notebooks and nbconvert. No
+JavaScript is ever fetched from a CDN."""
 
 from __future__ import annotations
 
@@ -7,29 +9,96 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
+from meshlab.notebook.palette import text_colour
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+EMBED = {"renderer": "svg", "actions": False}  # crisp, searchable; no menu of web links
+interactive = True
+"""False: every chart is plain SVG. JupyterLab saves widgets only with Settings > Save
+Widget State Automatically; a notebook saved without it shows an error where a widget was
+(nbclient and `jupyter nbconvert --execute` save the state)."""
+
+
+def _live_kernel() -> bool:
+    """True inside a kernel a front end can talk to (JupyterLab, nbclient); False in a
+    terminal IPython or plain Python, where a widget view would show nothing."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
+
 
 class OfflineChart:
-    """An altair chart that displays as SVG rendered here, with the spec kept alongside."""
+    """An altair chart shown as an offline widget (tooltips work) with an SVG beside it.
 
-    def __init__(self, chart: alt.TopLevelMixin) -> None:
+    The mimebundle holds both: JupyterLab shows the widget while the kernel lives; a viewer
+    without the widget (nbconvert, a notebook saved without widget state) has the SVG.
+    ``widget`` forces the widget view on or off; by default it is on in a live kernel.
+    """
+
+    def __init__(self, chart: alt.TopLevelMixin, *, widget: bool | None = None) -> None:
         self.chart = chart
+        self.widget = widget
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def svg(self) -> str:
+        """The chart drawn here by vl-convert (no network)."""
         import vl_convert
 
-        spec = self.chart.to_dict()
-        return {"image/svg+xml": vl_convert.vegalite_to_svg(spec),
-                "text/plain": f"<{spec.get('mark', 'layered')} chart: {spec.get('title', '')}>"}
+        return str(vl_convert.vegalite_to_svg(self.chart.to_dict()))
 
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+        spec = self.chart.to_dict()
+        title, mark = spec.get("title", ""), spec.get("mark", "layered")
+        bundle: dict[str, Any] = {
+            "image/svg+xml": self.svg(),
+            "text/plain": f"<{mark.get('type') if isinstance(mark, dict) else mark} chart: "
+                          f"{title.get('text', '') if isinstance(title, dict) else title}>"}
+        if self.widget if self.widget is not None else interactive and _live_kernel():
+            # vega is bundled by vl-convert into the widget's own code: nothing from a CDN
+            alt.JupyterChart.enable_offline(offline=True)
+            chart = alt.JupyterChart(self.chart, embed_options=EMBED)  # type: ignore[arg-type]
+            view: Any = chart._repr_mimebundle_()
+            data = view[0] if isinstance(view, tuple) else view  # anywidget: (data, meta)
+            bundle[WIDGET_VIEW] = data[WIDGET_VIEW]
+        return bundle
+
+
+# -- units ------------------------------------------------------------------------------------
+
+BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+SECOND_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+
+
+def byte_unit(largest: float) -> tuple[str, float]:
+    """The unit (and its size in bytes) that shows ``largest`` bytes as 1 to 1023."""
+    return next(((u, s) for u, s in BYTE_UNITS if largest >= s), BYTE_UNITS[-1])
+
+
+def second_unit(largest: float) -> tuple[str, float]:
+    """s, ms or µs: the one that shows ``largest`` seconds as 1 or more."""
+    return next(((u, s) for u, s in SECOND_UNITS if largest >= s), SECOND_UNITS[-1])
+
+
+def _axis(**kwargs: Any) -> alt.Axis:
+    """A value axis whose labels neither crowd (``0.000.01``) nor show needless zeros."""
+    return alt.Axis(format="~g", tickCount=5, labelOverlap="greedy", **kwargs)
+
+
+# -- cells and the session --------------------------------------------------------------------
 
 def comms_chart(frame: pd.DataFrame) -> OfflineChart:
     """Bytes each rank moved, one bar per rank, coloured by collective and axis."""
-    data = frame.assign(collective=frame["op"] + " on " + frame["axis"])
+    unit, size = byte_unit(frame.groupby("rank")["bytes"].sum().max() if len(frame) else 0)
+    data = frame.assign(collective=frame["op"] + " on " + frame["axis"],
+                        amount=frame["bytes"] / size)
     chart = alt.Chart(data, title="bytes per rank by collective").mark_bar().encode(
-        x=alt.X("rank:O", title="rank"),
-        y=alt.Y("sum(bytes):Q", title="bytes (payload)"),
-        color=alt.Color("collective:N", title="collective"),
-        tooltip=["rank", "op", "axis", "group", "count", "bytes", "wire_bytes"],
+        x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0)),
+        y=alt.Y("sum(amount):Q", title=f"payload ({unit})", axis=_axis()),
+        color=alt.Color("collective:N", title="collective",
+                        scale=alt.Scale(scheme="tableau10")),
+        tooltip=["rank", "op", "axis", "group", "count",
+                 alt.Tooltip("bytes:Q", format=","), alt.Tooltip("wire_bytes:Q", format=",")],
     )
     return OfflineChart(chart)
 
@@ -38,101 +107,179 @@ def memory_chart(frame: pd.DataFrame) -> OfflineChart:
     """Stacked bytes per rank: parameters, gradients, optimizer states, activations; and
     the formula's bar beside them."""
     parts = [p for p in ("params", "grads", "optimizer", "activations") if p in frame]
+    unit, size = byte_unit(frame[parts].sum(axis=1).max() if len(frame) else 0)
     data = frame.reset_index().melt(id_vars=["rank", "source"], value_vars=parts,
                                     var_name="part", value_name="bytes")
-    chart = alt.Chart(data, title="bytes per rank").mark_bar().encode(
-        x=alt.X("rank:N", title=None, sort=None),
-        y=alt.Y("sum(bytes):Q", title="bytes"),
-        color=alt.Color("part:N", sort=parts),
-        opacity=alt.condition(alt.datum.source == "formula", alt.value(0.55), alt.value(1.0)),
-        tooltip=["rank", "part", "bytes"],
-    )
+    data = data.assign(amount=data["bytes"] / size)
+    chart = alt.Chart(data, title=f"memory per rank ({unit}; the formula's bar faded)") \
+        .mark_bar().encode(
+            x=alt.X("rank:N", title=None, sort=None, axis=alt.Axis(labelAngle=0)),
+            y=alt.Y("sum(amount):Q", title=unit, axis=_axis()),
+            color=alt.Color("part:N", sort=parts),
+            opacity=alt.condition(alt.datum.source == "formula", alt.value(0.55),
+                                  alt.value(1.0)),
+            tooltip=["rank", "part", alt.Tooltip("amount:Q", title=unit, format=".3~g"),
+                     alt.Tooltip("bytes:Q", format=",")],
+        )
     return OfflineChart(chart)
 
 
+# -- pipeline schedules -----------------------------------------------------------------------
+
 KIND_COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b"}
+WIDTH = 560
+PX_PER_CHAR = 6  # fontSize 9 digits and primes, with a little room either side
+
+
+def chunk_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """``chunk``: which of its rank's stages an action belongs to (0 for the rank's first
+    stage, 1 for its second in interleaved and V schedules), and ``label``: the micro-batch,
+    primed once per chunk (``3``, ``3'``, ``3''``)."""
+    keys = ["view", "rank"] if "view" in frame else ["rank"]
+    if "stage" in frame:
+        chunk = frame.groupby(keys)["stage"].rank(method="dense").astype(int) - 1
+    else:
+        chunk = pd.Series(0, index=frame.index)
+    label = [f"{m}{chr(39) * c}" for m, c in zip(frame["microbatch"], chunk, strict=True)]
+    return frame.assign(chunk=chunk, label=label)
 
 
 def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> OfflineChart:
     """A Gantt chart: ranks as rows, actions as bars coloured by kind and labelled with
-    their micro-batch. Optional columns: ``view`` (one panel per value, e.g. two schedules,
-    or plan vs measured) and ``state`` (pending actions faded)."""
-    data = frame.assign(mid=(frame["start"] + frame["end"]) / 2,
-                        label=frame["microbatch"].astype(str))
+    their micro-batch (primed for a rank's later chunks). Optional columns: ``view`` (one
+    panel per value, e.g. two schedules, or plan vs measured), ``state`` (pending actions
+    outlined) and ``unit`` (the time unit; panels in one unit share one time axis)."""
+    data = chunk_labels(frame)
     if "state" not in data:
         data = data.assign(state="done")
+    if "unit" not in data:
+        data = data.assign(unit="cost units")
+    views = list(dict.fromkeys(data["view"])) if "view" in data else []
+    shared = data["unit"].nunique() == 1
+    # label only bars wide enough for it: px per time unit from each panel's own domain
+    span = data["end"].max() if shared else data.groupby(
+        data["view"] if views else data["unit"])["end"].transform("max")
+    data = data.assign(
+        mid=(data["start"] + data["end"]) / 2,
+        width_px=(data["end"] - data["start"]) * WIDTH / span,
+        label_px=data["label"].str.len() * PX_PER_CHAR + 4,
+        text_fill=[text_colour(KIND_COLOURS.get(k, "#888888")) if s != "pending" else "#000000"
+                   for k, s in zip(data["kind"], data["state"], strict=True)])
     kinds = [k for k in KIND_COLOURS if k in set(data["kind"])]
-    x_title = "time" if "unit" not in data else str(data["unit"].iloc[0])
-    bars = alt.Chart().mark_bar(stroke="white", strokeWidth=0.5).encode(
-        x=alt.X("start:Q", title=x_title), x2="end:Q",
-        y=alt.Y("rank:O", title="rank"),
-        color=alt.Color("kind:N", title="action",
-                        scale=alt.Scale(domain=kinds, range=[KIND_COLOURS[k] for k in kinds])),
-        opacity=alt.condition(alt.datum.state == "pending", alt.value(0.25), alt.value(1.0)),
-        tooltip=["rank", "action", "start", "end", "state"],
-    )
-    labels = alt.Chart().mark_text(color="white", fontSize=9).encode(
-        x="mid:Q", y="rank:O", text="label:N")
-    size = {"width": 560, "height": max(50, 22 * data["rank"].nunique())}
-    layers = alt.layer(bars, labels, data=data).properties(**size)
-    if "view" not in data:
-        return OfflineChart(layers.properties(title=title))
-    views = list(dict.fromkeys(data["view"]))
+    scale = alt.Scale(domain=kinds, range=[KIND_COLOURS[k] for k in kinds])
+    unit = " / ".join(dict.fromkeys(data["unit"].astype(str))) + ("" if shared else " by panel")
+    x = alt.X("start:Q", title=f"time ({unit})", scale=alt.Scale(nice=False, zero=True),
+              axis=_axis())
+    fields = {"rank": "O", "action": "N", "stage": "Q", "chunk": "Q", "microbatch": "Q",
+              "start": "Q", "end": "Q", "state": "N"}
+    tooltip = [alt.Tooltip(f"{c}:{t}", format=".3~g") if c in ("start", "end")
+               else alt.Tooltip(f"{c}:{t}") for c, t in fields.items() if c in data]
+    done = alt.Chart().transform_filter(alt.datum.state != "pending").mark_bar(
+        stroke="white", strokeWidth=0.5).encode(
+        x=x, x2="end:Q", y=alt.Y("rank:O", title="rank"),
+        color=alt.Color("kind:N", title="action", scale=scale), tooltip=tooltip)
+    # pending: outlined in the kind's colour on white, so its black label reads (21:1)
+    pending = alt.Chart().transform_filter(alt.datum.state == "pending").mark_bar(
+        fill="white", strokeWidth=1.5, strokeDash=[3, 2]).encode(
+        x=x, x2="end:Q", y="rank:O",
+        stroke=alt.Stroke("kind:N", scale=scale, legend=None), tooltip=tooltip)
+    labels = alt.Chart().transform_filter(alt.datum.width_px >= alt.datum.label_px) \
+        .mark_text(fontSize=9).encode(
+        x="mid:Q", y="rank:O", text="label:N", color=alt.Color("text_fill:N", scale=None),
+        tooltip=tooltip)
+    size = {"width": WIDTH, "height": max(50, 22 * data["rank"].nunique())}
+    layered = [done, pending, labels] if (data["state"] == "pending").any() else [done, labels]
+    layers = alt.layer(*layered, data=data).properties(**size)
+    notes = ["bar labels: micro-batch"]
+    if (data["chunk"] > 0).any():
+        notes.append("' marks a rank's second chunk (virtual stage), '' its third")
+    if (data["state"] == "pending").any():
+        notes.append("outlined: not run yet")
+    heading = alt.TitleParams(title, subtitle="; ".join(notes))
+    if not views:
+        return OfflineChart(layers.properties(title=heading))
     header = alt.Header(labelAngle=0, labelAlign="left", labelAnchor="start",
                         labelOrient="top", labelFontWeight="bold")
     chart = layers.facet(row=alt.Row("view:N", title=None, sort=views, header=header))
-    return OfflineChart(chart.resolve_scale(x="independent").properties(title=title))
+    if not shared:  # slots beside milliseconds: one axis would compare apples to pears
+        chart = chart.resolve_scale(x="independent")
+    return OfflineChart(chart.properties(title=heading))
 
+
+# -- kernels ----------------------------------------------------------------------------------
 
 def bench_chart(frame: pd.DataFrame) -> OfflineChart:
     """GB/s (or time, where bytes are unknown) against size, a line per provider, a panel
     per rank: a slow rank stands out beside the others."""
     data = frame[frame["median_ms"].notna()]  # timed, right or wrong
     y = "gbps" if data["gbps"].notna().any() else "median_ms"
-    title = {"gbps": "GB/s", "median_ms": "median ms"}[y]
+    title = {"gbps": "bandwidth (GB/s, log)", "median_ms": "median time (ms, log)"}[y]
     timer = ", ".join(sorted(set(data["timer"])))
     sizes = sorted(set(data["size"].tolist()))
     chart = alt.Chart(data).mark_line(point=True).encode(
-        x=alt.X("size:Q", scale=alt.Scale(type="log", base=2), title="size (row length)",
-                axis=alt.Axis(values=sizes)),
+        x=alt.X("size:Q", scale=alt.Scale(type="log", base=2),
+                title="size (elements per row)", axis=alt.Axis(values=sizes, format="~s")),
         # log: interpreter and compiled rows differ by orders of magnitude
-        y=alt.Y(f"{y}:Q", scale=alt.Scale(type="log"), title=f"{title} (log)"),
+        y=alt.Y(f"{y}:Q", scale=alt.Scale(type="log"), title=title,
+                axis=alt.Axis(format="~g", labelOverlap="greedy")),
         color=alt.Color("provider:N"),
-        tooltip=["rank", "provider", "size", "median_ms", "gbps", "correct"],
+        tooltip=["rank", "provider", "size", alt.Tooltip("median_ms:Q", format=".3~g"),
+                 alt.Tooltip("gbps:Q", title="GB/s", format=".3~g"), "correct"],
     ).properties(width=220, height=160).facet(column=alt.Column("rank:N", title="rank"))
     return OfflineChart(chart.properties(
         title=f"{data['kernel'].iloc[0] if len(data) else ''} ({timer})"))
 
 
+# -- planning ---------------------------------------------------------------------------------
+
 def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
-    """GiB per GPU of each planned layout, stacked by part, with the usable memory as a
-    rule: the layouts past the line do not fit."""
+    """Memory per GPU of each planned layout, stacked by part, in a unit that fits the
+    bars; the usable memory as a dashed rule when it is on the bars' scale, else named in
+    the title (a rule at 80 GiB would flatten a tiny model's bars to nothing)."""
     parts = list(dict.fromkeys(frame["part"]))
     order = list(dict.fromkeys(frame["layout"]))
-    bars = alt.Chart(frame).mark_bar().encode(
+    largest = frame.groupby("layout")["gib"].sum().max() * 2**30 if len(frame) else 0
+    usable_gib = float(frame["usable_gib"].iloc[0]) if len(frame) else 0.0
+    unit, size = byte_unit(max(largest, 1))
+    data = frame.assign(amount=frame["gib"] * 2**30 / size,
+                        usable=frame["usable_gib"] * 2**30 / size)
+    bars = alt.Chart(data).mark_bar().encode(
         y=alt.Y("layout:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
-        x=alt.X("sum(gib):Q", title="GiB per GPU"),
+        x=alt.X("sum(amount):Q", title=f"{unit} per GPU", axis=_axis()),
         color=alt.Color("part:N", sort=parts, title=None),
-        tooltip=["layout", "part", alt.Tooltip("gib:Q", format=".2f")],
+        tooltip=["layout", "part", alt.Tooltip("amount:Q", title=unit, format=".3~g")],
     )
-    usable = alt.Chart(frame.head(1)).mark_rule(color="black", strokeDash=[4, 3]).encode(
-        x="usable_gib:Q")
+    on_scale = largest > 0 and usable_gib * 2**30 <= 10 * largest
+    title = f"memory per GPU ({unit}); usable {usable_gib:.3g} GiB"
+    layers: list[alt.Chart] = [bars]
+    if on_scale:
+        layers.append(alt.Chart(data.head(1)).mark_rule(color="black", strokeDash=[4, 3])
+                      .encode(x="usable:Q"))
+        title += " (dashed)"
+    else:
+        title += ", far off this scale"
     height = max(60, 22 * len(order))
-    return OfflineChart(alt.layer(bars, usable).properties(
-        title="memory per GPU (dashed: usable)", width=480, height=height))
+    return OfflineChart(alt.layer(*layers).properties(title=title, width=480, height=height))
 
 
 def plan_comm_chart(frame: pd.DataFrame) -> OfflineChart:
-    """Seconds per step of each axis's collectives, split into those hidden behind compute
-    and those on the critical path, coloured by link."""
-    data = frame.assign(kind=frame["overlapped"].map({True: "overlapped", False: "exposed"}))
-    chart = alt.Chart(data, title="communication per step by axis").mark_bar().encode(
-        y=alt.Y("axis:N", title=None),
-        x=alt.X("sum(seconds):Q", title="seconds per step"),
-        color=alt.Color("link:N", title=None),
-        opacity=alt.Opacity("kind:N", title=None, sort=["exposed", "overlapped"],
-                            scale=alt.Scale(range=[1.0, 0.45])),
-        tooltip=["axis", "what", "collective", "ranks", "link", "calls", "mib_each",
-                 alt.Tooltip("seconds:Q", format=".4f"), "kind"],
+    """Time per step of each axis's collectives, coloured by whether compute hides it
+    (overlapped) or the step waits for it (exposed); the axis label names its link."""
+    unit, size = second_unit(frame.groupby("axis")["seconds"].sum().max() if len(frame) else 0)
+    links = frame.groupby("axis")["link"].agg(lambda s: ", ".join(dict.fromkeys(s)))
+    data = frame.assign(
+        kind=frame["overlapped"].map({True: "overlapped", False: "exposed"}),
+        amount=frame["seconds"] / size,
+        row=[f"{a} ({links[a]})" for a in frame["axis"]])
+    chart = alt.Chart(data, title=f"communication per step by axis ({unit})").mark_bar().encode(
+        y=alt.Y("row:N", title=None, axis=alt.Axis(labelLimit=0)),
+        x=alt.X("sum(amount):Q", title=f"{unit} per step", axis=_axis()),
+        color=alt.Color("kind:N", title=None, sort=["exposed", "overlapped"],
+                        scale=alt.Scale(domain=["exposed", "overlapped"],
+                                        range=["#e45756", "#9ecae9"])),
+        order=alt.Order("kind:N", sort="ascending"),
+        tooltip=["axis", "what", "collective", "ranks", "link", "calls",
+                 alt.Tooltip("mib_each:Q", title="MiB each", format=".3~g"),
+                 alt.Tooltip("amount:Q", title=unit, format=".3~g"), "kind"],
     ).properties(width=480, height=max(60, 24 * data["axis"].nunique()))
     return OfflineChart(chart)

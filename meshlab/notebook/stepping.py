@@ -104,21 +104,22 @@ class SteppedPipeline:
         return ran
 
     def frame(self) -> pd.DataFrame:
-        """The plan (executed actions solid, the rest faded), what ran as measured (ms),
+        """The plan (executed actions solid, the rest outlined), what ran as measured (ms),
         and, once the step is complete, the plan re-simulated with the measured costs."""
         done = {(r["rank"], r["action"]) for r in self.records}
         plan = self.plan.assign(state=["done" if (r, a) in done else "pending" for r, a in
                                        zip(self.plan["rank"], self.plan["action"], strict=True)])
         frames = [plan.assign(view=f"the grid being stepped: {self.slots_done} of "
-                                   f"{self.plan['slot'].max() + 1} slots run")]
+                                   f"{self.plan['slot'].max() + 1} slots run", unit="slots")]
         measured = self.measured()
         if not measured.empty:
-            frames.append(measured.assign(view="measured on the ranks (ms)", state="done"))
+            frames.append(measured.assign(view="measured on the ranks (ms)", state="done",
+                                          unit="ms"))
         if self.done and not measured.empty:
             costs = measured_costs(measured, self.schedule)
             again = self.schedule.simulate(costs).to_frame()
             frames.append(again.assign(view=f"simulated with measured costs: {_costs(costs)}",
-                                       state="done"))
+                                       state="done", unit="ms"))
         return pd.concat(frames, ignore_index=True)
 
     def measured(self) -> pd.DataFrame:

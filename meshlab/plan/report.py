@@ -46,7 +46,7 @@ class Plan:
                    "memory_gib": _sig(row["memory_gib"]), "step_s": _sig(e.step_s),
                    "bubble": round(e.bubble_fraction, 3),
                    "exposed_comm_s": _sig(e.exposed_comm_s),
-                   "tokens_per_s": _sig(e.tokens_per_s),
+                   "tokens_per_s": _whole(e.tokens_per_s),
                    "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu)}
             if self.tokens:
                 row["days"] = round(e.train_days(self.tokens), 1)
@@ -124,6 +124,11 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
 def _sig(x: float) -> float:
     """Three significant figures: tiny models' numbers do not round to 0."""
     return float(f"{x:.3g}")
+
+
+def _whole(x: float) -> float | int:
+    """Three significant figures, as an int from 100 up: 311000, not 311000.0."""
+    return round(_sig(x)) if abs(x) >= 100 else _sig(x)
 
 
 def _count(n: int) -> str:

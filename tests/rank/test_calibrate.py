@@ -178,12 +178,12 @@ def test_every_mesh_axis_and_the_world_have_a_row_per_collective(
         ("dp_shard", 2), ("tp", 2), ("world", 4)]
     assert (table.groupby("axis")["collective"].apply(set) == set(COLLECTIVES)).all()
     assert (table["bandwidth_gbs"] > 0).all() and (table["latency_us"] >= 0).all()
-    assert set(table.loc[table["axis"] == "world", "profile"]) == {
+    assert set(table.loc[table["axis"] == "world", "used_in_profile"]) == {
         "intra, inter", "collectives"}
     points = report.points
     assert len(points) == len(table) * 4  # quick: 4 message sizes
     assert (points["measured_us"] > 0).all() and (points["fitted_us"] > 0).all()
-    assert report.matmul["profile"].sum() == 2  # one shape per dtype went into the profile
+    assert report.matmul["used_in_profile"].sum() == 2  # one shape per dtype went into the profile
 
 
 @contextmanager

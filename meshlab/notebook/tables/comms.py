@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from meshlab.comms import CommRecord
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
+from meshlab.notebook.tables.table import Table
 
 COLUMNS = ["rank", "op", "axis", "group", "count", "bytes", "wire_bytes"]
 
@@ -36,3 +39,40 @@ def comms_totals(frame: pd.DataFrame) -> pd.DataFrame:
     """Calls and bytes per (op, axis), summed over ranks."""
     totals = frame.groupby(["op", "axis"], as_index=False)[["count", "bytes", "wire_bytes"]].sum()
     return totals.sort_values("bytes", ascending=False, ignore_index=True)
+
+
+def comms_by_ranks(frame: pd.DataFrame) -> pd.DataFrame:
+    """The per-rank table with ranks whose rows are all identical folded into one row per
+    collective, ``ranks`` naming them (``0-3``), as cell output groups identical ranks.
+
+    ``group`` differs from rank to rank (rank 1's tp group is not rank 3's), so ranks are
+    compared on what they issued: op, axis, calls and bytes."""
+    same = ["op", "axis", "count", "bytes", "wire_bytes"]
+    rows = {int(str(rank)): tuple(map(tuple, part[same].itertuples(index=False)))
+            for rank, part in frame.groupby("rank", sort=True)}
+    by_rows: dict[tuple[tuple[Any, ...], ...], list[int]] = {}
+    for rank, key in rows.items():
+        by_rows.setdefault(key, []).append(rank)
+    out = []
+    for key, ranks in by_rows.items():
+        groups = frame[frame["rank"].isin(ranks)].groupby(["op", "axis"], sort=False)["group"]
+        group_text = groups.agg(lambda g: " ".join(dict.fromkeys(g)))
+        for op, axis, count, nbytes, wire in key:
+            out.append({"ranks": format_ranks(ranks), "op": op, "axis": axis,
+                        "groups": group_text[(op, axis)], "count": count, "bytes": nbytes,
+                        "wire_bytes": wire})
+    return pd.DataFrame(out, columns=["ranks", "op", "axis", "groups", "count", "bytes",
+                                      "wire_bytes"])
+
+
+def comms_tables(frame: pd.DataFrame) -> tuple[Table, Table]:
+    """What ``%%mesh --comms`` shows: identical ranks folded into one row, and the totals,
+    each with a caption and bytes with thousands separators."""
+    counts = {"count": "{:,}", "bytes": "{:,}", "wire_bytes": "{:,}"}
+    wire = "wire_bytes: what a ring algorithm sends per rank (e.g. 2(n-1)/n of an all_reduce)"
+    per_rank = Table(comms_by_ranks(frame), formats=counts, note=wire,
+                     caption="collectives per rank (ranks that issued the same ones share a "
+                             "row)")
+    totals = Table(comms_totals(frame), formats=counts,
+                   caption="totals over all ranks, by collective and mesh axis")
+    return per_rank, totals
