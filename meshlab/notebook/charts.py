@@ -80,9 +80,13 @@ def second_unit(largest: float) -> tuple[str, float]:
     return next(((u, s) for u, s in SECOND_UNITS if largest >= s), SECOND_UNITS[-1])
 
 
+# three significant digits, trailing zeros dropped: 20, 0.0009, 12,300 (never 2e+1)
+AXIS_FORMAT = ",.3~r"
+
+
 def _axis(**kwargs: Any) -> alt.Axis:
     """A value axis whose labels neither crowd (``0.000.01``) nor show needless zeros."""
-    return alt.Axis(format="~g", tickCount=5, labelOverlap="greedy", **kwargs)
+    return alt.Axis(format=AXIS_FORMAT, tickCount=5, labelOverlap="greedy", **kwargs)
 
 
 # -- cells and the session --------------------------------------------------------------------
@@ -221,7 +225,7 @@ def bench_chart(frame: pd.DataFrame) -> OfflineChart:
                 title="size (elements per row)", axis=alt.Axis(values=sizes, format="~s")),
         # log: interpreter and compiled rows differ by orders of magnitude
         y=alt.Y(f"{y}:Q", scale=alt.Scale(type="log"), title=title,
-                axis=alt.Axis(format="~g", labelOverlap="greedy")),
+                axis=alt.Axis(format=AXIS_FORMAT, labelOverlap="greedy")),
         color=alt.Color("provider:N"),
         tooltip=["rank", "provider", "size", alt.Tooltip("median_ms:Q", format=".3~g"),
                  alt.Tooltip("gbps:Q", title="GB/s", format=".3~g"), "correct"],

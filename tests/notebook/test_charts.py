@@ -76,7 +76,7 @@ def test_a_tiny_models_memory_is_drawn_in_kib_without_the_80_gib_rule() -> None:
     spec = plan_memory_chart(frame).chart.to_dict()
     assert spec["layer"][0]["encoding"]["x"]["title"] == "KiB per GPU"
     assert len(spec["layer"]) == 1 and "far off this scale" in spec["title"]
-    assert spec["layer"][0]["encoding"]["x"]["axis"]["format"] == "~g"
+    assert spec["layer"][0]["encoding"]["x"]["axis"]["format"] == ",.3~r"
 
 
 def test_memory_on_the_usable_scale_keeps_the_rule() -> None:

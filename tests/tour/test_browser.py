@@ -1,8 +1,9 @@
-"""The sharding notebook in a real JupyterLab, driven by headless Chromium.
+"""The tour's notebooks in a real JupyterLab, driven by headless Chromium.
 
 JupyterLab runs on 127.0.0.1; Playwright drives Debian's Chromium (no browser download).
-The test runs every cell, checks the widget's blocks and the chart in the page, checks that
-the page fetched nothing from outside this machine, and saves a screenshot.
+Each test runs every cell of one notebook (Run All), checks what its pictures say in the
+page (computed styles, contrast, positions, tooltips), that the page fetched nothing from
+outside this machine and logged no error, and saves screenshots to artifacts/.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 import pytest
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-NOTEBOOK = Path(__file__).parents[2] / "notebooks" / "02-mesh-and-sharding.ipynb"
+NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
+TOURED = ("01-quickstart", "02-mesh-and-sharding", "05-pipeline-schedules",
+          "11-planning-at-scale")
 ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(
@@ -38,9 +41,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A JupyterLab server on loopback serving a copy of the notebook; yields its base URL."""
+    """A JupyterLab server on loopback serving copies of the notebooks; yields its URL."""
     root = tmp_path_factory.mktemp("lab")
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    for name in TOURED:
+        shutil.copy(NOTEBOOKS / f"{name}.ipynb", root / f"{name}.ipynb")
     port, token = free_port(), secrets.token_hex(16)
     settings = tmp_path_factory.mktemp("lab-settings")
     for plugin, value in {
@@ -84,65 +88,215 @@ def accept_dialogs(page: Any) -> None:
         button.click()
 
 
-def test_sharding_widget_and_chart_render_in_jupyterlab_offline(jupyterlab: str) -> None:
-    from playwright.sync_api import sync_playwright
+ALL_RAN = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  if (!panel || !panel.content || !panel.sessionContext) return false;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const cells = panel.content.widgets.filter(c => c.model.type === 'code');
+  return !!kernel && kernel.status === 'idle' && cells.length > 0 &&
+    cells.every(c => c.model.executionCount !== null);
+}"""
 
-    base, token = jupyterlab.split("|")
-    requests: list[str] = []
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("request", lambda request: requests.append(request.url))
-        page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
+COUNTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
+  .filter(c => c.model.type === 'code').map(c => c.model.executionCount)"""
+
+# the colour behind a block's label: the nearest element with a background colour of its own
+LABELS = """(root) => [...root.querySelectorAll('.meshlab-block')].map(block => {
+  const walker = document.createTreeWalker(block, NodeFilter.SHOW_TEXT);
+  let text = walker.nextNode();
+  while (text && !text.textContent.trim()) text = walker.nextNode();
+  if (!text) return null;
+  let node = text.parentElement;
+  const colour = getComputedStyle(node).color;
+  const clear = (n) => ['rgba(0, 0, 0, 0)', 'transparent'].includes(
+    getComputedStyle(n).backgroundColor);
+  while (node && clear(node)) node = node.parentElement;
+  return {ranks: block.dataset.ranks, text: text.textContent.trim(), colour,
+          background: node ? getComputedStyle(node).backgroundColor : 'rgb(255, 255, 255)',
+          fill: getComputedStyle(block).backgroundColor,
+          image: getComputedStyle(block).backgroundImage,
+          partial: block.classList.contains('partial')};
+})"""
+
+# per panel of a faceted vega chart: the right edge of its last bar, from the first bar's left
+PANEL_EXTENTS = """(svg) => {
+  const panels = [...svg.querySelectorAll('g.mark-rect.role-mark')]
+    .map(p => [...p.querySelectorAll('path')].map(b => b.getBoundingClientRect()));
+  const left = Math.min(...panels.flat().map(r => r.left));
+  return panels.filter(p => p.length).map(p => Math.max(...p.map(r => r.right)) - left);
+}"""
+
+# how much of the plot the bars cover, across and down (an empty-looking chart: ~0 one way)
+BAR_COVER = """(svg) => {
+  const bars = [...svg.querySelectorAll('g.mark-rect path')].map(b => b.getBoundingClientRect());
+  const plot = svg.querySelector('g.role-frame.root path.background').getBoundingClientRect();
+  if (!bars.length) return [0, 0];
+  const across = Math.max(...bars.map(r => r.right)) - Math.min(...bars.map(r => r.left));
+  const down = Math.max(...bars.map(r => r.bottom)) - Math.min(...bars.map(r => r.top));
+  return [across / plot.width, down / plot.height];
+}"""
+
+
+def hex_of(css: str) -> str:
+    """'rgb(78, 121, 167)' -> '#4e79a7'."""
+    parts = css[css.index("(") + 1:css.index(")")].split(",")[:3]
+    return "#" + "".join(f"{int(float(p)):02x}" for p in parts)
+
+
+class Lab:
+    """One notebook opened in JupyterLab and run to the end, with what the page did."""
+
+    def __init__(self, browser: Any, jupyterlab: str, name: str) -> None:
+        self.base, self.token = jupyterlab.split("|")
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.page = page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("request", lambda request: self.requests.append(request.url))
+        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        # a workspace of its own, reset: no tabs (and kernels) of earlier tests come back
+        page.goto(f"{self.base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={self.token}")
         page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
                                timeout=60_000)
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                timeout=60_000)
         page.wait_for_timeout(2000)
         accept_dialogs(page)  # JupyterLab sometimes asks which kernel, even with one running
-        # not awaited: the command's promise settles late, the page tells us when cells ran
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-        chart_selector = ".jp-RenderedSVG img[src^='data:image/svg+xml']"
-        deadline = time.monotonic() + 240
-        # the chart comes from the second-to-last cell: once it shows, the cells before ran
-        while not page.locator(chart_selector).count():
+        # not awaited: the command's promise settles late; the cells say when they ran
+        run_all = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
+        page.evaluate(run_all)
+        asked, deadline = time.monotonic(), time.monotonic() + 240
+        while not page.evaluate(ALL_RAN):
             accept_dialogs(page)
+            if time.monotonic() - asked > 30 and not any(page.evaluate(COUNTS)):
+                page.evaluate(run_all)  # asked before the kernel was there: ask again
+                asked = time.monotonic()
             if time.monotonic() > deadline:
-                page.screenshot(path=str(ARTIFACTS / "browser-failure.png"), full_page=True)
-                raise AssertionError("the notebook did not finish in JupyterLab within 240 s; "
-                                     "see artifacts/browser-failure.png")
+                page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
+                counts = page.evaluate(COUNTS)
+                raise AssertionError(f"{name} did not finish in JupyterLab within 240 s "
+                                     f"(execution counts {counts}); "
+                                     f"see artifacts/{name}-failure.png")
             page.wait_for_timeout(500)
-        first = page.locator(".meshlab-sharding").first
-        first.scroll_into_view_if_needed()
-        blocks = first.locator(".meshlab-block")
-        assert blocks.count() == 4
-        assert sorted(blocks.nth(i).get_attribute("data-ranks") for i in range(4)) == \
-            ["0", "1", "2", "3"]
-        # rank 1 holds rows 0-3 and columns 3-5: top right of the 8 x 6 tensor
-        box0, box1 = blocks.nth(0).bounding_box(), blocks.nth(1).bounding_box()
-        assert box0 and box1 and box1["x"] > box0["x"] and abs(box1["y"] - box0["y"]) < 1
-        blocks.nth(1).hover()
-        assert "rank 1 at [0,1]: local [4,3] from offset [0,3]" in \
-            first.locator(".meshlab-detail").inner_text()
-        page.screenshot(path=str(ARTIFACTS / "jupyterlab.png"))
-        first.screenshot(path=str(ARTIFACTS / "sharding-widget.png"))
+        page.wait_for_timeout(1000)  # widgets render after their cell's reply
 
-        # the module table: clicking a parameter draws it
-        module = page.locator(".meshlab-sharding", has=page.locator(".meshlab-params")).first
-        module.scroll_into_view_if_needed()
-        module.locator("tr.meshlab-param").nth(2).click()
-        page.wait_for_function(
-            "[...document.querySelectorAll('.meshlab-caption')].some(c => "
-            "c.textContent.startsWith('2.weight'))", timeout=30_000)
-        module.screenshot(path=str(ARTIFACTS / "sharding-module.png"))
+    def charts(self) -> Any:
+        """The interactive charts (vega drawn as SVG by the offline widget)."""
+        return self.page.locator(".vega-embed svg.marks")
 
-        chart = page.locator(chart_selector).last
+    def close(self) -> None:
+        """Stop the notebook's kernel and check the page stayed on this machine, quietly."""
+        self.page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
+                           ".session.shutdown()")
+        self.page.close()
+        outside = [u for u in self.requests
+                   if not u.startswith((self.base, "data:", "blob:", "about:"))]
+        assert outside == [], f"the page fetched from outside this machine: {outside[:5]}"
+        assert self.errors == [], f"the page logged errors: {self.errors[:5]}"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        yield chromium
+        chromium.close()
+
+
+def test_quickstart_runs_and_reports_in_jupyterlab(browser: Any, jupyterlab: str) -> None:
+    lab = Lab(browser, jupyterlab, "01-quickstart")
+    text = lab.page.locator(".jp-OutputArea-output").all_inner_texts()
+    assert any("ranks ready in" in t for t in text), text[:3]
+    assert any("[rank 1] ValueError" in t for t in text)  # errors summarised by rank
+    lab.page.screenshot(path=str(ARTIFACTS / "01-quickstart.png"), full_page=True)
+    lab.close()
+
+
+def test_sharding_widget_tells_ranks_ranges_and_partial_apart(
+        browser: Any, jupyterlab: str) -> None:
+    from meshlab.notebook.palette import contrast, rank_colour
+
+    lab = Lab(browser, jupyterlab, "02-mesh-and-sharding")
+    page = lab.page
+    first = page.locator(".meshlab-sharding").first
+    first.scroll_into_view_if_needed()
+    blocks = first.locator(".meshlab-block")
+    assert blocks.count() == 4
+    assert sorted(blocks.nth(i).get_attribute("data-ranks") for i in range(4)) == \
+        ["0", "1", "2", "3"]
+    # rank 1 holds rows 0-3 and columns 3-5: top right of the 8 x 6 tensor
+    box0, box1 = blocks.nth(0).bounding_box(), blocks.nth(1).bounding_box()
+    assert box0 and box1 and box1["x"] > box0["x"] and abs(box1["y"] - box0["y"]) < 1
+    blocks.nth(1).hover()
+    assert "rank 1 at [0,1]: local [4,3] from offset [0,3]" in \
+        first.locator(".meshlab-detail").inner_text()
+    first.screenshot(path=str(ARTIFACTS / "sharding-widget.png"))
+
+    labels = [x for w in page.locator(".meshlab-sharding").all() for x in w.evaluate(LABELS)]
+    assert len(labels) > 10
+    for x in labels:  # every label readable on its colour (WCAG AA: 4.5:1)
+        assert contrast(hex_of(x["colour"]), hex_of(x["background"])) >= 4.5, x
+    colours: dict[str, set[str]] = {}  # one colour per rank, in every widget
+    for x in labels:
+        if "," not in x["ranks"] and "-" not in x["ranks"]:
+            colours.setdefault(x["ranks"], set()).add(hex_of(x["fill"]))
+    assert colours == {str(r): {rank_colour(r)} for r in range(4)}
+    partial = [x for x in labels if x["partial"]]  # `%mesh inspect partial`: hatched
+    assert partial and all("repeating-linear-gradient" in x["image"] for x in partial)
+    hatched = page.locator(".meshlab-sharding", has=page.locator(".meshlab-block.partial"))
+    hatched.first.screenshot(path=str(ARTIFACTS / "sharding-partial.png"))
+
+    # the module table: clicking a parameter draws it
+    module = page.locator(".meshlab-sharding", has=page.locator(".meshlab-params")).first
+    module.scroll_into_view_if_needed()
+    module.locator("tr.meshlab-param").nth(2).click()
+    page.wait_for_function(
+        "[...document.querySelectorAll('.meshlab-caption')].some(c => "
+        "c.textContent.startsWith('2.weight'))", timeout=30_000)
+    module.screenshot(path=str(ARTIFACTS / "sharding-module.png"))
+
+    chart = lab.charts().last  # %%mesh --comms: interactive, drawn here
+    chart.scroll_into_view_if_needed()
+    assert chart.is_visible()
+    chart.screenshot(path=str(ARTIFACTS / "comms-chart.png"))
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab.png"))
+    lab.close()
+
+
+def test_compared_schedules_share_one_time_axis_and_show_tooltips(
+        browser: Any, jupyterlab: str) -> None:
+    lab = Lab(browser, jupyterlab, "05-pipeline-schedules")
+    chart = lab.charts().first  # gpipe,1f1b,interleaved_1f1b,zb_h1 on 4 stages, 8 micro-batches
+    chart.scroll_into_view_if_needed()
+    extents = chart.evaluate(PANEL_EXTENTS)
+    assert len(extents) == 4, extents
+    # one time axis: ZB-H1 (27 slots) draws shorter than GPipe (33), not as long
+    assert max(extents) / min(extents) > 1.1, extents
+    chart.screenshot(path=str(ARTIFACTS / "schedules-compared.png"))
+    bar = chart.locator("g.mark-rect path").first.bounding_box()
+    assert bar is not None
+    for dx in (2, 3):  # vega shows the tooltip on a move within the mark
+        lab.page.mouse.move(bar["x"] + dx, bar["y"] + bar["height"] / 2)
+    tooltip = lab.page.locator("#vg-tooltip-element.visible")
+    tooltip.wait_for(timeout=10_000)
+    assert "rank" in tooltip.inner_text()
+    lab.close()
+
+
+def test_planning_charts_fill_their_axes(browser: Any, jupyterlab: str) -> None:
+    lab = Lab(browser, jupyterlab, "11-planning-at-scale")
+    charts = lab.charts()
+    assert charts.count() >= 1
+    for i in range(charts.count()):
+        chart = charts.nth(i)
         chart.scroll_into_view_if_needed()
-        assert chart.is_visible()
-        chart.screenshot(path=str(ARTIFACTS / "comms-chart.png"))
-        browser.close()
-    outside = [u for u in requests if not u.startswith((base, "data:", "blob:", "about:"))]
-    assert outside == [], f"the page fetched from outside this machine: {outside[:5]}"
+        across, down = chart.evaluate(BAR_COVER)
+        # a bar chart whose values fill a sliver of their axis reads as empty
+        assert across > 0.25 and down > 0.25, f"chart {i}: bars cover {across:.0%} x {down:.0%}"
+        chart.screenshot(path=str(ARTIFACTS / f"planning-chart-{i}.png"))
+    lab.close()

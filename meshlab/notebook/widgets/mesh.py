@@ -63,10 +63,9 @@ class MeshView:
                     if title else "")
             panels.append(f"<table style='border-collapse:collapse;margin:4px'>{head}"
                           f"{''.join(cells)}</table>")
-        across = f"{names[-1]} →"
-        down = f"{names[-2]} ↓" if len(names) > 1 else ""
+        directions = f"{names[-1]} →" + (f", {names[-2]} ↓" if len(names) > 1 else "")
         return (f"<div class='meshlab-mesh'><div><b>mesh</b> {html.escape(str(self.spec))}"
-                f" <small>({across} {down})</small></div>"
+                f" <small>({directions})</small></div>"
                 f"<div style='display:flex;flex-wrap:wrap'>{''.join(panels)}</div></div>")
 
     def __repr__(self) -> str:

@@ -87,14 +87,22 @@ function drawTensor(model, root) {
     const box = el("div", {
       class: "meshlab-block" + (b.replicated ? " replicated" : "") + (b.partial ? " partial" : ""),
       "data-ranks": b.ranks.join(","),
-      title: b.label,
+      title: `${b.label} ${b.ranges}`,
+      tabindex: "0", role: "button",
+      "aria-label": `${b.label}, ${b.ranges}` + (b.partial ? ", partial" : ""),
       style: {
         left: `${(b.c0 / nCols) * width}px`, top: `${(b.r0 / nRows) * height}px`,
         width: `${((b.c1 - b.c0) / nCols) * width}px`, height: `${((b.r1 - b.r0) / nRows) * height}px`,
-        background: b.color,
+        // not the `background` shorthand: it would reset the Partial hatch
+        backgroundColor: b.fill["background-color"],
+        backgroundImage: b.fill["background-image"] || "none",
       },
-      onmouseenter: () => show(b), onclick: () => show(b),
-    }, b.label);
+      onmouseenter: () => show(b), onclick: () => show(b), onfocus: () => show(b),
+      onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); show(b); } },
+    },
+    // the label sits on its first rank's colour, in black or white, whatever lies behind
+    el("span", { class: "meshlab-label", style: { color: b.text, backgroundColor: b.color } }, b.label),
+    el("span", { class: "meshlab-range", style: { color: b.text, backgroundColor: b.color } }, b.ranges));
     grid.append(box);
   }
   root.append(grid);

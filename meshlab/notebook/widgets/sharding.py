@@ -16,11 +16,12 @@ from typing import Any
 import anywidget
 import traitlets
 
+from meshlab.notebook.palette import rank_colour, text_colour
 from meshlab.notebook.ranks import format_ranks, label
 from meshlab.sharding import ModuleReport, RankShard, ShardingReport
 
-PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1",
-           "#ff9da7", "#9c755f", "#bab0ac"]
+# diagonal stripes over the rank colours: a Partial value still owes a reduction
+HATCH = "repeating-linear-gradient(45deg, rgba(255,255,255,.55) 0 4px, transparent 4px 8px)"
 
 
 def blocks(report: ShardingReport, dims: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -39,18 +40,66 @@ def blocks(report: ShardingReport, dims: tuple[int, ...]) -> list[dict[str, Any]
         c0, c1 = _span(shard, dims[1]) if len(dims) > 1 else (0, 1)
         by_box.setdefault((r0, r1, c0, c1), []).append(shard)
     out = []
-    rank_sets = sorted({tuple(s.rank for s in group) for group in by_box.values()})
     for (r0, r1, c0, c1), group in sorted(by_box.items()):
         ranks = [s.rank for s in group]
+        colours = [rank_colour(r) for r in ranks]  # rank r has one colour in every picture
         out.append({
             "r0": r0, "r1": r1, "c0": c0, "c1": c1, "ranks": ranks, "label": label(ranks),
-            "color": PALETTE[rank_sets.index(tuple(ranks)) % len(PALETTE)],
+            "ranges": _ranges(r0, r1, c0, c1, ndim),
+            "color": colours[0], "colors": colours, "text": text_colour(colours[0]),
             # plain tensors of the same shape on several ranks may hold different values
             "replicated": len(ranks) > 1 and report.kind == "dtensor",
             "partial": report.partial,
             "detail": [asdict(s) for s in group],
         })
+        out[-1]["fill"] = background(out[-1])
     return out
+
+
+def _ranges(r0: int, r1: int, c0: int, c1: int, ndim: int) -> str:
+    """``rows 0-3 · cols 3-5`` (inclusive), as far as the tensor has rows and columns."""
+    def span(a: int, b: int) -> str:
+        return f"{a}" if b - a == 1 else f"{a}-{b - 1}"
+
+    if ndim == 0:
+        return "the scalar"
+    return f"rows {span(r0, r1)}" + (f" · cols {span(c0, c1)}" if ndim > 1 else "")
+
+
+def background(block: dict[str, Any]) -> dict[str, str]:
+    """CSS of a block: its rank's colour, equal bands when several ranks hold it, and the
+    hatch over them when the value is Partial (widget and HTML fallback alike)."""
+    colours = block["colors"]
+    images = [HATCH] if block["partial"] else []
+    if len(colours) > 1:
+        n = len(colours)
+        stops = ", ".join(f"{c} {i * 100 / n:.2f}% {(i + 1) * 100 / n:.2f}%"
+                          for i, c in enumerate(colours))
+        images.append(f"linear-gradient(to right, {stops})")
+    css = {"background-color": colours[0]}
+    if images:
+        css["background-image"] = ", ".join(images)
+    return css
+
+
+def text_form(tensor: dict[str, Any]) -> str:
+    """The drawing as lines to paste into a log: one per block (ranges inclusive)."""
+    if not tensor:
+        return "(no tensor)"
+    head = (f"{tensor['name'] or 'tensor'} {list(tensor['shape'])} {tensor['dtype']} · "
+            f"{', '.join(tensor['placements']) or 'local tensor (one per rank)'}"
+            + (f" on mesh {list(tensor['mesh_shape'])} ({', '.join(tensor['mesh_axes'])})"
+               if tensor["mesh_shape"] else ""))
+    lines = [head]
+    for b in tensor["blocks"]:
+        shard = b["detail"][0]
+        notes = (" · replicated" if b["replicated"] else "") + \
+            (" · partial: pending reduction" if b["partial"] else "")
+        lines.append(f"  {b['ranges']}: {label(b['ranks'])[1:-1]} · local "
+                     f"{list(shard['local_shape'])}, {_size(shard['bytes'])} each{notes}")
+    if tensor["empty"]:
+        lines.append(f"  holding nothing: {label(tensor['empty'])[1:-1]}")
+    return "\n".join(lines)
 
 
 def _span(shard: RankShard, dim: int) -> tuple[int, int]:
@@ -142,7 +191,15 @@ class ShardingView(anywidget.AnyWidget):
         data = bundle[0] if isinstance(bundle, tuple) else bundle
         if data is not None:
             data["text/html"] = self._repr_html_()  # for front ends without widgets
+            data["text/plain"] = self.text()  # for a terminal, a log, a saved notebook's diff
         return bundle
+
+    def text(self) -> str:
+        """The drawn tensor as text: ranks, their rows and columns, local shapes."""
+        return text_form(self.tensor)
+
+    def __repr__(self) -> str:
+        return self.text()
 
     def _repr_html_(self) -> str:
         return render_html(self.tensor, self.rows, self.totals)
@@ -181,12 +238,14 @@ def _tensor_html(t: dict[str, Any]) -> str:
         y, h = b["r0"] / n_rows * height, (b["r1"] - b["r0"]) / n_rows * height
         note = " (replicated)" if b["replicated"] else ""
         note += " (partial: pending reduction)" if b["partial"] else ""
+        fill = "".join(f"{k}:{v};" for k, v in b["fill"].items())
         boxes.append(
             f"<div class='meshlab-block' data-ranks='{format_ranks(b['ranks'])}' "
-            f"title='{b['label']}{note}' style='position:absolute;left:{x:.1f}px;top:{y:.1f}px;"
-            f"width:{w:.1f}px;height:{h:.1f}px;background:{b['color']};"
-            f"border:1px solid #fff;box-sizing:border-box;color:#fff;font:11px sans-serif;"
-            f"overflow:hidden'>{b['label']}{note}</div>")
+            f"title='{b['label']} {b['ranges']}{note}' style='position:absolute;"
+            f"left:{x:.1f}px;top:{y:.1f}px;width:{w:.1f}px;height:{h:.1f}px;{fill}"
+            f"border:1px solid #fff;box-sizing:border-box;font:12px sans-serif;"
+            f"overflow:hidden'><span style='color:{b['text']};background-color:{b['color']};"
+            f"padding:0 2px'>{b['label']}</span></div>")
     caption = (f"<b>{html.escape(t['name'] or 'tensor')}</b> {t['shape']} {t['dtype']}"
                f" &middot; {', '.join(t['placements']) or 'local tensor'}"
                + (f" on mesh {t['mesh_shape']} {t['mesh_axes']}" if t["mesh_shape"] else "")

@@ -1,0 +1,89 @@
+"""What the sharding widget and the mesh view say, from reports built by hand (no ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlab.mesh import MeshSpec
+from meshlab.notebook.palette import RANKS, contrast, rank_colour, text_colour
+from meshlab.notebook.widgets import MeshView
+from meshlab.notebook.widgets.sharding import ShardingView, blocks
+from meshlab.sharding import RankShard, ShardingReport
+
+
+def report(name: str, placements: list[str], pieces: dict[int, tuple[list[int], list[int]]],
+           shape: tuple[int, int] = (8, 6)) -> ShardingReport:
+    """A float32 DTensor on a 2 x 2 mesh; ``pieces``: rank -> (local shape, offsets)."""
+    return ShardingReport(
+        name=name, kind="dtensor", global_shape=list(shape), dtype="float32",
+        mesh_shape=[2, 2], mesh_axes=["dp", "tp"], placements=placements,
+        shards=[RankShard(rank=r, coordinate=[r // 2, r % 2], local_shape=local,
+                          offsets=offsets, bytes=4 * local[0] * local[1])
+                for r, (local, offsets) in pieces.items()])
+
+
+GRID = report("w", ["Shard(0)", "Shard(1)"], {0: ([4, 3], [0, 0]), 1: ([4, 3], [0, 3]),
+                                              2: ([4, 3], [4, 0]), 3: ([4, 3], [4, 3])})
+# Replicate() over dp, Shard(1) over tp: ranks 0,2 hold the left half, 1,3 the right
+COLS = report("cols", ["Replicate()", "Shard(1)"], {0: ([8, 3], [0, 0]), 1: ([8, 3], [0, 3]),
+                                                   2: ([8, 3], [0, 0]), 3: ([8, 3], [0, 3])})
+PARTIAL = report("partial", ["Partial(sum)", "Replicate()"],
+                 {r: ([4, 4], [0, 0]) for r in range(4)}, shape=(4, 4))
+
+
+def test_a_rank_has_one_colour_in_every_tensor() -> None:
+    seen: dict[int, set[str]] = {}
+    for r in (GRID, COLS, PARTIAL):
+        for b in blocks(r, (0, 1)):
+            for rank, colour in zip(b["ranks"], b["colors"], strict=True):
+                seen.setdefault(rank, set()).add(colour)
+    assert seen == {r: {rank_colour(r)} for r in range(4)}
+
+
+def test_a_block_held_by_several_ranks_shows_each_ranks_colour() -> None:
+    left = next(b for b in blocks(COLS, (0, 1)) if b["ranks"] == [0, 2])
+    assert left["fill"]["background-color"] == rank_colour(0)
+    assert rank_colour(0) in left["fill"]["background-image"]
+    assert rank_colour(2) in left["fill"]["background-image"]
+
+
+def test_labels_read_at_4_5_to_1_on_every_rank_colour() -> None:
+    for colour in RANKS:
+        assert contrast(colour, text_colour(colour)) >= 4.5, colour
+    for b in blocks(GRID, (0, 1)) + blocks(COLS, (0, 1)):
+        assert contrast(b["color"], b["text"]) >= 4.5
+
+
+def test_partial_blocks_are_hatched_without_the_background_shorthand() -> None:
+    (b,) = blocks(PARTIAL, (0, 1))
+    assert b["partial"] and "repeating-linear-gradient" in b["fill"]["background-image"]
+    assert "repeating-linear-gradient" not in blocks(GRID, (0, 1))[0]["fill"].get(
+        "background-image", "")
+    html = ShardingView(PARTIAL)._repr_html_()
+    assert "repeating-linear-gradient" in html and "background:#" not in html
+    # the shorthand would reset the hatch the widget sets beside it
+    js = (Path(__file__).parents[2] / "meshlab/notebook/widgets/sharding.js").read_text()
+    assert "background:" not in js.replace(" ", "")
+
+
+def test_blocks_say_their_rows_and_columns() -> None:
+    ranges = {b["label"]: b["ranges"] for b in blocks(GRID, (0, 1))}
+    assert ranges["[rank 1]"] == "rows 0-3 · cols 3-5"
+    assert ranges["[rank 2]"] == "rows 4-7 · cols 0-2"
+
+
+def test_the_text_form_lists_every_block_for_a_log() -> None:
+    text = repr(ShardingView(GRID))
+    assert text.splitlines()[0] == ("w [8, 6] float32 · Shard(0), Shard(1) on mesh [2, 2] "
+                                    "(dp, tp)")
+    assert "  rows 0-3 · cols 3-5: rank 1 · local [4, 3], 48 B each" in text
+    assert "partial: pending reduction" in repr(ShardingView(PARTIAL))
+    bundle = ShardingView(COLS)._repr_mimebundle_()
+    data = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert "ranks 0,2 · local [8, 3]" in data["text/plain"] and "replicated" in data["text/plain"]
+
+
+def test_the_mesh_caption_names_only_the_directions_it_has() -> None:
+    assert "<small>(pp →)</small>" in MeshView(MeshSpec.parse("pp=4"))._repr_html_()
+    assert "<small>(tp →, dp_shard ↓)</small>" in MeshView(
+        MeshSpec.parse("dp=2 tp=2"))._repr_html_()
