@@ -72,7 +72,7 @@ class MeshMagics(Magics):
                                  debug=args.debug or None))
 
     def _stop(self, args: Any) -> None:
-        self.session.stop()
+        print(self.session.stop())
         self._auto_off()  # nothing left to run on
 
     def _restart(self, args: Any) -> None:

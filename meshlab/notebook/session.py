@@ -98,10 +98,14 @@ class Session:
         return (f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
                 f"{cluster.describe()}")
 
-    def stop(self) -> None:
-        """Stop every rank."""
-        self.need_cluster().stop()
+    def stop(self) -> str:
+        """Stop every rank; says what stopped and how long it took."""
+        cluster = self.need_cluster()
+        started, n = time.perf_counter(), cluster.world_size
+        cluster.stop()
         self.cluster, self.bound_pipeline = None, None
+        return (f"stopped {n} rank{'s' if n != 1 else ''} and their controller in "
+                f"{time.perf_counter() - started:.1f} s")
 
     def restart(self, *, upto: int | None = None, from_checkpoint: str | None = None,
                 progress: Callable[[str], None] = print) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,6 +47,7 @@ step = 0
     written = s.export(out / "train.py", sbatch=True)
     print("wrote", sorted(p.name for p in written))
     print("shell", get_ipython(), "magics", "meshlab.magics" in sys.modules)
+    print(s.stop())
 """
 
 
@@ -70,6 +72,7 @@ def test_a_whole_session_runs_from_plain_python(test_profile: Path, tmp_path: Pa
     script = (tmp_path / "train.py").read_text()
     assert "bind(model, mesh," in script and "step += 1" in script
     assert "shell None magics False" in out
+    assert re.search(r"stopped 4 ranks and their controller in \d+\.\d s", out)
 
 
 def test_a_session_without_a_cluster_says_how_to_start_one() -> None:
