@@ -15,6 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from meshlab.notebook import commands
+from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
     bench_chart,
     comms_chart,
@@ -27,6 +28,7 @@ from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
+from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
 
@@ -189,8 +191,6 @@ class MeshMagics(Magics):
               f"{c.seconds:.1f} s, mesh {c.mesh or '(none)'}")
         for note in c.notes:
             print(f"note: {note}")
-        from meshlab.notebook.calibrate import calibration_tables
-
         display(*calibration_tables(report))
         print(f"wrote {report.path}: {report.describe()}")
         print(f"use it: %mesh plan MODEL --hardware {args.path}")
@@ -201,8 +201,6 @@ class MeshMagics(Magics):
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
             precision=args.precision, top=args.top, tokens=args.tokens)
-        from meshlab.notebook.tables.plan import plan_summary, plan_table
-
         display(plan_summary(result), plan_table(result),
                 plan_memory_chart(result.memory_frame()), plan_comm_chart(result.comm_frame()))
         if args.output:
