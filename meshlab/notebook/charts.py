@@ -1,6 +1,7 @@
-"""Altair charts that render offline: an interactive widget (tooltips) while a kernel is
-live, and the same chart as SVG drawn here for saved notebooks and nbconvert. No
-JavaScript is ever fetched from a CDN."""
+"""Altair charts that render offline and stay in the notebook: interactive (tooltips) through
+JupyterLab's own Vega-Lite renderer, which draws them again from the saved notebook without a
+kernel, and as SVG drawn here for nbconvert and viewers without Vega. No JavaScript is fetched
+from a CDN, and no widget state has to be saved."""
 
 from __future__ import annotations
 
@@ -11,35 +12,21 @@ import pandas as pd
 
 from meshlab.notebook.palette import text_colour
 
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# JupyterLab 4 and VS Code render Vega-Lite 5 themselves (vega bundled with the front end);
+# altair 6 writes Vega-Lite 6, which they do not render. The charts here use nothing v6 added.
+VEGALITE = "application/vnd.vegalite.v5+json"
+VEGALITE_SCHEMA = "https://vega.github.io/schema/vega-lite/v5.json"  # a name, never fetched
 EMBED = {"renderer": "svg", "actions": False}  # crisp, searchable; no menu of web links
 interactive = True
-"""False: every chart is plain SVG. JupyterLab saves widgets only with Settings > Save
-Widget State Automatically; a notebook saved without it shows an error where a widget was
-(nbclient and `jupyter nbconvert --execute` save the state)."""
-
-
-def _live_kernel() -> bool:
-    """True inside a kernel a front end can talk to (JupyterLab, nbclient); False in a
-    terminal IPython or plain Python, where a widget view would show nothing."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None
+"""False: every chart is plain SVG (no Vega-Lite spec in the output)."""
 
 
 class OfflineChart:
-    """An altair chart shown as an offline widget (tooltips work) with an SVG beside it.
+    """An altair chart shown as a Vega-Lite spec (interactive in JupyterLab, live or saved)
+    with an SVG beside it for viewers that do not render Vega-Lite."""
 
-    The mimebundle holds both: JupyterLab shows the widget while the kernel lives; a viewer
-    without the widget (nbconvert, a notebook saved without widget state) has the SVG.
-    ``widget`` forces the widget view on or off; by default it is on in a live kernel.
-    """
-
-    def __init__(self, chart: alt.TopLevelMixin, *, widget: bool | None = None) -> None:
+    def __init__(self, chart: alt.TopLevelMixin) -> None:
         self.chart = chart
-        self.widget = widget
 
     def svg(self) -> str:
         """The chart drawn here by vl-convert (no network)."""
@@ -47,21 +34,22 @@ class OfflineChart:
 
         return str(vl_convert.vegalite_to_svg(self.chart.to_dict()))
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, Any]:
+    def spec(self) -> dict[str, Any]:
+        """The chart as the Vega-Lite 5 spec front ends render, its data inline."""
+        return {**self.chart.to_dict(), "$schema": VEGALITE_SCHEMA}
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
         spec = self.chart.to_dict()
         title, mark = spec.get("title", ""), spec.get("mark", "layered")
         bundle: dict[str, Any] = {
             "image/svg+xml": self.svg(),
             "text/plain": f"<{mark.get('type') if isinstance(mark, dict) else mark} chart: "
                           f"{title.get('text', '') if isinstance(title, dict) else title}>"}
-        if self.widget if self.widget is not None else interactive and _live_kernel():
-            # vega is bundled by vl-convert into the widget's own code: nothing from a CDN
-            alt.JupyterChart.enable_offline(offline=True)
-            chart = alt.JupyterChart(self.chart, embed_options=EMBED)  # type: ignore[arg-type]
-            view: Any = chart._repr_mimebundle_()
-            data = view[0] if isinstance(view, tuple) else view  # anywidget: (data, meta)
-            bundle[WIDGET_VIEW] = data[WIDGET_VIEW]
-        return bundle
+        if not interactive:
+            return bundle, {}
+        bundle[VEGALITE] = self.spec()
+        return bundle, {VEGALITE: {"embed_options": EMBED}}
 
 
 # -- units ------------------------------------------------------------------------------------

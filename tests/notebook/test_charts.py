@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pytest
+import vl_convert
 
+from meshlab.notebook import charts
 from meshlab.notebook.charts import (
-    WIDGET_VIEW,
+    VEGALITE,
     comms_chart,
     plan_comm_chart,
     plan_memory_chart,
@@ -102,17 +105,44 @@ def test_comms_chart_axis_names_its_byte_unit() -> None:
     assert spec["encoding"]["y"]["title"] == "payload (MiB)"
 
 
-def test_bundle_has_the_widget_view_and_the_svg() -> None:
+def _every_kind_of_chart() -> list[charts.OfflineChart]:
+    comms = pd.DataFrame([{"rank": r, "op": "all_reduce", "axis": "tp", "group": "[0-1]",
+                           "count": 1, "bytes": 1024, "wire_bytes": 1024} for r in range(2)])
+    plan_frame_ = pd.DataFrame({"layout": ["tp=8"], "part": ["params"], "gib": [60.0],
+                                "usable_gib": [76.0]})
+    bench = pd.DataFrame([{"rank": 0, "provider": p, "size": s, "median_ms": 1.0, "gbps": g,
+                           "kernel": "rmsnorm", "timer": "interpreter",
+                           "correct": True} for p, g in (("triton", 2.0), ("torch", 1.0))
+                          for s in (256, 1024)])
+    memory = pd.DataFrame([{"rank": r, "source": src, "params": 2**20, "grads": 2**20}
+                           for r in range(2) for src in ("measured", "formula")])
+    return [comms_chart(comms), charts.memory_chart(memory), timeline_chart(_timelines()),
+            charts.bench_chart(bench), plan_memory_chart(plan_frame_),
+            plan_comm_chart(plan("llama3-8b", gpus=16, top=1).comm_frame())]
+
+
+@pytest.mark.parametrize("version", ["5.8", "5.14"])  # JupyterLab 4.6 bundles a 5.x
+def test_every_chart_renders_in_the_vega_lite_5_front_ends_draw_with(version: str) -> None:
+    for chart in _every_kind_of_chart():
+        svg = vl_convert.vegalite_to_svg(chart.spec(), vl_version=version)
+        assert svg.startswith("<svg") and "<text" in svg
+
+
+def test_bundle_has_the_vega_lite_spec_and_the_svg() -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
-    frame = pd.DataFrame([{"rank": 0, "op": "all_reduce", "axis": "tp", "group": "[0-1]",
-                           "count": 1, "bytes": 1024, "wire_bytes": 1024}])
-    chart = comms_chart(frame)
-    chart.widget = True
-    data, _ = InteractiveShell.instance().display_formatter.format(chart)
-    assert data[WIDGET_VIEW]["model_id"] and data["image/svg+xml"].startswith("<svg")
-    chart.widget = False  # no live kernel: the SVG alone
-    assert WIDGET_VIEW not in chart._repr_mimebundle_()
+    chart = _every_kind_of_chart()[0]
+    data, metadata = InteractiveShell.instance().display_formatter.format(chart)
+    assert data[VEGALITE]["$schema"].endswith("/v5.json") and "datasets" in data[VEGALITE]
+    assert data["image/svg+xml"].startswith("<svg")
+    assert metadata[VEGALITE]["embed_options"]["actions"] is False  # no links off the page
+
+
+def test_without_interactive_charts_the_bundle_is_the_svg_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(charts, "interactive", False)
+    data, metadata = _every_kind_of_chart()[0]._repr_mimebundle_()
+    assert VEGALITE not in data and data["image/svg+xml"].startswith("<svg") and not metadata
 
 
 def test_identical_ranks_share_one_row_of_the_comms_table() -> None:

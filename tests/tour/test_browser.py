@@ -181,8 +181,23 @@ class Lab:
         page.wait_for_timeout(1000)  # widgets render after their cell's reply
 
     def charts(self) -> Any:
-        """The interactive charts (vega drawn as SVG by the offline widget)."""
+        """The interactive charts (vega drawn as SVG by JupyterLab's Vega-Lite renderer)."""
         return self.page.locator(".vega-embed svg.marks")
+
+    def save_and_reopen_without_its_kernel(self) -> None:
+        """Save the notebook, shut its kernel down and load the page again: what shows now
+        comes from the saved file alone."""
+        page = self.page
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context"
+                               ".model.dirty", timeout=30_000)
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
+                      ".session.shutdown()")
+        page.wait_for_timeout(1000)
+        page.reload()
+        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
+                               timeout=60_000)
+        accept_dialogs(page)
 
     def close(self) -> None:
         """Check the page stayed on this machine and logged no error, then stop its kernel
@@ -288,6 +303,20 @@ def test_compared_schedules_share_one_time_axis_and_show_tooltips(
     tooltip = lab.page.locator("#vg-tooltip-element.visible")
     tooltip.wait_for(timeout=10_000)
     assert "rank" in tooltip.inner_text()
+    lab.close()
+
+
+def test_a_saved_notebook_shows_its_charts_without_a_kernel(
+        browser: Any, jupyterlab: str) -> None:
+    lab = Lab(browser, jupyterlab, "05-pipeline-schedules")
+    drawn = lab.charts().count()
+    assert drawn >= 2
+    lab.save_and_reopen_without_its_kernel()
+    lab.page.wait_for_function(f"document.querySelectorAll('.vega-embed svg.marks').length"
+                               f" >= {drawn}", timeout=60_000)
+    assert "model not found" not in lab.page.locator(".jp-Notebook").inner_text()
+    assert lab.page.evaluate(COUNTS)[0] is not None  # the outputs shown are the saved ones
+    lab.page.screenshot(path=str(ARTIFACTS / "05-saved-and-reopened.png"), full_page=True)
     lab.close()
 
 
