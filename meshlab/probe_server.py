@@ -15,9 +15,13 @@ import socket
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+_cell_files: Mapping[str, int] = {}  # a cell's file -> its In [n]: the kernel's record (serve)
+_CELL_FILE = r'[^"\s]*/ipykernel_\d+/\d+\.py'  # ipykernel's name for a cell's code
 
 
 def main_thread_stack(limit: int = 60) -> str:
@@ -29,14 +33,25 @@ def main_thread_stack(limit: int = 60) -> str:
         return "(idle: waiting for the next cell)"  # the engine's event loop, not a cell
     lines = [_short_paths(line) for line in traceback.format_stack(frame, limit=limit)]
     # Start at the user's cell: the engine's event-loop frames above it are noise.
-    cell = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "cell ')]
+    cell = [i for i, line in enumerate(lines)
+            if line.lstrip().startswith(('Cell In[', 'File "cell '))]
     return "".join(lines[cell[0]:] if cell else lines).rstrip()
 
 
 def _short_paths(line: str) -> str:
-    # Same code on every rank should give the same text, so stacks group across ranks.
-    line = re.sub(r"/tmp/ipykernel_\d+/", "cell ", line)
+    # Same code on every rank should give the same text, so stacks group across ranks;
+    # a cell reads as in a traceback, "Cell In[7]", where the kernel knows its number.
+    line = re.sub(f'File "({_CELL_FILE})"', lambda m: _cell_name(m[1], quoted=True), line)
+    line = re.sub(_CELL_FILE, lambda m: _cell_name(m[0], quoted=False), line)
     return re.sub(r'"[^"]*/site-packages/', '"', line)
+
+
+def _cell_name(path: str, quoted: bool) -> str:
+    number = _cell_files.get(path)
+    if number is not None:
+        return f"Cell In[{number}]"
+    name = f"cell {os.path.basename(path)}"
+    return f'File "{name}"' if quoted else name
 
 
 def rss_bytes() -> int:
@@ -87,12 +102,16 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
                      "optimizer_steps, postmortem or defined")
 
 
-def serve(kernel: Any, namespace: dict[str, Any]) -> None:
+def serve(kernel: Any, namespace: dict[str, Any],
+          cell_files: Mapping[str, int] | None = None) -> None:
     """Answer ``meshlab_probe_request`` messages on a Jupyter kernel's control channel.
 
     The control channel has its own thread, so the answer comes even while the main
-    thread is stuck in a collective.
+    thread is stuck in a collective. ``cell_files`` maps a cell's file to its In [n]
+    (IPython keeps it), so stacks name cells by number.
     """
+    global _cell_files
+    _cell_files = cell_files if cell_files is not None else {}
 
     def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         try:
@@ -165,7 +184,7 @@ def postmortem(limit: int = 40) -> dict[str, Any] | None:
         "error": f"{type(error).__name__}: {error}",
         "traceback": "".join(_short_paths(line) for line in
                              traceback.format_exception(type(error), error, error.__traceback__)),
-        "frame": f"{_short_paths(frame.f_code.co_filename)}:{frame.f_lineno} in "
+        "frame": f"{_short_paths(frame.f_code.co_filename)}, line {frame.f_lineno}, in "
                  f"{frame.f_code.co_name}",
         "locals": local,
     }

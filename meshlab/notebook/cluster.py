@@ -73,6 +73,7 @@ class Cluster(RankProbes, GroupRecovery):
         self._engines: list[int] = []  # rank -> engine id
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
         self._generation = 0
+        self._cells_run = 0  # numbers the cells sent without one, alike on every rank
         self._members: list[int] | None = None  # ranks in the process group; None = all
         self.mesh_spec: MeshSpec | None = None  # the mesh every rank holds as `mesh`
         self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
@@ -85,6 +86,7 @@ class Cluster(RankProbes, GroupRecovery):
         # a cell keeps this much of each rank's stdout and stderr; the rest goes to a file
         self.max_output_lines, self.max_output_bytes = MAX_OUTPUT_LINES, MAX_OUTPUT_BYTES
         self.output_dir: Path | None = None  # where cut output goes; None: a temp folder
+        self.start_phases = ""  # 'controller 1.1 s, engines 5.0 s, process group 4.1 s'
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -103,25 +105,33 @@ class Cluster(RankProbes, GroupRecovery):
         return len(self._engines)
 
     def describe(self) -> str:
-        """One line: size, backend, devices, profile."""
+        """One line: backend, devices, profile."""
         devices = sorted({"cuda" if h["gpus"] else "cpu" for h in self._hosts}) or ["?"]
         backend = self.backend if self.backend != "auto" else (
             "nccl" if devices == ["cuda"] else "gloo")
-        return (f"{self.world_size} ranks, {backend} on {'/'.join(devices)}, "
+        return (f"{backend} on {'/'.join(devices)}, "
                 f"profile {self.profile.name}{', debug' if self.debug else ''}")
 
     def start(self, progress: bool = True) -> Cluster:
-        """Start the engines, then a process group across them; returns self."""
+        """Start the engines, then a process group across them; returns self. A bar shows
+        the phases while it starts; ``start_phases`` says how long each took."""
         if self.running:
             raise ClusterError(f"the cluster is already running with {self.world_size} ranks")
         n = self.n or self.profile.ranks or launch.visible_gpus() or 4
-        self._ipp, self._client, self._processes = launch.start(self.profile, n, progress)
+        bar = launch.StartProgress(n, enabled=progress)
         try:
-            self._engines = sorted(self._client.ids)[:n]
-            self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
+            self._ipp, self._client, self._processes = launch.start(self.profile, n, bar)
+            try:
+                self._engines = sorted(self._client.ids)[:n]
+                bar.phase("process group")
+                self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
+            except BaseException:
+                self.stop()
+                raise
         except BaseException:
-            self.stop()
+            bar.close(ok=False)
             raise
+        self.start_phases = bar.close()
         return self
 
     def stop(self) -> None:
@@ -176,6 +186,7 @@ class Cluster(RankProbes, GroupRecovery):
         on_output: Callable[[CellResult], None] | None = None,
         keep_values: bool = False,
         comms: bool = False,
+        number: int | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
 
@@ -183,6 +194,8 @@ class Cluster(RankProbes, GroupRecovery):
         reports their stacks. ``on_output`` sees the partial result as output streams in.
         ``keep_values`` pulls each rank's last-expression value into ``result.values``.
         ``comms`` traces the collectives each rank issues into ``result.comms``.
+        ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
+        and stacks name it; without it, the count of cells this cluster ran.
         """
         ranks = self._ranks(ranks)
         self._recover(creates_groups=bool(GROUP_CREATION.search(code)))
@@ -190,7 +203,9 @@ class Cluster(RankProbes, GroupRecovery):
         view = self._client.direct_view([self._engines[r] for r in ranks])
         if comms:
             view.apply_async(meshlab.comms.start)  # queued before the cell on every rank
-        ar = view.execute(code, silent=False, block=False)
+        self._cells_run += 1
+        number = self._cells_run if number is None else number
+        ar = view.execute(code, silent=False, block=False, label=f"In[{number}]")
         cell = CellRun(self, ar, ranks, timeout, on_output)
         result = cell.wait()
         if comms:
@@ -198,7 +213,7 @@ class Cluster(RankProbes, GroupRecovery):
         self._after_cell(cell, result, code)
         if keep_values:
             with_values = [r for r, o in result.outputs.items() if o.result is not None]
-            result.values, unsent = self._last_values(with_values)
+            result.values, unsent = self._last_values(with_values, number)
             result.notes += [f"{label(rs)} value not kept: {why}" for rs, why in group(unsent)]
         if on_output:
             on_output(result)
@@ -206,13 +221,14 @@ class Cluster(RankProbes, GroupRecovery):
             raise MeshError(result)
         return result
 
-    def _last_values(self, ranks: list[int]) -> tuple[dict[int, Any], dict[int, str]]:
-        """``({rank: value}, {rank: why it could not be sent})``, rank by rank: one rank's
-        unpicklable value (a lock, a generator) costs only that rank's."""
-        # the newest entry of IPython's output history: `_` stops following outputs once a
-        # cell assigns it (`x, _ = batch`)
+    def _last_values(self, ranks: list[int], number: int
+                     ) -> tuple[dict[int, Any], dict[int, str]]:
+        """``({rank: value}, {rank: why it could not be sent})`` of cell In [number], rank by
+        rank: one rank's unpicklable value (a lock, a generator) costs only that rank's."""
+        # IPython's output history, not `_`: `_` stops following outputs once a cell
+        # assigns it (`x, _ = batch`)
         pending = {r: self._client[self._engines[r]].apply_async(
-            on_ranks.newest_output, ipp.Reference("_oh")) for r in ranks}
+            on_ranks.output_of, ipp.Reference("_oh"), number) for r in ranks}
         values, unsent = {}, {}
         for r, ar in pending.items():
             try:

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import ipyparallel as ipp
 
@@ -21,7 +21,46 @@ from meshlab.notebook.profiles import Profile
 _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
 
-def start(profile: Profile, n: int, progress: bool = True
+class StartProgress:
+    """One progress bar through a start's phases: the controller, the engines registering
+    (the bar counts them), the process group; closed when the ranks are ready, so the time
+    the bar shows is the whole start, as the "ready" line says."""
+
+    SAYS: ClassVar[dict[str, str]] = {
+        "controller": "starting the controller", "engines": "engines registering",
+        "process group": "forming the process group"}
+
+    def __init__(self, n: int, enabled: bool = True) -> None:
+        from tqdm.auto import tqdm
+
+        self._since = time.perf_counter()
+        self.phases: dict[str, float] = {}  # phase -> seconds it took
+        self.bar = tqdm(total=n, unit="rank", disable=not enabled, desc=self.SAYS["controller"],
+                        bar_format="{desc}: {n_fmt}/{total_fmt} ranks {bar} {elapsed}")
+        self._phase = "controller"
+
+    def phase(self, name: str) -> None:
+        """The previous phase is over; ``name`` starts."""
+        now = time.perf_counter()
+        self.phases[self._phase] = now - self._since
+        self._phase, self._since = name, now
+        self.bar.set_description_str(self.SAYS[name])
+
+    def registered(self, k: int) -> None:
+        if k != self.bar.n:
+            self.bar.update(k - self.bar.n)
+
+    def close(self, ok: bool = True) -> str:
+        """End the bar; returns the phases with their times ('controller 1.1 s, ...')."""
+        self.phases[self._phase] = time.perf_counter() - self._since
+        self.bar.set_description_str("ready" if ok else f"failed {self.SAYS[self._phase]}")
+        self.bar.close()
+        if not ok and hasattr(self.bar, "container"):  # a notebook's bar: red, not green
+            self.bar.disp(bar_style="danger", check_delay=False)
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+
+
+def start(profile: Profile, n: int, progress: StartProgress
           ) -> tuple[ipp.Cluster, Any, EngineProcesses]:
     """The controller and ``n`` registered engines: (ipyparallel cluster, client, processes).
     On any failure what was started is stopped again and ClusterError says why."""
@@ -40,6 +79,7 @@ def start(profile: Profile, n: int, progress: bool = True
             cluster.start_cluster_sync()
         watchdog.watch(cluster)  # a watchdog stops them if this process dies
         client = cluster.connect_client_sync()
+        progress.phase("engines")
         _wait_for_engines(client, processes, n, profile.start_timeout, progress)
     except BaseException:
         stop(cluster, client, [])
@@ -76,26 +116,19 @@ def visible_gpus() -> int:
 
 
 def _wait_for_engines(client: Any, processes: EngineProcesses, n: int, timeout: float,
-                      progress: bool) -> None:
-    from tqdm.auto import tqdm
-
+                      progress: StartProgress) -> None:
     deadline = time.monotonic() + timeout
-    bar = tqdm(total=n, desc="starting ranks", unit="rank", disable=not progress)
-    try:
-        while len(client.ids) < n:
-            if len(client.ids) != bar.n:
-                bar.update(len(client.ids) - bar.n)
-            exited = [pid for pid, rc in processes.exit_codes().items() if rc is not None]
-            if exited or time.monotonic() > deadline:
-                why = (f"{len(exited)} engine process(es) exited during start-up"
-                       if exited else
-                       f"only {len(client.ids)} of {n} engines registered within "
-                       f"{timeout:g} s (profile start_timeout)")
-                raise ClusterError(f"{why}. Engine log tail:\n{processes.log_tail()}")
-            time.sleep(0.1)
-        bar.update(n - bar.n)
-    finally:
-        bar.close()
+    while len(client.ids) < n:
+        progress.registered(len(client.ids))
+        exited = [pid for pid, rc in processes.exit_codes().items() if rc is not None]
+        if exited or time.monotonic() > deadline:
+            why = (f"{len(exited)} engine process(es) exited during start-up"
+                   if exited else
+                   f"only {len(client.ids)} of {n} engines registered within "
+                   f"{timeout:g} s (profile start_timeout)")
+            raise ClusterError(f"{why}. Engine log tail:\n{processes.log_tail()}")
+        time.sleep(0.1)
+    progress.registered(n)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,22 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
         os.chdir(cwd)
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
-    meshlab.probe_server.serve(shell.kernel, shell.user_ns)
+    kernel = shell.kernel
+    if not getattr(kernel, "_meshlab_numbers_cells", False):
+        # A cell sent labelled "In[7]" runs as In [7] on the rank: its tracebacks and stacks
+        # name the notebook's cell, not the rank's own count of the cells it ran.
+        init_metadata = kernel.init_metadata  # the kernel's first step with each request
+
+        def numbered(parent: dict[str, Any]) -> Any:
+            label = (parent.get("metadata") or {}).get("label") or ""
+            if parent["header"]["msg_type"] == "execute_request" and \
+                    label.startswith("In[") and label[3:-1].isdigit():
+                shell.execution_count = int(label[3:-1])  # the cell reads it after this
+            return init_metadata(parent)
+
+        kernel.init_metadata, kernel._meshlab_numbers_cells = numbered, True
+    # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
+    meshlab.probe_server.serve(kernel, shell.user_ns, shell.compile._filename_map)
 
 
 @ipp.interactive
@@ -68,9 +83,9 @@ def group_state() -> tuple[bool, int]:
 
 
 @ipp.interactive
-def newest_output(history: dict[int, Any]) -> Any:
-    """Runs on a rank: the value of the last cell that had one."""
-    return history[max(history)]
+def output_of(history: dict[int, Any], number: int) -> Any:
+    """Runs on a rank: the value of cell In [number]."""
+    return history[number]
 
 
 @ipp.interactive

@@ -118,7 +118,7 @@ def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]]
                 name = e.note.removeprefix("%mesh push ")
                 cluster.push({name: e.value}, list(e.ranks) if e.ranks else None)
             else:
-                cluster.run(e.code, list(e.ranks) if e.ranks else None)
+                cluster.run(e.code, list(e.ranks) if e.ranks else None, number=e.number)
         except Exception as error:
             raise RestoreError(f"replay stopped at In [{e.number}] ({e.note or e.kind}): "
                                f"{_first_line(error)}. The ranks hold what ran before it; "

@@ -95,8 +95,8 @@ class Session:
         self.cluster = cluster.start(progress=progress)
         self.journal = Journal(cluster.world_size, cluster.backend)
         self.bound_pipeline, self.optimizer_steps = None, 0
-        return (f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s: "
-                f"{cluster.describe()}")
+        return (f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s "
+                f"({cluster.start_phases}): {cluster.describe()}")
 
     def stop(self) -> str:
         """Stop every rank; says what stopped and how long it took."""
@@ -145,19 +145,19 @@ class Session:
         See Cluster.run for the options. ``max_lines``: keep at most this many lines of
         each rank's stdout and stderr for this cell (default ``cluster.max_output_lines``);
         the rest goes to a file per rank that ``result.full_output`` names."""
-        cluster = self.need_cluster()
+        cluster, number = self.need_cluster(), self.cell_number()
         default = cluster.max_output_lines
         try:
             cluster.max_output_lines = max_lines or default
             result = cluster.run(code, ranks, timeout, on_output=on_output,
-                                 keep_values=keep_values, comms=comms)
+                                 keep_values=keep_values, comms=comms, number=number)
         except MeshError:  # not exported, but export names what later cells needed from it
-            self.need_journal().record_failure(code, self.cell_number())
+            self.need_journal().record_failure(code, number)
             raise
         finally:
             cluster.max_output_lines = default
         steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
-        self.need_journal().record_cell(code, self.cell_number(), result.ranks,
+        self.need_journal().record_cell(code, number, result.ranks,
                                         trained=self.optimizer_steps > steps)
         return result
 

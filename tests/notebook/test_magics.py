@@ -47,6 +47,34 @@ def test_timeout_option_ends_a_stuck_cell(shell: Any) -> None:
     assert run(shell, "%%mesh\nrank")[0].success  # interrupted cleanly: usable at once
 
 
+def run_numbered(shell: Any, cell: str) -> tuple[int, str]:
+    """Run a cell as a notebook does (its input kept as In [n]) after the ranks ran cells
+    the notebook did not count; return n and what the cell showed."""
+    cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
+    for _ in range(3):  # each rank's own count of cells runs ahead of the notebook's
+        cluster.run("pass")
+    with capture_output() as cap:
+        shell.run_cell(cell, store_history=True)
+    shown = [cap.stdout, cap.stderr] + [o.data.get("text/plain", "") for o in cap.outputs]
+    return len(shell.history_manager.input_hist_raw) - 1, strip_ansi("\n".join(shown))
+
+
+def test_a_ranks_traceback_names_the_notebooks_cell(shell: Any) -> None:
+    number, shown = run_numbered(shell, "%%mesh\ndef inner():\n    raise KeyError(rank)\n"
+                                        "inner()")
+    # lines count from the first line under %%mesh, which is the rank's whole cell
+    assert f"Cell In[{number}], line 3" in shown and f"Cell In[{number}], line 2, in inner" \
+        in shown, shown
+
+
+def test_a_timeout_stack_names_the_notebooks_cell(shell: Any) -> None:
+    number, shown = run_numbered(shell, "%%mesh --ranks 0 --timeout 1\nimport time\n"
+                                        "def wait_here():\n    time.sleep(60)\nwait_here()")
+    assert "still running after the 1 s time limit" in shown
+    assert f"Cell In[{number}], line 4, in <module>" in shown, shown
+    assert f"Cell In[{number}], line 3, in wait_here" in shown and ".py" not in shown, shown
+
+
 def test_o_stores_per_rank_values(shell: Any) -> None:
     run(shell, "%%mesh -o squares\nrank ** 2")
     assert shell.user_ns["squares"] == {0: 0, 1: 1, 2: 4, 3: 9}
