@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from meshlab.notebook.on_ranks import CELL_REPORT
 from meshlab.notebook.output import CellResult, RankError, RankOutput
 
 if TYPE_CHECKING:
@@ -182,6 +183,7 @@ class CellRun:
             elif md["status"] == "ok":
                 out.status = "ok"
                 out.result = (md["execute_result"] or {}).get("data", {}).get("text/plain")
+                out.optimizer_steps = md["data"].get(CELL_REPORT, {}).get("optimizer_steps")
             elif err is not None and err.ename == "EngineError":  # the hub saw the engine go
                 out.status = "died"
                 out.error = RankError("RankDied", self.cluster.dead().get(r, "died"))

@@ -10,6 +10,8 @@ from typing import Any
 
 import ipyparallel as ipp
 
+CELL_REPORT = "meshlab_cell"  # what each rank publishes as a cell ends (setup_rank's hook)
+
 
 @ipp.interactive
 def setup_rank(cwd: str, **kwargs: Any) -> None:
@@ -24,7 +26,7 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
     kernel = shell.kernel
-    if not getattr(kernel, "_meshlab_numbers_cells", False):
+    if not getattr(kernel, "_meshlab_hooks", False):
         # A cell sent labelled "In[7]" runs as In [7] on the rank: its tracebacks and stacks
         # name the notebook's cell, not the rank's own count of the cells it ran.
         init_metadata = kernel.init_metadata  # the kernel's first step with each request
@@ -36,7 +38,15 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
                 shell.execution_count = int(label[3:-1])  # the cell reads it after this
             return init_metadata(parent)
 
-        kernel.init_metadata, kernel._meshlab_numbers_cells = numbered, True
+        kernel.init_metadata, kernel._meshlab_hooks = numbered, True
+
+        def report(result: Any) -> None:
+            # what the notebook keeps of every cell rides on the cell's own output (before
+            # its idle status): no second round trip to ask each rank afterwards
+            shell.data_pub.publish_data({"meshlab_cell": {  # CELL_REPORT: not in this namespace
+                "optimizer_steps": meshlab.runtime.optimizer_steps}})
+
+        shell.events.register("post_run_cell", report)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
     meshlab.probe_server.serve(kernel, shell.user_ns, shell.compile._filename_map)
 

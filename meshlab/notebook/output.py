@@ -58,6 +58,7 @@ class RankOutput:
     error: RankError | None = None
     stack: str | None = None  # main-thread stack when it timed out or stayed stuck
     dropped: dict[str, int] = field(default_factory=dict)  # stream -> lines past the cap
+    optimizer_steps: int | None = None  # optimizer.step() calls so far, sent as the cell ended
 
 
 @dataclass(slots=True)
@@ -76,6 +77,13 @@ class CellResult:
     @property
     def ok(self) -> bool:
         return all(o.status == "ok" for o in self.outputs.values())
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        """The most optimizer.step() calls on any rank of the cell; None if a rank did not
+        say (it did not finish)."""
+        steps = [o.optimizer_steps for o in self.outputs.values()]
+        return None if None in steps else max(s for s in steps if s is not None)
 
     @property
     def failed(self) -> list[int]:

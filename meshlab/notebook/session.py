@@ -156,7 +156,9 @@ class Session:
             raise
         finally:
             cluster.max_output_lines = default
-        steps, self.optimizer_steps = self.optimizer_steps, cluster.optimizer_steps(result.ranks)
+        steps = self.optimizer_steps
+        self.optimizer_steps = result.optimizer_steps if result.optimizer_steps is not None \
+            else cluster.optimizer_steps(result.ranks)  # a rank did not report: ask them
         self.need_journal().record_cell(code, number, result.ranks,
                                         trained=self.optimizer_steps > steps)
         return result

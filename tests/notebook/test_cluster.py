@@ -79,6 +79,15 @@ def test_ctrl_c_interrupts_every_rank_and_the_cluster_stays_usable(cluster: Clus
     assert cluster.run("rank").results().startswith("Out[rank 0]: 0")
 
 
+def test_a_cell_brings_back_each_ranks_optimizer_steps_with_its_output(
+        cluster: Cluster) -> None:
+    before = cluster.run("1").optimizer_steps
+    assert before is not None
+    after = cluster.run("opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+                        "opt.step()\nopt.step()")
+    assert after.optimizer_steps == before + 2 == cluster.optimizer_steps()  # as a probe says
+
+
 def test_push_and_pull_round_trip(cluster: Cluster) -> None:
     cluster.push({"lr": 0.25, "batch": [1, 2]})
     cluster.run("scaled = lr * (rank + 1)")

@@ -75,6 +75,21 @@ def test_a_timeout_stack_names_the_notebooks_cell(shell: Any) -> None:
     assert f"Cell In[{number}], line 3, in wait_here" in shown and ".py" not in shown, shown
 
 
+def test_a_cell_that_trains_is_known_without_asking_the_ranks_again(
+        shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    session = shell.magics_manager.registry["MeshMagics"].session
+
+    def ask(*args: Any) -> int:
+        raise AssertionError("a second round trip to the ranks after the cell")
+
+    monkeypatch.setattr(session.cluster, "optimizer_steps", ask)
+    step = "opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\nopt.step()"
+    assert run(shell, f"%%mesh\n{step}")[0].success
+    assert session.journal.entries[-1].trained  # the count came back with the cell itself
+    assert run(shell, "%%mesh\nx = 1")[0].success
+    assert not session.journal.entries[-1].trained
+
+
 def test_o_stores_per_rank_values(shell: Any) -> None:
     run(shell, "%%mesh -o squares\nrank ** 2")
     assert shell.user_ns["squares"] == {0: 0, 1: 1, 2: 4, 3: 9}

@@ -1,0 +1,83 @@
+"""Start-up: meshlab's Cluster against torchrun, from nothing to a finished all_reduce.
+
+Both start N CPU ranks on gloo and time until an all_reduce across them has returned on
+rank 0, interleaved (meshlab, torchrun, meshlab, ...) so drift hits both alike:
+
+- meshlab:  `Cluster(N).start()` (controller, engines, process group) and one cell with an
+            all_reduce; the phases of the start as the ready line gives them;
+- torchrun: `python -m torch.distributed.run --standalone --nproc-per-node N` of a script
+            that imports torch, joins the group and all-reduces; rank 0 writes the time the
+            all_reduce returned (the launcher's teardown is not counted).
+
+$ python benchmarks/startup.py                  # 4 ranks, 3 rounds
+$ python benchmarks/startup.py --ranks 8 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from meshlab import Cluster
+
+RANK_SCRIPT = """
+import sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+if dist.get_rank() == 0:
+    open(sys.argv[1], "w").write(repr(time.time()))
+dist.destroy_process_group()
+"""
+
+
+def meshlab_start(n: int) -> tuple[float, str]:
+    """Seconds from nothing to a finished all_reduce; the start's phases."""
+    started = time.perf_counter()
+    cluster = Cluster(n).start(progress=False)
+    try:
+        cluster.run("t = torch.ones(1)\ndist.all_reduce(t)")
+        return time.perf_counter() - started, cluster.start_phases
+    finally:
+        cluster.stop()
+
+
+def torchrun_start(n: int, folder: Path) -> float:
+    """Seconds from launching torchrun to rank 0's all_reduce returning."""
+    script, stamp = folder / "rank.py", folder / "done"
+    script.write_text(textwrap.dedent(RANK_SCRIPT))
+    stamp.unlink(missing_ok=True)
+    started = time.time()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={n}", str(script), str(stamp)],
+                   check=True, capture_output=True)
+    return float(stamp.read_text()) - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {"meshlab": [], "torchrun": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(args.rounds):
+            seconds, phases = meshlab_start(args.ranks)
+            times["meshlab"].append(seconds)
+            times["torchrun"].append(torchrun_start(args.ranks, Path(folder)))
+            print(f"round {i + 1}: meshlab {seconds:.2f} s ({phases}), "
+                  f"torchrun {times['torchrun'][-1]:.2f} s", flush=True)
+    mesh, torchrun = (statistics.median(times[k]) for k in ("meshlab", "torchrun"))
+    print(f"{args.ranks} ranks to a finished all_reduce, median of {args.rounds}: "
+          f"meshlab {mesh:.2f} s, torchrun {torchrun:.2f} s, ratio {mesh / torchrun:.2f}")
+
+
+if __name__ == "__main__":
+    main()
