@@ -6,6 +6,7 @@ medians are compared. Then the cost of stepping: one step advanced slot by slot 
 notebook side (one %mesh step 1 each: a round trip to every rank) against one advance.
 
 $ python benchmarks/pipeline.py                 # 4 ranks, pp=4, 10 timed steps each
+$ python benchmarks/pipeline.py --stepping-only # the cost of stepping alone
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from meshlab import Cluster
 from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.schedules import build
+from meshlab.timing import step_times
 
 # every schedule meshlab builds (the executor is meshlab's one pipeline runtime), with torch's
 # class for it; v: stages per rank for the looped ones
@@ -70,13 +72,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--stepping-only", action="store_true",
+                        help="skip the schedule comparison; time stepping alone")
     args = parser.parse_args()
     m = args.microbatches
     with Cluster(4) as cluster:
         cluster.init_mesh("pp=4")
         cluster.run(SETUP)
         print(f"{'schedule':<18} {'torch ms':>9} {'meshlab ms':>11} {'ratio':>6}")
-        for name, v, cls in SCHEDULES:
+        for name, v, cls in [] if args.stepping_only else SCHEDULES:
             result = cluster.run(COMPARE.format(name=name, m=m, v=v, cls=cls, steps=args.steps),
                                  keep_values=True, timeout=600)
             theirs, ours = result.values[0]
@@ -98,10 +102,12 @@ def main() -> None:
             stepped.append(time.perf_counter() - start)
         slots //= 3
         extra = (statistics.median(stepped) - statistics.median(whole)) / slots
+        floor = statistics.median(step_times(lambda: cluster.run("pass"), 20, warmup=3))
         print(f"\nstepping 1f1b (m={m}) from the notebook: whole step "
               f"{statistics.median(whole) * 1e3:.0f} ms in one %mesh step --all, "
               f"{statistics.median(stepped) * 1e3:.0f} ms as {slots} x %mesh step 1 "
-              f"({extra * 1e3:.1f} ms per slot)")
+              f"({extra * 1e3:.1f} ms per slot; a no-op cell's round trip: "
+              f"{floor * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -68,6 +69,21 @@ class CellRun:
         self._errors_from_replies()
         self._classify()
         return self.result
+
+    def values(self) -> tuple[dict[int, Any], dict[int, str]]:
+        """``({rank: value of the last expression}, {rank: why it could not be sent})``, as
+        each rank sent them with its end-of-cell report (a cell run with keep_values)."""
+        values, unsent = {}, {}
+        for r, md in self.metadata.items():
+            said = md["data"].get(CELL_REPORT, {})
+            if "unsent" in said:
+                unsent[r] = said["unsent"]
+            elif "value" in said:
+                try:
+                    values[r] = pickle.loads(said["value"])
+                except Exception as e:  # it arrived but cannot be unpickled here
+                    unsent[r] = f"{type(e).__name__}: {e}"
+        return values, unsent
 
     def _let_go(self) -> None:
         """Close the full-output files; drop ipyparallel's copy of finished ranks' output

@@ -192,7 +192,8 @@ class Cluster(RankProbes, GroupRecovery):
 
         ``timeout`` (seconds; default from the profile) interrupts ranks still running and
         reports their stacks. ``on_output`` sees the partial result as output streams in.
-        ``keep_values`` pulls each rank's last-expression value into ``result.values``.
+        ``keep_values``: each rank sends its last expression's value with the cell's own
+        output, into ``result.values``.
         ``comms`` traces the collectives each rank issues into ``result.comms``.
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
@@ -205,39 +206,21 @@ class Cluster(RankProbes, GroupRecovery):
             view.apply_async(meshlab.comms.start)  # queued before the cell on every rank
         self._cells_run += 1
         number = self._cells_run if number is None else number
-        ar = view.execute(code, silent=False, block=False, label=f"In[{number}]")
+        ar = view.execute(code, silent=False, block=False,
+                          label=f"In[{number}]{' -o' if keep_values else ''}")
         cell = CellRun(self, ar, ranks, timeout, on_output)
         result = cell.wait()
         if comms:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
         self._after_cell(cell, result, code)
         if keep_values:
-            with_values = [r for r, o in result.outputs.items() if o.result is not None]
-            result.values, unsent = self._last_values(with_values, number)
+            result.values, unsent = cell.values()
             result.notes += [f"{label(rs)} value not kept: {why}" for rs, why in group(unsent)]
         if on_output:
             on_output(result)
         if not result.ok:
             raise MeshError(result)
         return result
-
-    def _last_values(self, ranks: list[int], number: int
-                     ) -> tuple[dict[int, Any], dict[int, str]]:
-        """``({rank: value}, {rank: why it could not be sent})`` of cell In [number], rank by
-        rank: one rank's unpicklable value (a lock, a generator) costs only that rank's."""
-        # IPython's output history, not `_`: `_` stops following outputs once a cell
-        # assigns it (`x, _ = batch`)
-        pending = {r: self._client[self._engines[r]].apply_async(
-            on_ranks.output_of, ipp.Reference("_oh"), number) for r in ranks}
-        values, unsent = {}, {}
-        for r, ar in pending.items():
-            try:
-                values[r] = ar.get(timeout=60)
-            except ipp.RemoteError as e:
-                unsent[r] = f"{e.ename}: {e.evalue}"
-            except Exception as e:  # it arrived but cannot be unpickled here
-                unsent[r] = f"{type(e).__name__}: {e}"
-        return values, unsent
 
     def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
         alive = [r for r in ranks if r not in self._dead]

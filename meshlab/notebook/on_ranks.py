@@ -27,25 +27,34 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
     kernel = shell.kernel
     if not getattr(kernel, "_meshlab_hooks", False):
+        import pickle
+
         # A cell sent labelled "In[7]" runs as In [7] on the rank: its tracebacks and stacks
-        # name the notebook's cell, not the rank's own count of the cells it ran.
+        # name the notebook's cell, not the rank's own count of the cells it ran. "In[7] -o"
+        # also sends back the value of its last expression.
         init_metadata = kernel.init_metadata  # the kernel's first step with each request
+        wanted = {"value": False}
 
         def numbered(parent: dict[str, Any]) -> Any:
-            label = (parent.get("metadata") or {}).get("label") or ""
+            number, _, flag = ((parent.get("metadata") or {}).get("label") or "").partition(" ")
             if parent["header"]["msg_type"] == "execute_request" and \
-                    label.startswith("In[") and label[3:-1].isdigit():
-                shell.execution_count = int(label[3:-1])  # the cell reads it after this
+                    number.startswith("In[") and number[3:-1].isdigit():
+                shell.execution_count = int(number[3:-1])  # the cell reads it after this
+                wanted["value"] = flag == "-o"
             return init_metadata(parent)
-
-        kernel.init_metadata, kernel._meshlab_hooks = numbered, True
 
         def report(result: Any) -> None:
             # what the notebook keeps of every cell rides on the cell's own output (before
             # its idle status): no second round trip to ask each rank afterwards
-            shell.data_pub.publish_data({"meshlab_cell": {  # CELL_REPORT: not in this namespace
-                "optimizer_steps": meshlab.runtime.optimizer_steps}})
+            said: dict[str, Any] = {"optimizer_steps": meshlab.runtime.optimizer_steps}
+            if wanted["value"] and result.result is not None:
+                try:  # pickled here, so a value that cannot travel costs only this rank's
+                    said["value"] = pickle.dumps(result.result)
+                except Exception as e:
+                    said["unsent"] = f"{type(e).__name__}: {e}"
+            shell.data_pub.publish_data({"meshlab_cell": said})  # CELL_REPORT (not in scope)
 
+        kernel.init_metadata, kernel._meshlab_hooks = numbered, True
         shell.events.register("post_run_cell", report)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
     meshlab.probe_server.serve(kernel, shell.user_ns, shell.compile._filename_map)
@@ -90,12 +99,6 @@ def group_state() -> tuple[bool, int]:
     from torch.distributed import distributed_c10d
 
     return dist.is_initialized(), int(distributed_c10d._world.group_count)
-
-
-@ipp.interactive
-def output_of(history: dict[int, Any], number: int) -> Any:
-    """Runs on a rank: the value of cell In [number]."""
-    return history[number]
 
 
 @ipp.interactive

@@ -237,6 +237,14 @@ def test_kept_values_are_the_cells_own_even_after_a_cell_assigns_underscore(
     assert cluster.run("rank * 3", keep_values=True).values == {0: 0, 1: 3, 2: 6, 3: 9}
 
 
+def test_a_value_the_notebook_cannot_rebuild_is_named_not_kept(cluster: Cluster) -> None:
+    result = cluster.run("class OnlyOnTheRanks:\n    pass\nOnlyOnTheRanks()", keep_values=True)
+    assert result.values == {}
+    assert any(n.startswith("[ranks 0-3] value not kept: ") and "OnlyOnTheRanks" in n
+               for n in result.notes), result.notes
+    assert cluster.run("rank", keep_values=True).values == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
 def test_kept_values_are_the_cells_own_after_a_cell_of_a_higher_number(
         cluster: Cluster) -> None:
     cluster.run("'later cell'", number=900)  # a replayed or internal cell numbered past it
