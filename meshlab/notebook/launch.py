@@ -18,10 +18,9 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.profiles import Profile
 
-# The controller registers an engine at its first heartbeat: ipyparallel's 3 s period made
-# engines wait up to 3 s each to count (4 engines here: 10.2 s -> 4.2 s at 200 ms). The
-# misses allowed keep its 30 s before a silent engine is called dead.
-HEARTBEAT = ["--HeartMonitor.period=200", "--HeartMonitor.max_heartmonitor_misses=150"]
+# Errors only: the hub logs a warning for every rank's end-of-cell report (a data message
+# it does not keep) and a line per request, into a log that grows with every cell.
+CONTROLLER_ARGS = ["--log-level=ERROR"]
 _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
 
@@ -69,7 +68,7 @@ def start(profile: Profile, n: int, progress: StartProgress
     """The controller and ``n`` registered engines: (ipyparallel cluster, client, processes).
     On any failure what was started is stopped again and ClusterError says why."""
     cluster = ipp.Cluster(n=n, engines=profile.launcher, log_level=logging.ERROR,
-                          controller_ip=profile.controller_ip, controller_args=HEARTBEAT)
+                          controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     processes = EngineProcesses(cluster)
     for key, value in profile.launcher_options.items():
         setattr(cluster.config[cluster.engine_launcher_class.__name__], key, value)

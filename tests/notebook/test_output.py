@@ -37,7 +37,7 @@ class _FakeAsyncResult:
 
     def __init__(self, ranks: int, chunks: list[str]) -> None:
         self.metadata = [{"stdout": "", "stderr": "", "status": None, "error": None,
-                          "execute_result": None} for _ in range(ranks)]
+                          "execute_result": None, "data": {}} for _ in range(ranks)]
         self.msg_ids = [f"m{r}" for r in range(ranks)]
         self._children: list[object] = [None] * ranks  # futures; read only on errors
         self.chunks = list(chunks)

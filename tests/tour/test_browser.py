@@ -174,6 +174,7 @@ class Lab:
             if time.monotonic() > deadline:
                 page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
                 counts = page.evaluate(COUNTS)
+                self.shutdown_kernel()  # its ranks would slow the tests after this one
                 raise AssertionError(f"{name} did not finish in JupyterLab within 240 s "
                                      f"(execution counts {counts}); "
                                      f"see artifacts/{name}-failure.png")
@@ -191,21 +192,23 @@ class Lab:
         page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
         page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context"
                                ".model.dirty", timeout=30_000)
-        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
-                      ".session.shutdown()")
+        self.shutdown_kernel()
         page.wait_for_timeout(1000)
         page.reload()
         page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
                                timeout=60_000)
         accept_dialogs(page)
 
+    def shutdown_kernel(self) -> None:
+        self.page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
+                           ".session.shutdown()")
+
     def close(self) -> None:
         """Check the page stayed on this machine and logged no error, then stop its kernel
         (what the page logs while its kernel goes away is not the notebook's doing)."""
         self.page.wait_for_timeout(1000)
         requests, errors = list(self.requests), list(self.errors)
-        self.page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
-                           ".session.shutdown()")
+        self.shutdown_kernel()
         self.page.close()
         outside = [u for u in requests if not u.startswith((self.base, "data:", "blob:",
                                                               "about:"))]
