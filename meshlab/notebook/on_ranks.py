@@ -37,10 +37,10 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
 
         def numbered(parent: dict[str, Any]) -> Any:
             number, _, flag = ((parent.get("metadata") or {}).get("label") or "").partition(" ")
-            if parent["header"]["msg_type"] == "execute_request" and \
-                    number.startswith("In[") and number[3:-1].isdigit():
-                shell.execution_count = int(number[3:-1])  # the cell reads it after this
+            if parent["header"]["msg_type"] == "execute_request":
                 wanted["value"] = flag == "-o"
+                if number.startswith("In[") and number[3:-1].isdigit():
+                    shell.execution_count = int(number[3:-1])  # the cell reads it after this
             return init_metadata(parent)
 
         def report(result: Any) -> None:

@@ -83,7 +83,7 @@ class CellResult:
         """The most optimizer.step() calls on any rank of the cell; None if a rank did not
         say (it did not finish)."""
         steps = [o.optimizer_steps for o in self.outputs.values()]
-        return None if None in steps else max(s for s in steps if s is not None)
+        return None if None in steps else max((s for s in steps if s is not None), default=0)
 
     @property
     def failed(self) -> list[int]:
