@@ -97,6 +97,16 @@ ALL_RAN = """() => {
     cells.every(c => c.model.executionCount !== null);
 }"""
 
+# Run All ran a part only (seen under load: the last cell alone), with no error to stop it
+STALLED = """() => {
+  const panel = window.jupyterapp.shell.currentWidget;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const code = panel.content.widgets.filter(c => c.model.type === 'code');
+  return !!kernel && kernel.status === 'idle' &&
+    code.some(c => c.model.executionCount === null) &&
+    !code.some(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
+}"""
+
 COUNTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
   .filter(c => c.model.type === 'code').map(c => c.model.executionCount)"""
 
@@ -165,12 +175,15 @@ class Lab:
         # not awaited: the command's promise settles late; the cells say when they ran
         run_all = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
         page.evaluate(run_all)
-        asked, deadline = time.monotonic(), time.monotonic() + 240
+        asked, deadline, stalled = time.monotonic(), time.monotonic() + 240, 0.0
         while not page.evaluate(ALL_RAN):
             accept_dialogs(page)
-            if time.monotonic() - asked > 30 and not any(page.evaluate(COUNTS)):
-                page.evaluate(run_all)  # asked before the kernel was there: ask again
-                asked = time.monotonic()
+            # asked before the kernel was there, or run in part: ask again once it has idled
+            # 5 s (not the blink between two cells)
+            stalled = (stalled or time.monotonic()) if page.evaluate(STALLED) else 0.0
+            if stalled and time.monotonic() - stalled > 5 and time.monotonic() - asked > 30:
+                page.evaluate(run_all)
+                asked, stalled = time.monotonic(), 0.0
             if time.monotonic() > deadline:
                 page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
                 counts = page.evaluate(COUNTS)
