@@ -176,8 +176,17 @@ def axis_size(mesh: DeviceMesh, name: str) -> int:
         return 1
 
 
+_built: dict[str, tuple[object, DeviceMesh]] = {}
+"""spec -> (the default group it was built on, the mesh): see build."""
+
+
 def build(spec: MeshSpec | str) -> DeviceMesh:
-    """The named DeviceMesh on this rank (call it on every rank), with its flattened views."""
+    """The named DeviceMesh on this rank (call it on every rank), with its flattened views.
+
+    The same spec on the same default group gives the same mesh: torch never frees a
+    mesh's groups, and each holds threads (gloo's loop polls), so a notebook re-running
+    ``%mesh init`` would pile them up.
+    """
     import warnings
 
     import torch.distributed as dist
@@ -187,6 +196,9 @@ def build(spec: MeshSpec | str) -> DeviceMesh:
 
     spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
     spec.check(dist.get_world_size())
+    built = _built.get(repr(spec))
+    if built is not None and built[0] is dist.group.WORLD:
+        return built[1]
     dims = spec.mesh_axes()
     mesh = init_device_mesh(runtime.state().device.type, tuple(dims.values()),
                             mesh_dim_names=tuple(dims))
@@ -194,4 +206,10 @@ def build(spec: MeshSpec | str) -> DeviceMesh:
         mesh[span]._flatten(view)
     # mesh["dp"] on a flattened view is the contract; torch only warns that it may change.
     warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+    _built[repr(spec)] = (dist.group.WORLD, mesh)
     return mesh
+
+
+def forget_built() -> None:
+    """Before the default group goes: its meshes must not outlive it here."""
+    _built.clear()

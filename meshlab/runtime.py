@@ -8,6 +8,7 @@ batch job. Plain torch only: no IPython, ipyparallel or widgets.
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import os
 import random
@@ -231,10 +232,16 @@ def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
     ``members`` are cluster ranks; they become ranks 0..len-1 of the new group in that
     order. A cluster rank outside ``members`` is left without a process group.
     """
+    from meshlab import mesh
+
     st = state()
+    mesh.forget_built()
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_sharding_caches()
+    # A mesh and its flattened views refer to each other: only the collector frees them,
+    # and with them the old groups' threads (which an idle engine would keep forever).
+    gc.collect()
     members = list(range(st.cluster_size)) if members is None else members
     st.generation = generation
     if st.cluster_rank in members:

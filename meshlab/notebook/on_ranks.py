@@ -89,6 +89,7 @@ def build_mesh(spec: Any) -> None:
 def regroup_rank(generation: int, members: list[int] | None) -> None:
     import meshlab.runtime
 
+    globals().pop("mesh", None)  # its groups are going; the cluster builds it anew if it fits
     globals().update(meshlab.runtime.reform(generation, members))
 
 

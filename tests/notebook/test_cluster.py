@@ -146,6 +146,25 @@ def test_process_group_reforms_over_a_subset_and_back(cluster: Cluster) -> None:
     assert cluster.run("world_size").results() == "Out[ranks 0-3]: 4"
 
 
+THREADS = "import os\nthreads = len(os.listdir('/proc/self/task'))"  # gloo's are not Python's
+
+
+def test_meshes_and_re_forms_do_not_pile_up_group_threads(cluster: Cluster) -> None:
+    # Each gloo group holds threads until it is freed; torch frees a mesh's groups only
+    # with the default group, and a mesh and its views are a cycle only the collector breaks.
+    cluster.init_mesh("dp=2,tp=2")
+    cluster.run(THREADS, ranks="1")
+    once = cluster.pull("threads", ranks="1")[1]
+    for _ in range(3):
+        cluster.init_mesh("dp=2,tp=2")
+        cluster.regroup()
+    cluster.run("t = torch.ones(1)\ndist.all_reduce(t)")
+    cluster.run(THREADS, ranks="1")
+    assert cluster.pull("threads", ranks="1")[1] == once
+    assert cluster.run("mesh.mesh_dim_names", ranks="1").results() == \
+        "Out[rank 1]: ('dp_shard', 'tp')"
+
+
 TP_FORWARD = """
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 torch.manual_seed(0)
