@@ -1,12 +1,13 @@
 """Dispatch overhead of %%mesh: a no-op cell through the real magic vs raw ipyparallel.
 
-All four run against the same cluster, interleaved in a shuffled order so drift and
+All five run against the same cluster, interleaved in a shuffled order so drift and
 queueing hit them equally:
 
 - raw:        `DirectView.execute(code, block=True)` (returns at the execute replies);
 - raw+output: the same, then `wait_for_output()` (until every engine's output has
               arrived: what any display of a cell's output has to wait for);
 - %%px:       ipyparallel's own magic on the same engines, waiting for output as %%mesh;
+- run:        `Cluster.run(code)`: meshlab's cell channel, without IPython's magic around it;
 - %%mesh:     `shell.run_cell("%%mesh\\n" + code)` through the real magic and IPython.
 
 Beside each wall time, the notebook process's own CPU time per %%mesh cell (and per rank):
@@ -53,6 +54,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
         "raw": lambda: view.execute(CODE, block=True),
         "raw+output": lambda: view.execute(CODE, silent=False, block=False).wait_for_output(),
         "%%px": lambda: ip.run_cell(f"%%px\n{CODE}").raise_error(),
+        "run": lambda: cluster.run(CODE),
         "%%mesh": with_cpu(lambda: ip.run_cell(f"%%mesh\n{CODE}").raise_error()),
     }
     with Cluster(n) as cluster:
@@ -74,13 +76,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"median round trip of a no-op cell, ms ({args.repeats} each); "
           "ratio = %%mesh / baseline; cpu = the notebook's CPU ms per %%mesh cell")
-    print(f"{'ranks':>5} {'raw':>6} {'raw+output':>10} {'%%px':>6} {'%%mesh':>6}   "
+    print(f"{'ranks':>5} {'raw':>6} {'raw+output':>10} {'%%px':>6} {'run':>6} {'%%mesh':>6}   "
           f"{'vs raw':>6} {'vs raw+output':>13} {'vs %%px':>7}   {'cpu':>5} {'cpu/rank':>8}")
     for n in args.ranks:
         ms = measure(n, args.repeats)
         mesh = ms["%%mesh"]
         print(f"{n:>5} {ms['raw']:>6.1f} {ms['raw+output']:>10.1f} {ms['%%px']:>6.1f} "
-              f"{mesh:>6.1f}   {mesh / ms['raw']:>6.2f} {mesh / ms['raw+output']:>13.2f} "
+              f"{ms['run']:>6.1f} {mesh:>6.1f}   {mesh / ms['raw']:>6.2f} "
+              f"{mesh / ms['raw+output']:>13.2f} "
               f"{mesh / ms['%%px']:>7.2f}   {ms['%%mesh cpu']:>5.1f} "
               f"{ms['%%mesh cpu'] / n:>8.2f}", flush=True)
 

@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import signal
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ from meshlab import runtime
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import launch, on_ranks, profiles
 from meshlab.notebook.cell import CellRun
+from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, size_text, strip_ansi
@@ -70,6 +72,7 @@ class Cluster(RankProbes, GroupRecovery):
         self._ipp: Any = None
         self._processes = EngineProcesses()
         self._client: Any = None
+        self.cell_channel: Any = None  # CellChannel while running: cells go straight to ranks
         self._engines: list[int] = []  # rank -> engine id
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
         self._generation = 0
@@ -123,6 +126,8 @@ class Cluster(RankProbes, GroupRecovery):
             self._ipp, self._client, self._processes = launch.start(self.profile, n, bar)
             try:
                 self._engines = sorted(self._client.ids)[:n]
+                self.cell_channel = CellChannel(self.profile.controller_ip,
+                                                self._client.session.key)
                 bar.phase("process group")
                 self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
             except BaseException:
@@ -138,7 +143,9 @@ class Cluster(RankProbes, GroupRecovery):
         """Stop the engines and the controller; the cluster object can start again."""
         live = [self._engines[r] for r in range(self.world_size) if r not in self._dead]
         launch.stop(self._ipp, self._client, live)
-        self._ipp = self._client = None
+        if self.cell_channel is not None:
+            self.cell_channel.close()
+        self._ipp = self._client = self.cell_channel = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
         self._processes = EngineProcesses()
         self._generation, self._needs_regroup, self._members = 0, False, None
@@ -170,10 +177,16 @@ class Cluster(RankProbes, GroupRecovery):
                 rank=r, world_size=self.world_size, local_rank=peers.index(r),
                 master_addr=master, master_port=port, backend=self.backend,
                 timeout=self.profile.pg_timeout, debug=self.debug, threads=threads,
-                env=self.profile.env, cwd=os.getcwd(),
+                env=self.profile.env, cwd=os.getcwd(), cells=self.cell_channel.address,
             )
 
         self._apply_each(on_ranks.setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
+        silent = self.cell_channel.wait_connected(list(range(self.world_size)), timeout=30)
+        if silent:
+            raise ClusterError(
+                f"{ranks_are(silent)} did not connect to the notebook's cell channel at "
+                f"{self.cell_channel.address} within 30 s: a firewall between the engines "
+                "and this host? The profile's controller_ip is where both listen.")
 
     # -- running code ----------------------------------------------------------------------
 
@@ -192,8 +205,8 @@ class Cluster(RankProbes, GroupRecovery):
 
         ``timeout`` (seconds; default from the profile) interrupts ranks still running and
         reports their stacks. ``on_output`` sees the partial result as output streams in.
-        ``keep_values``: each rank sends its last expression's value with the cell's own
-        output, into ``result.values``.
+        ``keep_values``: each rank sends its last expression's value with its reply, into
+        ``result.values``.
         ``comms`` traces the collectives each rank issues into ``result.comms``.
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
@@ -201,14 +214,13 @@ class Cluster(RankProbes, GroupRecovery):
         ranks = self._ranks(ranks)
         self._recover(creates_groups=bool(GROUP_CREATION.search(code)))
         timeout = timeout if timeout is not None else self.profile.cell_timeout
-        view = self._client.direct_view([self._engines[r] for r in ranks])
-        if comms:
-            view.apply_async(meshlab.comms.start)  # queued before the cell on every rank
+        if comms:  # started before the cell is sent: the two travel on different channels
+            self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(
+                meshlab.comms.start)
         self._cells_run += 1
         number = self._cells_run if number is None else number
-        ar = view.execute(code, silent=False, block=False,
-                          label=f"In[{number}]{' -o' if keep_values else ''}")
-        cell = CellRun(self, ar, ranks, timeout, on_output)
+        cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),
+                       timeout, on_output)
         result = cell.wait()
         if comms:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
@@ -221,6 +233,16 @@ class Cluster(RankProbes, GroupRecovery):
         if not result.ok:
             raise MeshError(result)
         return result
+
+    def _wait_for(self, pending: list[str], timeout: float) -> bool:
+        """Wait until the cells and calls ``pending`` (ids) have ended; whether they did."""
+        deadline = time.monotonic() + timeout
+        for cell in filter(None, map(self.cell_channel.cell, pending)):
+            if not self.cell_channel.wait(cell, deadline - time.monotonic()):
+                return False
+            self.cell_channel.forget(cell)
+        calls = [i for i in pending if not self.cell_channel.owns(i)]
+        return self._client.wait(calls, timeout=max(0.0, deadline - time.monotonic()))
 
     def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
         alive = [r for r in ranks if r not in self._dead]

@@ -10,14 +10,14 @@ from typing import Any
 
 import ipyparallel as ipp
 
-CELL_REPORT = "meshlab_cell"  # what each rank publishes as a cell ends (setup_rank's hook)
-
 
 @ipp.interactive
-def setup_rank(cwd: str, **kwargs: Any) -> None:
-    """Bootstrap the rank, publish its names, and answer probes from the control thread."""
+def setup_rank(cwd: str, cells: str, **kwargs: Any) -> None:
+    """Bootstrap the rank, publish its names, listen for cells at ``cells`` (the notebook's
+    channel) and answer probes from the control thread."""
     import os
 
+    import meshlab.cell_server
     import meshlab.probe_server
     import meshlab.runtime
 
@@ -25,39 +25,9 @@ def setup_rank(cwd: str, **kwargs: Any) -> None:
         os.chdir(cwd)
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
-    kernel = shell.kernel
-    if not getattr(kernel, "_meshlab_hooks", False):
-        import pickle
-
-        # A cell sent labelled "In[7]" runs as In [7] on the rank: its tracebacks and stacks
-        # name the notebook's cell, not the rank's own count of the cells it ran. "In[7] -o"
-        # also sends back the value of its last expression.
-        init_metadata = kernel.init_metadata  # the kernel's first step with each request
-        wanted = {"value": False}
-
-        def numbered(parent: dict[str, Any]) -> Any:
-            number, _, flag = ((parent.get("metadata") or {}).get("label") or "").partition(" ")
-            if parent["header"]["msg_type"] == "execute_request":
-                wanted["value"] = flag == "-o"
-                if number.startswith("In[") and number[3:-1].isdigit():
-                    shell.execution_count = int(number[3:-1])  # the cell reads it after this
-            return init_metadata(parent)
-
-        def report(result: Any) -> None:
-            # what the notebook keeps of every cell rides on the cell's own output (before
-            # its idle status): no second round trip to ask each rank afterwards
-            said: dict[str, Any] = {"optimizer_steps": meshlab.runtime.optimizer_steps}
-            if wanted["value"] and result.result is not None:
-                try:  # pickled here, so a value that cannot travel costs only this rank's
-                    said["value"] = pickle.dumps(result.result)
-                except Exception as e:
-                    said["unsent"] = f"{type(e).__name__}: {e}"
-            shell.data_pub.publish_data({"meshlab_cell": said})  # CELL_REPORT (not in scope)
-
-        kernel.init_metadata, kernel._meshlab_hooks = numbered, True
-        shell.events.register("post_run_cell", report)
+    meshlab.cell_server.serve(shell, cells, kwargs["rank"], shell.kernel.session.key)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
-    meshlab.probe_server.serve(kernel, shell.user_ns, shell.compile._filename_map)
+    meshlab.probe_server.serve(shell.kernel, shell.user_ns, shell.compile._filename_map)
 
 
 @ipp.interactive

@@ -15,6 +15,7 @@ class RankProbes:
     """status, stacks, last collectives, optimizer steps, post-mortems and completion."""
 
     _client: Any
+    cell_channel: Any
     _engines: list[int]
     _hosts: list[dict[str, Any]]
     _busy: dict[int, str]
@@ -30,8 +31,9 @@ class RankProbes:
             reply = replies.get(r)
             row.update(reply or {"device": "?"})
             row["alive"] = reply is not None
-            row["busy"] = r in self._busy or bool(self._client.queue_status(
-                self._engines[r]).get("queue", 0)) if reply is not None else False
+            row["busy"] = reply is not None and (
+                r in self._busy or r in self.cell_channel.running()
+                or bool(self._client.queue_status(self._engines[r]).get("queue", 0)))
             rows.append(row)
         return pd.DataFrame(rows).set_index("rank")
 

@@ -42,6 +42,7 @@ class GroupRecovery:
     _recovered: list[str]
     profile: Profile
     regroup: Callable[..., None]
+    _wait_for: Callable[[list[str], float], bool]
 
     def _after_cell(self, cell: CellRun, result: CellResult, code: str) -> None:
         """What a finished cell leaves the group in, noted on ``result``: ranks still stuck,
@@ -116,7 +117,7 @@ class GroupRecovery:
                 "waiting up to %g s for %s to leave the stuck collective", limit,
                 f"rank{'s' if len(self._busy) > 1 else ''} {ranks}")
             try:
-                done = self._client.wait(pending, timeout=limit)
+                done = self._wait_for(pending, limit)
             except KeyboardInterrupt:
                 raise ClusterError(f"{subject} still stuck from an earlier cell (the wait for "
                                    "them was interrupted): `%mesh restart` replaces the "

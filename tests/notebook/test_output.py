@@ -32,36 +32,28 @@ def test_clean_traceback_drops_internal_frames() -> None:
     assert clean_traceback(chunks) == [chunks[0], chunks[1], chunks[3], chunks[4]]
 
 
-class _FakeAsyncResult:
-    """Stands in for ipyparallel's AsyncResult: each wait() the ranks print one more chunk."""
+class _ChunkedChannel:
+    """Stands in for the cell channel: each poll, every rank has printed one more chunk."""
 
-    def __init__(self, ranks: int, chunks: list[str]) -> None:
-        self.metadata = [{"stdout": "", "stderr": "", "status": None, "error": None,
-                          "execute_result": None, "data": {}} for _ in range(ranks)]
-        self.msg_ids = [f"m{r}" for r in range(ranks)]
-        self._children: list[object] = [None] * ranks  # futures; read only on errors
-        self.chunks = list(chunks)
+    def __init__(self, cell: object, chunks: list[str]) -> None:
+        self.cell, self.chunks, self.forgotten = cell, list(chunks), False
 
-    def ready(self) -> bool:
-        return not self.chunks
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if self.chunks:
-            chunk = self.chunks.pop(0)
-            for md in self.metadata:
-                md["stdout"] += chunk
-        if not self.chunks:
-            for md in self.metadata:
-                md["status"] = "ok"
-        return self.ready()
-
-    def wait_for_output(self, timeout: float | None = None) -> bool:
+    def poll(self, timeout: float) -> bool:
+        chunk = self.chunks.pop(0) if self.chunks else ""
+        for got in self.cell.replies.values():  # type: ignore[attr-defined]
+            got.stdout += chunk
+            if not self.chunks:
+                got.reply = {"status": "ok", "result": None, "optimizer_steps": 0}
         return True
+
+    def forget(self, cell: object) -> None:
+        self.forgotten = True
 
 
 class _FakeCluster:
-    def __init__(self, folder: object) -> None:
+    def __init__(self, folder: object, channel: _ChunkedChannel) -> None:
         self.output_dir, self.max_output_lines, self.max_output_bytes = folder, 1000, 2**20
+        self.cell_channel = channel
 
     def dead(self) -> dict[int, str]:
         return {}
@@ -71,11 +63,13 @@ def test_a_flood_is_streamed_in_increments_and_capped_with_a_marker(tmp_path: ob
     from pathlib import Path
 
     from meshlab.notebook.cell import CellRun
+    from meshlab.notebook.cell_channel import RankReply, SentCell
     from meshlab.notebook.output import LiveOutput
 
     lines = [f"step {i} loss 2.72\n" for i in range(20_000)]
     chunks = ["".join(lines[i:i + 500]) for i in range(0, len(lines), 500)]
-    ar = _FakeAsyncResult(4, chunks)
+    cell = SentCell("cell:1", [0, 1, 2, 3], {r: RankReply() for r in range(4)})
+    channel = _ChunkedChannel(cell, chunks)
     live, sent = LiveOutput(), []
 
     def on_output(result: CellResult) -> None:
@@ -83,7 +77,7 @@ def test_a_flood_is_streamed_in_increments_and_capped_with_a_marker(tmp_path: ob
         live.update(result)
         sent.append(live.sent - before)
 
-    run = CellRun(_FakeCluster(tmp_path), ar, [0, 1, 2, 3], None, on_output)  # type: ignore[arg-type]
+    run = CellRun(_FakeCluster(tmp_path, channel), cell, None, on_output)  # type: ignore[arg-type]
     result = run.wait()
     # each update carries only what is new (the 4 equal ranks once), never the whole so far
     assert max(sent) <= max(len(c) for c in chunks) + 100
@@ -95,7 +89,7 @@ def test_a_flood_is_streamed_in_increments_and_capped_with_a_marker(tmp_path: ob
     assert result.full_output is not None and result.full_output in marker
     assert (Path(result.full_output) / "rank2.stdout").read_text() == "".join(lines)
     assert "19,000 more stdout lines" in str(result)
-    assert ar.metadata[0]["stdout"] == ""  # ipyparallel's copy let go once the rank finished
+    assert cell.replies[0].stdout == "" and channel.forgotten  # taken as it came, then let go
 
 
 def test_sentences_about_one_rank_are_singular() -> None:

@@ -1,0 +1,146 @@
+"""The notebook's end of the direct cell channel (rank end: meshlab.cell_server).
+
+One ROUTER socket, bound where the controller listens (loopback unless the profile says
+otherwise); each rank connects with its rank as identity. A cell goes to each of its ranks
+once; what comes back is filed under the cell's id as it arrives, while someone polls (the
+cell in flight, or a wait for a stuck one). No thread: the notebook spends nothing between
+cells. Frames that are not signed with the cluster's key are dropped unread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from meshlab import cell_wire
+
+
+@dataclass(slots=True)
+class RankReply:
+    """What one rank sent for one cell so far."""
+
+    stdout: str = ""
+    stderr: str = ""
+    reply: dict[str, Any] | None = None  # the end-of-cell header; None while it runs
+    value: bytes | None = None  # the pickled last value, when asked for
+
+
+@dataclass(slots=True)
+class SentCell:
+    """One cell on its ranks."""
+
+    id: str
+    ranks: list[int]
+    replies: dict[int, RankReply] = field(default_factory=dict)
+
+    def done(self, rank: int) -> bool:
+        return self.replies[rank].reply is not None
+
+    def ready(self) -> bool:
+        return all(r.reply is not None for r in self.replies.values())
+
+
+class CellChannel:
+    """Sends cells to ranks and files their output and replies."""
+
+    def __init__(self, ip: str, key: bytes) -> None:
+        self.key = key
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not connected: an error
+        if ":" in ip:
+            self._socket.setsockopt(zmq.IPV6, 1)
+        host = f"[{ip}]" if ":" in ip else ip
+        port: int = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._ids = itertools.count(1)
+        self._cells: dict[str, SentCell] = {}
+        self._connected: set[int] = set()
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def wait_connected(self, ranks: list[int], timeout: float) -> list[int]:
+        """Wait until every rank said hello; the ranks that did not, in time."""
+        deadline = time.monotonic() + timeout
+        while not self._connected.issuperset(ranks) and time.monotonic() < deadline:
+            self.poll(deadline - time.monotonic())
+        return [r for r in ranks if r not in self._connected]
+
+    def send(self, ranks: list[int], code: str, number: int, keep: bool) -> SentCell:
+        cell = SentCell(f"cell:{os.getpid()}:{next(self._ids)}", ranks,
+                        {r: RankReply() for r in ranks})
+        self._cells[cell.id] = cell
+        frames = cell_wire.pack(self.key, {"kind": cell_wire.CELL, "id": cell.id, "code": code,
+                                           "number": number, "keep": keep})
+        for r in ranks:
+            try:
+                self._socket.send_multipart([str(r).encode(), *frames])
+            except zmq.ZMQError:  # not connected (ROUTER_MANDATORY): its engine went away
+                cell.replies[r].reply = {
+                    "status": "error", "ename": "RankDied", "traceback": [],
+                    "evalue": "its engine is no longer connected to the notebook"}
+        return cell
+
+    def poll(self, timeout: float) -> bool:
+        """File what arrives within ``timeout`` seconds (returns at the first batch);
+        whether anything came."""
+        if not self._socket.poll(max(0, int(timeout * 1000))):
+            return False
+        while self._socket.poll(0):
+            self._file(self._socket.recv_multipart())
+        return True
+
+    def wait(self, cell: SentCell, timeout: float | None) -> bool:
+        """Poll until ``cell`` has every reply or ``timeout`` passed; whether it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not cell.ready():
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.poll(min(left, 1.0))
+        return True
+
+    def cell(self, cell_id: str) -> SentCell | None:
+        return self._cells.get(cell_id)
+
+    def forget(self, cell: SentCell) -> None:
+        """The notebook has taken what it keeps of a finished cell."""
+        self._cells.pop(cell.id, None)
+
+    def running(self) -> set[int]:
+        """Ranks with a cell not yet replied to (safe from another thread: a copy is read)."""
+        return {r for c in list(self._cells.values()) for r, got in c.replies.items()
+                if got.reply is None}
+
+    @staticmethod
+    def owns(call_id: str) -> bool:
+        """Is this the id of a cell sent here (not of an ipyparallel call)?"""
+        return call_id.startswith("cell:")
+
+    def _file(self, frames: list[bytes]) -> None:
+        sender, message = frames[0], cell_wire.unpack(self.key, frames[1:])
+        if message is None or not sender.isdigit():
+            return  # not from a rank of this cluster
+        header, blobs = message
+        rank, kind = int(sender), header.get("kind")
+        if kind == cell_wire.HELLO:
+            self._connected.add(rank)
+            return
+        cell = self._cells.get(header.get("id", ""))
+        if cell is None or rank not in cell.replies:
+            return  # a cell the notebook already let go of
+        got = cell.replies[rank]
+        if kind == cell_wire.OUTPUT:
+            got.stdout += header.get("stdout", "")
+            got.stderr += header.get("stderr", "")
+        elif kind == cell_wire.REPLY:  # with the output not sent before it
+            got.stdout += header.pop("stdout", "")
+            got.stderr += header.pop("stderr", "")
+            got.reply = header
+            got.value = blobs[0] if blobs else None
