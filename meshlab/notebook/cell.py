@@ -47,11 +47,14 @@ class CellRun:
 
     def wait(self) -> CellResult:
         """Block until every rank is done, dead, timed out or interrupted."""
-        channel = self.cluster.cell_channel
+        channel, looked = self.cluster.cell_channel, time.monotonic()
         try:
             while not self.sent.ready():
                 channel.poll(POLL)
                 self._stream()
+                if self.sent.ready() or time.monotonic() - looked < POLL:
+                    continue  # a look at the processes costs more than a no-op cell
+                looked = time.monotonic()
                 if self._notice_deaths():
                     # Peers of a dead rank would wait for it in their next collective.
                     self._stop("interrupted")
