@@ -18,9 +18,10 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.profiles import Profile
 
-# Errors only: the hub logs a warning for every rank's end-of-cell report (a data message
-# it does not keep) and a line per request, into a log that grows with every cell.
-CONTROLLER_ARGS = ["--log-level=ERROR"]
+# Errors only: the hub logs a line per request otherwise, into a log that grows for ever.
+# The hub counts an engine once it answers a heartbeat, within two periods: ipyparallel's
+# 3 s made every start wait 3-6 s for it; at 200 ms loaded engines never answered in time.
+CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=1000"]
 _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
 
