@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
-from ipyparallel.serialize import serialize_object
 
 import meshlab.comms
 from meshlab import runtime
@@ -27,26 +24,19 @@ from meshlab.notebook.cell import CellRun
 from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
-from meshlab.notebook.output import CellResult, MeshError, group, size_text, strip_ansi
+from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
 from meshlab.notebook.probes import RankProbes
-from meshlab.notebook.ranks import format_ranks, label, parse_ranks, ranks_are
+from meshlab.notebook.ranks import label, parse_ranks, ranks_are
 from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery
+from meshlab.notebook.transfers import PULL_WARN_BYTES, Transfers
 from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-PULL_WARN_BYTES = 256 * 2**20
 MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
 MAX_OUTPUT_BYTES = 2**20
 
 
-class PullSizeWarning(UserWarning):
-    """A pull that copies a lot of memory into the notebook."""
-
-
-warnings.filterwarnings("always", category=PullSizeWarning)  # every such pull, not the first
-
-
-class Cluster(RankProbes, GroupRecovery):
+class Cluster(RankProbes, GroupRecovery, Transfers):
     """One ipyparallel engine per rank with a torch.distributed process group across them.
 
     >>> with Cluster(4) as c:
@@ -287,46 +277,6 @@ class Cluster(RankProbes, GroupRecovery):
         return spec
 
     # -- moving data -----------------------------------------------------------------------
-
-    def push(self, mapping: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
-        """Copy notebook values to the ranks' namespaces."""
-        targets = [self._engines[r] for r in self._ranks(ranks)]
-        try:
-            self._client.direct_view(targets).push(dict(mapping), block=True)
-        except (TypeError, AttributeError, pickle.PicklingError):  # serializing, here
-            for name, value in mapping.items():  # one line naming it, not ipyparallel's
-                try:
-                    serialize_object(value)
-                except Exception as why:  # whatever pickling raises
-                    raise ClusterError(
-                        f"cannot push {name!r}: a {type(value).__name__} cannot be sent to the "
-                        f"ranks ({type(why).__name__}: {why}). Push what it is made from and "
-                        "build it in a %%mesh cell") from None
-            raise
-
-    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
-        """``{rank: value}`` of a name in the ranks' namespaces."""
-        ranks = self._ranks(ranks)
-        view = self._client.direct_view([self._engines[r] for r in ranks])
-        sizes = [n for n in view.apply_sync(on_ranks.nbytes, name) if n is not None]
-        if sum(sizes) > self.pull_warn_bytes:
-            warnings.warn(
-                f"pulling {name!r} copies {size_text(sum(sizes))} into the notebook ("
-                f"{len(sizes)} rank{'s' if len(sizes) > 1 else ''}, up to {size_text(max(sizes))} "
-                f"each); `%mesh pull {name} --ranks 0` (or pull(name, ranks=...)) takes fewer",
-                PullSizeWarning, stacklevel=2)
-        ar = view.pull(name, block=False)
-        try:
-            return dict(zip(ranks, ar.get(), strict=True))
-        except ipp.CompositeError as e:
-            failures = self._failures(e, ranks)
-            missing = [r for r, ename, _ in failures if ename == "NameError"]
-            if len(missing) == len(failures):
-                raise KeyError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}: "
-                               "define it in a %%mesh cell first") from None
-            r, ename, evalue = next(f for f in failures if f[1] != "NameError")
-            raise ClusterError(f"could not pull {name!r} from rank {r}: {ename}: {evalue}") \
-                from None
 
     def inspect(self, expr: str, ranks: str | list[int] | None = None
                 ) -> ShardingReport | ModuleReport:

@@ -221,7 +221,7 @@ def test_a_flood_of_output_is_capped_with_a_marker_naming_the_full_output(shell:
 
 
 def test_a_large_pull_warns_and_offers_ranks(shell: Any) -> None:
-    from meshlab.notebook.cluster import PullSizeWarning
+    from meshlab.notebook.transfers import PullSizeWarning
 
     cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
     run(shell, "%%mesh\nbig = torch.zeros(1000)")
