@@ -318,8 +318,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         if not self.running:
             raise ClusterError("no cluster is running: start one with `%mesh start N` "
                                "(or meshlab.Cluster(N).start())")
-        ranks = parse_ranks(spec, self.world_size)
-        dead = [r for r in ranks if r in self.dead()]
+        ranks, gone = parse_ranks(spec, self.world_size), self.dead()
+        dead = [r for r in ranks if r in gone]
         if check_dead and dead:
             raise ClusterError(
                 "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
