@@ -57,7 +57,7 @@ class RankStream:
             self.write(line)
 
     def flush(self) -> None:
-        pass  # the channel's thread sends every FLUSH seconds and before the reply
+        pass  # the relay sends every FLUSH seconds; the rest rides on the reply
 
     def isatty(self) -> bool:
         return False
