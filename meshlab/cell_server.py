@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 from tornado.ioloop import IOLoop
 
-from meshlab import cell_wire
+from meshlab import cell_wire, runtime
 
 FLUSH = 0.05  # seconds between batches of a running cell's output
 _server: CellServer | None = None
@@ -75,7 +75,6 @@ class CellServer:
         self._pending: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._running: str | None = None  # the cell the main thread runs: its output's tag
         self._queued = 0  # cells received, not yet replied to (the relay's thread only)
-        self._closed = False
         context: zmq.Context[Any] = zmq.Context.instance()
         inbox = f"inproc://meshlab-cells-{id(self)}"
         self._done = context.socket(zmq.PAIR)  # main thread -> relay: a finished cell
@@ -85,7 +84,6 @@ class CellServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._closed = True
         self._done.send_multipart([b"close"])
         self._thread.join(5)
         self._done.close(linger=0)
@@ -105,7 +103,7 @@ class CellServer:
         poller.register(done, zmq.POLLIN)
         notebook.send_multipart(cell_wire.pack(self.key, {"kind": cell_wire.HELLO}))
         try:
-            while not self._closed:
+            while True:
                 ready = dict(poller.poll(int(FLUSH * 1000) if self._queued else None))
                 if notebook in ready:
                     self._receive(notebook.recv_multipart())
@@ -168,8 +166,6 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
              streams: dict[str, RankStream]) -> tuple[dict[str, Any], list[bytes]]:
     """Run ``code`` as In [number] with IPython's semantics; its printing goes to
     ``streams``. Returns the reply's header and blobs (the pickled value, when kept)."""
-    from meshlab import runtime
-
     shown: dict[str, Any] = {}
     errors: list[tuple[str, str, list[str]]] = []
 
