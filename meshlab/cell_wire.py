@@ -6,9 +6,10 @@ the header JSON, the signature HMAC-SHA256 of every other frame under the cluste
 nothing from an unauthenticated peer is ever decoded, let alone unpickled.
 
 Kinds: the notebook sends ``cell`` (id, code, number, keep); a rank sends ``hello`` once it
-listens, ``output`` (what the running cell printed since the last) and ``reply`` (how the
-cell ended, with what the notebook keeps: the value's text, error, optimizer steps, the
-pickled value when asked). Plain Python.
+listens, ``output`` (what the running cell printed since the last, from a second socket)
+and ``reply`` (how the cell ended, with what the notebook keeps: the rest of the output,
+how many output batches went before, the value's text, error, optimizer steps, the pickled
+value when asked). Plain Python.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ import json
 from typing import Any
 
 CELL, HELLO, OUTPUT, REPLY = "cell", "hello", "output", "reply"
+
+
+def cell_identity(rank: int) -> bytes:
+    """The identity of a rank's socket for cells and replies."""
+    return str(rank).encode()
+
+
+def output_identity(rank: int) -> bytes:
+    """The identity of a rank's socket for a running cell's output."""
+    return f"{rank}/output".encode()
+
+
+def rank_of(identity: bytes) -> int | None:
+    """The rank a socket of the channel belongs to; None for any other identity."""
+    rank, slash, stream = identity.partition(b"/")
+    return int(rank) if rank.isdigit() and (not slash or stream == b"output") else None
 
 
 def pack(key: bytes, header: dict[str, Any], *blobs: bytes) -> list[bytes]:

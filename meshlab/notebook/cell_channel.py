@@ -1,7 +1,8 @@
 """The notebook's end of the direct cell channel (rank end: meshlab.cell_server).
 
 One ROUTER socket, bound where the controller listens (loopback unless the profile says
-otherwise); each rank connects with its rank as identity. A cell goes to each of its ranks
+otherwise); each rank connects twice, for cells and replies with its rank as identity and
+for a running cell's output as "rank/output". A cell goes to each of its ranks
 once; what comes back is filed under the cell's id as it arrives, while someone polls (the
 cell in flight, or a wait for a stuck one). No thread: the notebook spends nothing between
 cells. Frames that are not signed with the cluster's key are dropped unread.
@@ -28,6 +29,14 @@ class RankReply:
     stderr: str = ""
     reply: dict[str, Any] | None = None  # the end-of-cell header; None while it runs
     value: bytes | None = None  # the pickled last value, when asked for
+    batches: int = 0  # output messages received: the reply says how many were sent
+    tail: tuple[str, str] | None = None  # the reply's (stdout, stderr), held until
+    # the batches sent before it are in, so the text stays in order
+
+    def done(self) -> bool:
+        """Replied, and every batch of output sent before the reply is in (the two come
+        over separate sockets, so the reply can overtake a batch)."""
+        return self.reply is not None and self.batches >= self.reply.get("batches", 0)
 
 
 @dataclass(slots=True)
@@ -39,10 +48,10 @@ class SentCell:
     replies: dict[int, RankReply] = field(default_factory=dict)
 
     def done(self, rank: int) -> bool:
-        return self.replies[rank].reply is not None
+        return self.replies[rank].done()
 
     def ready(self) -> bool:
-        return all(r.reply is not None for r in self.replies.values())
+        return all(r.done() for r in self.replies.values())
 
 
 class CellChannel:
@@ -80,7 +89,7 @@ class CellChannel:
                                            "number": number, "keep": keep})
         for r in ranks:
             try:
-                self._socket.send_multipart([str(r).encode(), *frames])
+                self._socket.send_multipart([cell_wire.cell_identity(r), *frames])
             except zmq.ZMQError:  # not connected (ROUTER_MANDATORY): its engine went away
                 cell.replies[r].reply = {
                     "status": "error", "ename": "RankDied", "traceback": [],
@@ -116,7 +125,7 @@ class CellChannel:
     def running(self) -> set[int]:
         """Ranks with a cell not yet replied to (safe from another thread: a copy is read)."""
         return {r for c in list(self._cells.values()) for r, got in c.replies.items()
-                if got.reply is None}
+                if not got.done()}
 
     @staticmethod
     def owns(call_id: str) -> bool:
@@ -124,11 +133,11 @@ class CellChannel:
         return call_id.startswith("cell:")
 
     def _file(self, frames: list[bytes]) -> None:
-        sender, message = frames[0], cell_wire.unpack(self.key, frames[1:])
-        if message is None or not sender.isdigit():
+        rank, message = cell_wire.rank_of(frames[0]), cell_wire.unpack(self.key, frames[1:])
+        if message is None or rank is None:
             return  # not from a rank of this cluster
         header, blobs = message
-        rank, kind = int(sender), header.get("kind")
+        kind = header.get("kind")
         if kind == cell_wire.HELLO:
             self._connected.add(rank)
             return
@@ -139,8 +148,11 @@ class CellChannel:
         if kind == cell_wire.OUTPUT:
             got.stdout += header.get("stdout", "")
             got.stderr += header.get("stderr", "")
+            got.batches += 1
         elif kind == cell_wire.REPLY:  # with the output not sent before it
-            got.stdout += header.pop("stdout", "")
-            got.stderr += header.pop("stderr", "")
+            got.tail = header.pop("stdout", ""), header.pop("stderr", "")
             got.reply = header
             got.value = blobs[0] if blobs else None
+        if got.tail is not None and got.done():
+            got.stdout, got.stderr = got.stdout + got.tail[0], got.stderr + got.tail[1]
+            got.tail = None

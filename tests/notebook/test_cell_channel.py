@@ -92,3 +92,31 @@ def test_a_rank_streams_while_it_runs_and_its_tail_rides_on_the_reply(cluster: C
                          on_output=lambda r: seen.append(r.outputs[1].stdout))
     assert "first\n" in seen  # shown while the rank slept, before 'last' existed
     assert result.outputs[1].stdout == "first\nlast\n" and result.outputs[1].result == "7"
+
+
+def test_a_reply_that_overtakes_its_output_waits_for_it(channel: CellChannel) -> None:
+    """A running cell's output leaves from a second socket, so its reply can arrive first:
+    the cell is not done until every batch the reply counts is in, and text keeps order."""
+    rank, output = _peer(channel, cell_wire.cell_identity(1)), _peer(
+        channel, cell_wire.output_identity(1))
+    try:
+        rank.send_multipart(cell_wire.pack(KEY, {"kind": "hello"}))
+        assert channel.wait_connected([1], timeout=5.0) == []
+        cell = channel.send([1], "print(1); print(2)", number=1, keep=False)
+        rank.send_multipart(cell_wire.pack(KEY, {"kind": "reply", "id": cell.id, "batches": 1,
+                                                 "status": "ok", "stdout": "2\n"}))
+        assert not channel.wait(cell, timeout=0.5) and channel.running() == {1}
+        output.send_multipart(cell_wire.pack(KEY, {"kind": "output", "id": cell.id,
+                                                   "stdout": "1\n"}))
+        assert channel.wait(cell, timeout=5.0)
+        assert cell.replies[1].stdout == "1\n2\n" and channel.running() == set()
+    finally:
+        rank.close()
+        output.close()
+
+
+def test_only_the_two_sockets_of_a_rank_are_heard() -> None:
+    assert cell_wire.rank_of(cell_wire.cell_identity(12)) == 12
+    assert cell_wire.rank_of(cell_wire.output_identity(3)) == 3
+    for other in (b"", b"x", b"-1", b"3/", b"3/other", b"/output", b"\x00k\x8bEg"):
+        assert cell_wire.rank_of(other) is None, other
