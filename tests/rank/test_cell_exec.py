@@ -50,8 +50,8 @@ def _shell() -> Any:
 
 
 def _plain(text: str) -> str:
-    """Memory addresses and %time's figures out of the way."""
-    return re.sub(r"0x[0-9a-f]+|\d[\d.e+]*", "#", text)
+    """Memory addresses and %time's figures (and their units) out of the way."""
+    return re.sub(r"0x[0-9a-f]+|\d[\d.e+]*( ?[nµum]?s\b)?", "#", text)
 
 
 @pytest.fixture(scope="module")
