@@ -129,12 +129,12 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     compute_mb = t_f + t_b
     t_f_crit, t_b_crit = comm.critical_path()  # TP, CP, EP per micro-batch
     hidden_f, hidden_b = comm.fsdp_per_microbatch()  # overlaps its own compute
-    t_f += t_f_crit + stage.not_hidden(hidden_f, t_f)
-    t_b += t_b_crit + stage.not_hidden(hidden_b, t_b)
+    t_f += t_f_crit + stage.not_hidden_units(hidden_f, t_f)
+    t_b += t_b_crit + stage.not_hidden_units(hidden_b, t_b)
     hop = comm.pipeline_hop()
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
-    exposed = comm.gradient_sync(last_backward_s=t_b)
+    exposed = comm.gradient_sync(last_backward_s=t_b) + comm.fsdp_edges()
     optimizer_s = optimizer_seconds(stage)
     memory = memory_per_gpu(stage, inflight)
     notes: list[str] = []
