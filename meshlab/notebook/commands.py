@@ -195,8 +195,9 @@ def calibrate(line: str) -> None:
 
 
 @magic_arguments()
-@argument("model", help="a preset (" + ", ".join(MODELS) + "), or a notebook variable "
-          "holding a ModelShape or a meshlab ModelConfig")
+@argument("model", help="a preset (" + ", ".join(MODELS) + "), a .toml file of ModelShape's "
+          "fields (layers = 32, hidden = 4096, ...), or a notebook variable holding a "
+          "ModelShape or a meshlab ModelConfig")
 @argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
 @argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
           "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")

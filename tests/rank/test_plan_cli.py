@@ -1,0 +1,79 @@
+"""A model of one's own for the planner: a TOML file of ModelShape's fields.
+
+Plain Python, no cluster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshlab.plan import ModelShape, model_shape
+from meshlab.plan.shapes import load_model
+
+# Llama-2-7B-like, with grouped-query attention: 5.9B parameters
+MY_TOML = """\
+name = "my-model"
+layers = 32
+hidden = 4096
+heads = 32
+kv_heads = 8
+ffn = 11008
+vocab = 32000
+seq_len = 4096
+"""
+MY_SHAPE = ModelShape(name="my-model", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008,
+                      vocab=32000, seq_len=4096)
+
+
+@pytest.fixture
+def my_toml(tmp_path: Path) -> Path:
+    path = tmp_path / "my.toml"
+    path.write_text(MY_TOML)
+    return path
+
+
+# --- a model from a TOML file ----------------------------------------------------------
+
+def test_a_model_file_reads_as_the_shape_it_describes(my_toml: Path) -> None:
+    assert load_model(my_toml) == MY_SHAPE
+    assert model_shape(str(my_toml)) == MY_SHAPE  # what %mesh plan my.toml passes
+    assert model_shape(my_toml) == MY_SHAPE
+
+
+def test_a_model_file_without_a_name_is_named_for_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text("layers = 2\nhidden = 64\nheads = 4\nffn = 128\nvocab = 256\n"
+                    "seq_len = 64\nexperts = 4\ntop_k = 2\ngated_ffn = false\n")
+    assert load_model(path) == ModelShape(name="tiny", layers=2, hidden=64, heads=4, ffn=128,
+                                          vocab=256, seq_len=64, experts=4, top_k=2,
+                                          gated_ffn=False)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (MY_TOML.replace("hidden", "hiden"), "unknown key 'hiden': did you mean hidden?"),
+    ("layers = 32\nhidden = 4096\n",
+     "missing heads, ffn, vocab, seq_len: add each as a whole number, e.g. heads = 32"),
+    (MY_TOML.replace("layers = 32", 'layers = "32"'),
+     'layers = "32" is a string, not a whole number: write e.g. layers = 32'),
+    (MY_TOML.replace("layers = 32", "layers = true"),
+     "layers = true is a boolean, not a whole number"),
+    (MY_TOML.replace("ffn = 11008", "ffn = 11008.0"), "ffn = 11008.0 is a decimal number"),
+    (MY_TOML + "gated_ffn = 1\n", "gated_ffn = 1 is a whole number, not true or false"),
+    ("layers = \n", "bad.toml is not valid TOML ("),
+])
+def test_a_model_file_names_its_mistake_and_the_fix(tmp_path: Path, text: str,
+                                                     message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"bad\.toml") as raised:
+        load_model(path)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_missing_model_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"cannot read the model file .*nope\.toml \(No such "
+                                         r"file or directory\): check the path"):
+        model_shape(str(tmp_path / "nope.toml"))
