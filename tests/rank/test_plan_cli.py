@@ -1,6 +1,6 @@
-"""A model of one's own for the planner: a TOML file of ModelShape's fields.
+"""``meshlab plan`` in a terminal: a model of one's own (TOML file or flags).
 
-Plain Python, no cluster.
+Plain Python, no cluster: the console command runs in-process.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from meshlab.notebook.cli import main
 from meshlab.plan import ModelShape, model_shape
 from meshlab.plan.shapes import load_model
 
@@ -25,6 +26,8 @@ seq_len = 4096
 """
 MY_SHAPE = ModelShape(name="my-model", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=11008,
                       vocab=32000, seq_len=4096)
+SHAPE_FLAGS = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
+               "--ffn", "11008", "--vocab", "32000", "--seq", "4096"]
 
 
 @pytest.fixture
@@ -77,3 +80,30 @@ def test_a_missing_model_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cannot read the model file .*nope\.toml \(No such "
                                          r"file or directory\): check the path"):
         model_shape(str(tmp_path / "nope.toml"))
+
+
+# --- one source of the model -----------------------------------------------------------
+
+def test_the_console_plans_a_model_given_as_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *SHAPE_FLAGS, "--gpus", "8", "--layout", "tp=8 zero=1"]) == 0
+    assert capsys.readouterr().out.startswith("custom (5.9B parameters) on 8 x h100-sxm")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "which model? name a preset (llama3-8b, "),
+    (["llama3-8b", "--model", "my.toml"],
+     "the model is given 2 ways (the preset 'llama3-8b' and --model my.toml): keep one"),
+    (["llama3-8b", "--layers", "32"], "the model is given 2 ways (the preset 'llama3-8b' and "
+                                      "--layers flags)"),
+    (["--hidden", "4096", "--heads", "32"],
+     "a model from flags needs --layers --ffn --vocab --seq too (given: --hidden --heads)"),
+    ([*SHAPE_FLAGS, "--top-k", "2"], "--top-k 2 needs --experts N"),
+    (["--model", "nope.toml"], "cannot read the model file nope.toml"),
+])
+def test_the_console_wants_exactly_one_model(args: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--gpus", "8", *args])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith("meshlab plan: ") and message in err and err.count("\n") == 1
