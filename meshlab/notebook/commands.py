@@ -205,7 +205,8 @@ def calibrate(line: str) -> None:
           'm=16"; without it the best layouts are searched')
 @argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
 @argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
-          "least one sequence per GPU)")
+          "least one sequence per GPU; with --layout: sets m, or must equal mbs x m x dp where "
+          "the layout gives m)")
 @argument("--precision", default="bf16", choices=list(PRECISIONS),
           help="compute precision (default bf16)")
 @argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")

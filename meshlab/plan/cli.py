@@ -32,7 +32,8 @@ def add_command(commands: Any) -> None:
     cmd.add_argument("--layout", help='e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 m=16"')
     cmd.add_argument("--where", help='search constraints, e.g. "tp<=8 pp=16"')
     cmd.add_argument("--batch", type=int,
-                     help="global batch in sequences (default ~4M tokens, >= 1 per GPU)")
+                     help="global batch in sequences (default ~4M tokens, >= 1 per GPU; with "
+                     "--layout: sets m, or must equal mbs x m x dp where the layout gives m)")
     cmd.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     cmd.add_argument("--tokens", type=float, help="training tokens, for days and GPU-hours")
     cmd.add_argument("--top", type=int, default=10)

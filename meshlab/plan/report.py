@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,22 +104,46 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
          layout: str | Layout | None = None, constraints: str | None = None,
          global_batch: int | None = None, precision: str = "bf16", top: int = 10,
          tokens: float | None = None) -> Plan:
-    """Estimate ``layout`` (its degrees must multiply to ``gpus``), or search the best
-    ``top`` layouts meeting ``constraints`` (e.g. "tp<=8 pp=16")."""
+    """Estimate ``layout`` (its degrees must multiply to ``gpus``; ``global_batch`` sets its
+    micro-batches where it states none), or search the best ``top`` layouts meeting
+    ``constraints`` (e.g. "tp<=8 pp=16")."""
     shape, hw = model_shape(model), hardware(hardware_profile)
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     if layout is not None:
+        stated = {f.name for f in dataclasses.fields(Layout)}  # a Layout states everything
         if isinstance(layout, str):
-            layout = Layout.parse(layout, precision=precision)
+            given = Layout.stated(layout)
+            layout, stated = Layout(**{"precision": precision, **given}), set(given)
         if layout.gpus != gpus:
             raise ValueError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not "
                              f"{gpus}: make {' x '.join(AXES)} = {gpus}")
+        if global_batch is not None:
+            layout = with_batch(layout, global_batch, fixed="microbatches" in stated)
         return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top)
     return Plan(shape, gpus, hw, list(found["estimate"]), tokens)
+
+
+def with_batch(layout: Layout, global_batch: int, *, fixed: bool) -> Layout:
+    """``layout`` with ``global_batch`` sequences per step: its micro-batches set from it, or,
+    where they are ``fixed`` (stated), checked against it."""
+    mbs, m, dp = layout.micro_batch, layout.microbatches, layout.dp
+    if global_batch == layout.global_batch:
+        return layout
+    if fixed:
+        raise ValueError(f"--batch {global_batch} disagrees with the layout's mbs={mbs} x "
+                         f"m={m} x dp={dp} = {layout.global_batch} sequences: pass --batch "
+                         f"{layout.global_batch}, or drop m= from the layout to have it set "
+                         "from --batch")
+    if global_batch < 1 or global_batch % (mbs * dp):
+        lower = max(mbs * dp, global_batch - global_batch % (mbs * dp))
+        raise ValueError(f"--batch {global_batch} is not a multiple of the layout's mbs={mbs} "
+                         f"x dp={dp} = {mbs * dp} sequences: pass --batch {lower}, or change "
+                         "mbs or dp")
+    return dataclasses.replace(layout, microbatches=global_batch // (mbs * dp))
 
 
 def _sig(x: float) -> float:

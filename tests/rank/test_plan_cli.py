@@ -1,4 +1,5 @@
-"""``meshlab plan`` in a terminal: a model of one's own (TOML file or flags).
+"""``meshlab plan`` in a terminal: a model of one's own (TOML file or flags) and --batch
+with a layout.
 
 Plain Python, no cluster: the console command runs in-process.
 """
@@ -11,6 +12,7 @@ import pytest
 
 from meshlab.notebook.cli import main
 from meshlab.plan import ModelShape, model_shape
+from meshlab.plan.report import plan
 from meshlab.plan.shapes import load_model
 
 # Llama-2-7B-like, with grouped-query attention: 5.9B parameters
@@ -107,3 +109,29 @@ def test_the_console_wants_exactly_one_model(args: list[str], message: str,
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert err.startswith("meshlab plan: ") and message in err and err.count("\n") == 1
+
+
+# --- --batch with --layout -------------------------------------------------------------
+
+def test_batch_sets_the_microbatches_of_a_layout_that_gives_none() -> None:
+    layout = plan("llama3-8b", gpus=8, layout="tp=4 dp=2 mbs=2", global_batch=64).best.layout
+    assert (layout.micro_batch, layout.microbatches, layout.dp) == (2, 16, 2)  # 2 x 16 x 2
+    assert layout.global_batch == 64
+
+
+def test_batch_that_agrees_with_the_layouts_microbatches_is_taken() -> None:
+    layout = plan("llama3-8b", gpus=8, layout="tp=4 dp=2 m=8", global_batch=16).best.layout
+    assert layout.microbatches == 8
+
+
+def test_batch_that_disagrees_with_the_layouts_microbatches_names_both() -> None:
+    with pytest.raises(ValueError, match=r"--batch 64 disagrees with the layout's mbs=1 x m=8 "
+                                         r"x dp=2 = 16 sequences: pass --batch 16, or drop m= "
+                                         "from the layout"):
+        plan("llama3-8b", gpus=8, layout="tp=4 dp=2 m=8", global_batch=64)
+
+
+def test_batch_that_mbs_times_dp_does_not_divide_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"--batch 30 is not a multiple of the layout's mbs=4 "
+                                         r"x dp=2 = 8 sequences: pass --batch 24"):
+        plan("llama3-8b", gpus=8, layout="tp=4 dp=2 mbs=4", global_batch=30)
