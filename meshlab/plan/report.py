@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshlab.mesh import AXES
 from meshlab.plan.estimate import Estimate, estimate
+from meshlab.plan.formulas import ZERO_STAGES
 from meshlab.plan.hardware import GIB, Hardware, hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.search import search
@@ -31,6 +32,8 @@ class Plan:
     estimates: list[Estimate]
     tokens: float | None = None
     """Training tokens, for days and GPU-hours."""
+    notes: list[str] = field(default_factory=list)
+    """What ``plan`` assumed that the caller did not say (e.g. the ZeRO stage)."""
 
     @property
     def best(self) -> Estimate:
@@ -91,7 +94,7 @@ class Plan:
         if self.tokens:
             lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
                          f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")
-        lines += e.notes
+        lines += [*self.notes, *e.notes]
         return "\n".join(lines)
 
 
@@ -111,16 +114,22 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     if layout is not None:
+        notes = []
         stated = {f.name for f in dataclasses.fields(Layout)}  # a Layout states everything
         if isinstance(layout, str):
             given = Layout.stated(layout)
             layout, stated = Layout(**{"precision": precision, **given}), set(given)
+        if "zero" not in stated:
+            notes.append(f"zero not given: zero={layout.zero} assumed (FSDP: parameters, "
+                         "gradients and optimizer states sharded); pass "
+                         f"zero={min(ZERO_STAGES)}..{max(ZERO_STAGES)} in the layout to "
+                         "choose")
         if layout.gpus != gpus:
             raise ValueError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not "
                              f"{gpus}: make {' x '.join(AXES)} = {gpus}")
         if global_batch is not None:
             layout = with_batch(layout, global_batch, fixed="microbatches" in stated)
-        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens)
+        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top)

@@ -1,11 +1,14 @@
-"""``meshlab plan`` in a terminal: a model of one's own (TOML file or flags) and --batch
-with a layout.
+"""``meshlab plan`` in a terminal: a model of one's own (TOML file or flags), --batch with a
+layout and the assumed ZeRO stage.
 
-Plain Python, no cluster: the console command runs in-process.
+Plain Python, no cluster. The console command runs as a real subprocess of this checkout
+(``python -m meshlab.notebook.cli``) or in-process; the library calls behind it in-process.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,9 @@ from meshlab.notebook.cli import main
 from meshlab.plan import ModelShape, model_shape
 from meshlab.plan.report import plan
 from meshlab.plan.shapes import load_model
+
+REPO = Path(__file__).resolve().parents[2]
+COMMAND = [sys.executable, "-m", "meshlab.notebook.cli", "plan"]
 
 # Llama-2-7B-like, with grouped-query attention: 5.9B parameters
 MY_TOML = """\
@@ -30,6 +36,12 @@ MY_SHAPE = ModelShape(name="my-model", layers=32, hidden=4096, heads=32, kv_head
                       vocab=32000, seq_len=4096)
 SHAPE_FLAGS = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
                "--ffn", "11008", "--vocab", "32000", "--seq", "4096"]
+
+
+def console(*args: str) -> subprocess.CompletedProcess[str]:
+    """``meshlab plan ARGS`` as a user runs it, from this checkout."""
+    return subprocess.run([*COMMAND, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.fixture
@@ -135,3 +147,27 @@ def test_batch_that_mbs_times_dp_does_not_divide_is_refused() -> None:
     with pytest.raises(ValueError, match=r"--batch 30 is not a multiple of the layout's mbs=4 "
                                          r"x dp=2 = 8 sequences: pass --batch 24"):
         plan("llama3-8b", gpus=8, layout="tp=4 dp=2 mbs=4", global_batch=30)
+
+
+# --- the ZeRO stage is always said -----------------------------------------------------
+
+def test_a_layout_that_gives_zero_needs_no_note() -> None:
+    result = plan("llama3-8b", gpus=8, layout="dp=8 zero=1")
+    assert "dp_shard=8 zero=1 mbs=1 m=1: " in result.text()
+    assert "zero not given" not in result.text() and result.notes == []
+
+
+def test_searched_layouts_state_their_zero_stage() -> None:
+    result = plan("meshlab", gpus=4, top=5)
+    assert all(" zero=" in f" {layout}" for layout in result.table()["layout"])
+    assert result.notes == []
+
+
+def test_the_console_plans_a_model_file_and_says_which_zero_it_assumed(my_toml: Path) -> None:
+    done = console("--model", str(my_toml), "--gpus", "8", "--layout", "tp=8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("my-model (5.9B parameters) on 8 x h100-sxm")
+    assert "tp=8 zero=3 mbs=1 m=1: " in done.stdout
+    assert ("zero not given: zero=3 assumed (FSDP: parameters, gradients and optimizer states "
+            "sharded); pass zero=0..3 in the layout to choose") in done.stdout
+    assert "collectives of tp=8 zero=3 mbs=1 m=1:" in done.stdout
