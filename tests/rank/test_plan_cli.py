@@ -1,5 +1,5 @@
 """``meshlab plan`` in a terminal: a model of one's own (TOML file or flags), --batch with a
-layout and the assumed ZeRO stage.
+layout, the assumed ZeRO stage, and a reader that leaves early.
 
 Plain Python, no cluster. The console command runs as a real subprocess of this checkout
 (``python -m meshlab.notebook.cli``) or in-process; the library calls behind it in-process.
@@ -7,6 +7,7 @@ Plain Python, no cluster. The console command runs as a real subprocess of this 
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,23 @@ def test_the_console_plans_a_model_file_and_says_which_zero_it_assumed(my_toml: 
     assert ("zero not given: zero=3 assumed (FSDP: parameters, gradients and optimizer states "
             "sharded); pass zero=0..3 in the layout to choose") in done.stdout
     assert "collectives of tp=8 zero=3 mbs=1 m=1:" in done.stdout
+
+
+# --- a reader that leaves early --------------------------------------------------------
+
+def test_the_console_ends_quietly_when_the_reader_closes_the_pipe() -> None:
+    proc = subprocess.Popen([*COMMAND, "llama3-8b", "--gpus", "8", "--top", "2"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # long before the planner prints its first line
+    _, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err) == (1, "")
+
+
+def test_the_console_piped_into_head_prints_one_line_and_no_traceback() -> None:
+    line = shlex.join([*COMMAND, "llama3-8b", "--gpus", "8", "--top", "2"])
+    done = subprocess.run(f"{line} | head -1", shell=True, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.stdout.startswith("llama3-8b (8.0B parameters)") and \
+        done.stdout.count("\n") == 1
+    assert done.stderr == ""
