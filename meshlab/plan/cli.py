@@ -1,10 +1,11 @@
-"""``meshlab plan MODEL --gpus N [--hardware H] [--layout ...] [--where ...]``: the
+"""``meshlab plan MODEL --gpus N [--hardware H] [--layout ...] [--where ...] [--json]``: the
 planner in a terminal (``%mesh plan`` in a notebook): a summary, the layouts and the
 collectives. The model is a preset, a TOML file (``--model my.toml``) or shape flags
 (``--layers 32 --hidden 4096 ...``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from meshlab.plan.hardware import HARDWARE
@@ -37,6 +38,8 @@ def add_command(commands: Any) -> None:
     cmd.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
     cmd.add_argument("--tokens", type=float, help="training tokens, for days and GPU-hours")
     cmd.add_argument("--top", type=int, default=10)
+    cmd.add_argument("--json", action="store_true",
+                     help="print one JSON object (summary, layouts, collectives) instead")
     own = cmd.add_argument_group(
         "a model of your own", "a TOML file whose keys are ModelShape's fields (name, layers, "
         "hidden, heads, kv_heads, ffn, vocab, seq_len, experts, top_k, gated_ffn, "
@@ -88,6 +91,9 @@ def run_command(args: Any, parser: Any) -> int:
                       precision=args.precision, top=args.top, tokens=args.tokens)
     except ValueError as e:
         parser.exit(2, f"meshlab plan: {e}\n")
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0
     print(result.text(), end="\n\n")
     print(result.table().to_string(index=False), end="\n\n")
     comm = result.comm_frame()

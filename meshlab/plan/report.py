@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # pandas only when a table is asked for: ranks import the pla
     import pandas as pd
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+COMM_COLUMNS = ("axis", "what", "collective", "ranks", "link", "calls", "mib_each", "seconds",
+                "overlapped")
 STEP_TOKENS = 4 * 2**20  # default batch: ~4M tokens per step, as Llama 3 began with
 
 
@@ -39,15 +41,12 @@ class Plan:
     def best(self) -> Estimate:
         return self.estimates[0]
 
-    def table(self) -> pd.DataFrame:
-        """One row per layout: memory, step time, throughput, MFU (and days to train)."""
-        import pandas as pd
-
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per layout, as ``table`` shows them (plain Python values)."""
         rows = []
         for e in self.estimates:
-            row = e.summary()
-            row = {"layout": row["layout"], "fits": row["fits"],
-                   "memory_gib": _sig(row["memory_gib"]), "step_s": _sig(e.step_s),
+            row = {"layout": e.layout.describe(), "fits": e.fits,
+                   "memory_gib": _sig(e.memory["total"] / GIB), "step_s": _sig(e.step_s),
                    "bubble": round(e.bubble_fraction, 3),
                    "exposed_comm_s": _sig(e.exposed_comm_s),
                    "tokens_per_s": _whole(e.tokens_per_s),
@@ -56,7 +55,13 @@ class Plan:
                 row["days"] = round(e.train_days(self.tokens), 1)
                 row["gpu_hours"] = round(e.gpu_hours(self.tokens))
             rows.append(row)
-        return pd.DataFrame(rows)
+        return rows
+
+    def table(self) -> pd.DataFrame:
+        """One row per layout: memory, step time, throughput, MFU (and days to train)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows())
 
     def memory_frame(self) -> pd.DataFrame:
         """Long format for a stacked bar per layout: layout, part, gib (plus usable_gib)."""
@@ -67,18 +72,43 @@ class Plan:
                 for e in self.estimates for part in MEMORY_PARTS]
         return pd.DataFrame(rows)
 
+    def comm_rows(self, index: int = 0) -> list[dict[str, Any]]:
+        """The collectives of one layout (the best by default), slowest first, as dicts."""
+        rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
+                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
+                 "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
+                 "overlapped": c.overlapped} for c in self.estimates[index].collectives]
+        return sorted(rows, key=lambda row: -row["seconds"])
+
     def comm_frame(self, index: int = 0) -> pd.DataFrame:
         """The collectives of one layout (the best by default), slowest axis first."""
         import pandas as pd
 
-        e = self.estimates[index]
-        rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
-                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
-                 "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
-                 "overlapped": c.overlapped} for c in e.collectives]
-        frame = pd.DataFrame(rows, columns=["axis", "what", "collective", "ranks", "link",
-                                            "calls", "mib_each", "seconds", "overlapped"])
-        return frame.sort_values("seconds", ascending=False, ignore_index=True)
+        return pd.DataFrame(self.comm_rows(index), columns=COMM_COLUMNS)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything ``text``, ``table`` and ``comm_frame`` show, as plain values for JSON:
+        model, gpus, hardware, global batch, the best layout and its numbers (unrounded),
+        every layout, the best one's collectives and the notes."""
+        e = self.best
+        best = {"layout": e.layout.describe(), "settings": dataclasses.asdict(e.layout),
+                "fits": e.fits,
+                "memory_gib": {part: e.memory[part] / GIB for part in (*MEMORY_PARTS, "total")},
+                "step_s": e.step_s, "compute_s": e.compute_s, "pipeline_s": e.pipeline_s,
+                "bubble": e.bubble_fraction, "exposed_comm_s": e.exposed_comm_s,
+                "optimizer_s": e.optimizer_s, "tokens_per_step": e.tokens_per_step,
+                "tokens_per_s": e.tokens_per_s, "tflops_per_gpu": e.tflops_per_gpu,
+                "mfu": e.mfu,
+                "days": e.train_days(self.tokens) if self.tokens else None,
+                "gpu_hours": e.gpu_hours(self.tokens) if self.tokens else None}
+        return {"model": {**dataclasses.asdict(self.model), "params": self.model.params},
+                "gpus": self.gpus, "hardware": self.hardware.name,
+                "usable_gib": self.hardware.usable_bytes / GIB,
+                "global_batch": e.layout.global_batch, "seq_len": self.model.seq_len,
+                "tokens": self.tokens, "best": best,
+                "layouts": [{**row, "days": row.get("days"), "gpu_hours": row.get("gpu_hours")}
+                            for row in self.rows()],
+                "collectives": self.comm_rows(), "notes": [*self.notes, *e.notes]}
 
     def text(self) -> str:
         """A few lines on the best layout."""

@@ -1,12 +1,14 @@
 """``meshlab plan`` in a terminal: a model of one's own (TOML file or flags), --batch with a
-layout, the assumed ZeRO stage, and a reader that leaves early.
+layout, the assumed ZeRO stage, --json, and a reader that leaves early.
 
 Plain Python, no cluster. The console command runs as a real subprocess of this checkout
-(``python -m meshlab.notebook.cli``) or in-process; the library calls behind it in-process.
+(``python -m meshlab.notebook.cli``); the library calls behind it run in-process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shlex
 import subprocess
 import sys
@@ -192,3 +194,32 @@ def test_the_console_piped_into_head_prints_one_line_and_no_traceback() -> None:
     assert done.stdout.startswith("llama3-8b (8.0B parameters)") and \
         done.stdout.count("\n") == 1
     assert done.stderr == ""
+
+
+# --- json output -----------------------------------------------------------------------
+
+def test_the_console_plans_a_model_from_flags_as_json() -> None:
+    done = console(*SHAPE_FLAGS, "--gpus", "8", "--top", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)  # the whole of stdout is one JSON object
+    assert list(out) == ["model", "gpus", "hardware", "usable_gib", "global_batch", "seq_len",
+                         "tokens", "best", "layouts", "collectives", "notes"]
+    assert out["model"] == {**dataclasses.asdict(dataclasses.replace(MY_SHAPE,
+                                                                     name="custom")),
+                            "params": MY_SHAPE.params}
+    assert (out["gpus"], out["hardware"], out["tokens"]) == (8, "h100-sxm", None)
+    best, layouts = out["best"], out["layouts"]
+    assert len(layouts) == 3 and layouts[0]["layout"] == best["layout"]
+    assert best["settings"]["zero"] in (0, 1, 2, 3) and f"zero={best['settings']['zero']}" \
+        in best["layout"]
+    assert best["memory_gib"]["total"] == pytest.approx(sum(
+        best["memory_gib"][p] for p in ("params", "grads", "optimizer", "activations",
+                                        "buffers")))
+    assert best["tokens_per_step"] == out["global_batch"] * 4096
+    assert set(layouts[0]) == {"layout", "fits", "memory_gib", "step_s", "bubble",
+                               "exposed_comm_s", "tokens_per_s", "tflops_per_gpu", "mfu",
+                               "days", "gpu_hours"}
+    seconds = [c["seconds"] for c in out["collectives"]]
+    assert seconds and seconds == sorted(seconds, reverse=True)
+    assert set(out["collectives"][0]) == {"axis", "what", "collective", "ranks", "link",
+                                          "calls", "mib_each", "seconds", "overlapped"}
