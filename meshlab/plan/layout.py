@@ -182,19 +182,23 @@ class Layout:
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> Layout:
         """``"pp=4 dp=8 tp=8 zero=1 mbs=1 m=16 ac=full"`` (dp means dp_shard)."""
-        values: dict[str, Any] = dict(defaults)
+        return cls(**{**defaults, **cls.stated(text)})
+
+    @classmethod
+    def stated(cls, text: str) -> dict[str, Any]:
+        """The values a layout string gives, by field name (what ``parse`` does not fill
+        in from its defaults): ``"dp=8 m=4"`` -> {"dp_shard": 8, "microbatches": 4}."""
+        values: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
-        given: set[str] = set()
         for token in text.replace(",", " ").split():
             match = re.fullmatch(r"([a-z_]+)=(\S+)", token)
             key = ALIASES.get(match.group(1), match.group(1)) if match else ""
             if not match or key not in types:
                 raise ValueError(f"layout {token!r}: write NAME=VALUE with NAME one of "
                                  f"{', '.join([*types, *ALIASES])}")
-            if key in given:  # as MeshSpec.parse: "dp=2 dp_shard=4" is a typo, not a choice
+            if key in values:  # as MeshSpec.parse: "dp=2 dp_shard=4" is a typo, not a choice
                 raise ValueError(f"layout {token!r}: {key} given twice in {text!r}: "
                                  "keep one")
-            given.add(key)
             value = match.group(2)
             try:
                 if types[key] == "int":
@@ -208,7 +212,7 @@ class Layout:
             except KeyError:  # a typo must not read as "on"
                 raise ValueError(f"layout {token!r}: {key} takes 1/0, true/false, yes/no or "
                                  "on/off") from None
-        return cls(**values)
+        return values
 
 
 def check(model: ModelShape, layout: Layout) -> None:
