@@ -51,10 +51,17 @@ class PublishedRun:
     assumed: tuple[str, ...] = ()
     """Everything else taken as given that the paper does not say."""
     family: str = ""
+    layer_slots: int = 0
+    """Stage slots beyond the layers when splitting the pipeline (Llama 3: the embedding
+    and the output, one each)."""
 
     @property
     def gpus(self) -> int:
-        return Layout.parse(self.layout).gpus
+        return self.stated().gpus
+
+    def stated(self) -> Layout:
+        """The layout as the paper states it (a free interleaving depth at 2 for now)."""
+        return Layout.parse(self.layout + (" v=2" if "virtual" in self.free else ""))
 
     def published_step_s(self) -> float:
         """The run's step time: printed, or its figure through the paper's FLOP count."""
@@ -207,9 +214,12 @@ def _llama3() -> list[PublishedRun]:
     for row, model, layout, batch, tflops in rows:
         runs.append(PublishedRun(
             f"Llama 3 405B, row {row}", f"{_LLAMA3}, Table 4, row {row}", model, "h100-sxm",
-            f"{layout} zero=2 schedule=interleaved_1f1b", batch, tflops, MODEL_TFLOPS,
-            free=("micro_batch", "virtual") + (("recompute",) if row == 3 else ()),
+            f"{layout} zero=2", batch, tflops, MODEL_TFLOPS, layer_slots=2,
+            free=("micro_batch", "schedule", "virtual") + (("recompute",) if row == 3 else ()),
             assumed=("FlashAttention-style attention (not stated)",
+                     "schedule free between 1F1B and interleaved: Llama 3's interleaved "
+                     "schedule tunes the micro-batches per round to fit memory (section "
+                     "3.3.2); the planner's is Megatron's, which keeps more in flight",
                      "vocabulary 128,256 (the released one; the table says 128,000)")
             + (("dp=8: the table prints 4, but 16,384 GPUs and 16M tokens need 8",
                 "recompute free: section 3.3 states none only for 8K sequences")
@@ -243,6 +253,7 @@ HELD_OUT: list[PublishedRun] = [
 
 
 FREE: dict[str, tuple[Any, ...]] = {"micro_batch": (1, 2, 4, 8), "virtual": tuple(range(2, 9)),
+                                    "schedule": ("1f1b", "interleaved_1f1b"),
         "recompute": ("none", "selective", "full")}
 """The values a free knob is tried at."""
 
@@ -251,13 +262,18 @@ def predict(run: PublishedRun, hardware: Hardware | None = None) -> Estimate | N
     """The planner's estimate of ``run``: its stated layout, with each free knob at the
     value the planner finds fastest among those that fit; None when none fits."""
     hw = hardware or HARDWARE[run.hardware]
-    stated = Layout.parse(run.layout)
+    stated = run.stated()
     best: Estimate | None = None
     for values in itertools.product(*(FREE[k] for k in run.free)):
         knobs: dict[str, Any] = dict(zip(run.free, values, strict=True))
+        if knobs.get("schedule") == "1f1b":
+            if knobs.get("virtual", 2) != 2:
+                continue  # one 1F1B per interleaving depth tried: keep the first
+            knobs["virtual"] = 1
         mbs: int = knobs.get("micro_batch", stated.micro_batch)
-        if run.batch % (stated.dp * mbs):
-            continue
+        v = knobs.get("virtual", stated.virtual)
+        if run.batch % (stated.dp * mbs) or (run.model.layers + run.layer_slots) % (stated.pp * v):
+            continue  # equal chunks of layers (Llama 3 counts embedding and output as two)
         try:
             layout = replace(stated, **knobs, microbatches=run.batch // (stated.dp * mbs))
             e = estimate(run.model, layout, hw)

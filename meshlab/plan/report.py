@@ -50,7 +50,8 @@ class Plan:
                    "bubble": round(e.bubble_fraction, 3),
                    "exposed_comm_s": _sig(e.exposed_comm_s),
                    "tokens_per_s": _whole(e.tokens_per_s),
-                   "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu)}
+                   "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu),
+                   "hw_tflops_per_gpu": _sig(e.hw_tflops_per_gpu), "hfu": _sig(e.hfu)}
             if self.tokens:
                 row["days"] = round(e.train_days(self.tokens), 1)
                 row["gpu_hours"] = round(e.gpu_hours(self.tokens))
@@ -98,7 +99,7 @@ class Plan:
                 "bubble": e.bubble_fraction, "exposed_comm_s": e.exposed_comm_s,
                 "optimizer_s": e.optimizer_s, "tokens_per_step": e.tokens_per_step,
                 "tokens_per_s": e.tokens_per_s, "tflops_per_gpu": e.tflops_per_gpu,
-                "mfu": e.mfu,
+                "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops_per_gpu, "hfu": e.hfu,
                 "days": e.train_days(self.tokens) if self.tokens else None,
                 "gpu_hours": e.gpu_hours(self.tokens) if self.tokens else None}
         return {"model": {**dataclasses.asdict(self.model), "params": self.model.params},
@@ -119,8 +120,9 @@ class Plan:
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU "
                  f"({'fits' if e.fits else 'does NOT fit'} in "
                  f"{self.hardware.usable_bytes / GIB:.0f} GiB), step {e.step_s:.3g} s, "
-                 f"{e.tokens_per_s:,.0f} tokens/s, {e.tflops_per_gpu:.3g} TFLOP/s per GPU, "
-                 f"MFU {e.mfu:.2g}, bubble {e.bubble_fraction:.0%}"]
+                 f"{e.tokens_per_s:,.0f} tokens/s, per GPU {e.tflops_per_gpu:.3g} model / "
+                 f"{e.hw_tflops_per_gpu:.3g} hardware TFLOP/s (recompute counted), MFU "
+                 f"{e.mfu:.2g}, HFU {e.hfu:.2g}, bubble {e.bubble_fraction:.0%}"]
         if self.tokens:
             lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
                          f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")

@@ -218,7 +218,7 @@ def test_the_console_plans_a_model_from_flags_as_json() -> None:
     assert best["tokens_per_step"] == out["global_batch"] * 4096
     assert set(layouts[0]) == {"layout", "fits", "memory_gib", "step_s", "bubble",
                                "exposed_comm_s", "tokens_per_s", "tflops_per_gpu", "mfu",
-                               "days", "gpu_hours"}
+                               "hw_tflops_per_gpu", "hfu", "days", "gpu_hours"}
     seconds = [c["seconds"] for c in out["collectives"]]
     assert seconds and seconds == sorted(seconds, reverse=True)
     assert set(out["collectives"][0]) == {"axis", "what", "collective", "ranks", "link",
