@@ -43,17 +43,45 @@ class Gemm:
 def efficiency(hw: Hardware, m: int, n: int, k: int, count: int = 1) -> float:
     """Share of the dtype's peak that ``count`` (M, N, K) GEMMs run as one batch (their
     tiles share the waves, as a batched GEMM's do) reach on ``hw``."""
+    return hw.matmul_efficiency * shape_factor(m, n, k, count, sms=hw.sms, tile=hw.gemm_tile,
+                                               k0=hw.gemm_k0)
+
+
+def shape_factor(m: int, n: int, k: int, count: int = 1, *, sms: int, tile: tuple[int, int],
+                 k0: float) -> float:
+    """What a GEMM's shape keeps of the ceiling: useful tiles x filled waves x depth."""
     if min(m, n, k, count) < 1:
         raise ValueError(f"a GEMM needs M, N, K and a count >= 1, got ({m}, {n}, {k}) "
                          f"x {count}")
-    tm, tn = hw.gemm_tile
+    tm, tn = tile
     tiles = math.ceil(m / tm) * math.ceil(n / tn)
     # the tiles' useful share (edge tiles are partly empty), then the waves' filled share
     useful = m * n / (tiles * tm * tn)
     tiles *= count
-    waves = tiles / (math.ceil(tiles / hw.sms) * hw.sms)
-    depth = k / (k + hw.gemm_k0)
-    return hw.matmul_efficiency * useful * waves * depth
+    waves = tiles / (math.ceil(tiles / sms) * sms)
+    return useful * waves * k / (k + k0)
+
+
+K0_GRID = (0, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def fit_depth(points: list[tuple[int, int, int, float]], *, sms: int,
+              tile: tuple[int, int]) -> tuple[float, float]:
+    """``(gemm_k0, ceiling)``: the pipeline-fill depth and the ceiling (in the points' unit)
+    that best explain measured ``(M, N, K, rate)`` points, least squares on the log of the
+    rate (a ratio error counts the same at any size), k0 from a grid."""
+    if len(points) < 2:
+        raise ValueError(f"fitting a GEMM's depth needs 2 or more shapes, got {len(points)}")
+    best: tuple[float, float, float] | None = None
+    for k0 in K0_GRID:
+        logs = [math.log(rate / shape_factor(m, n, k, sms=sms, tile=tile, k0=k0))
+                for m, n, k, rate in points]
+        mean = sum(logs) / len(logs)
+        error = sum((x - mean) ** 2 for x in logs)
+        if best is None or error < best[0] - 1e-12:
+            best = (error, float(k0), math.exp(mean))
+    assert best is not None
+    return best[1], best[2]
 
 
 def seconds(hw: Hardware, gemm: Gemm, dtype: str, dtype_bytes: int) -> float:

@@ -218,3 +218,12 @@ def test_an_empty_search_says_why() -> None:
                                          r"data-parallel degree x the micro-batch size .* "
                                          r"multiple of 8"):
         search(m, gpus=8, hardware=GPU, global_batch=3, constraints="pp=1 tp=1")
+
+
+def test_the_gemm_depth_is_fitted_from_measured_shapes() -> None:
+    # points made by a ceiling of 50 and k0 = 128 (no tiles): the fit finds both back
+    points = [(512, 512, k, 50.0 * k / (k + 128)) for k in (64, 128, 512, 2048)]
+    k0, ceiling = gemm.fit_depth(points, sms=1, tile=(1, 1))
+    assert (k0, ceiling) == (128.0, pytest.approx(50.0))
+    with pytest.raises(ValueError, match="2 or more shapes"):
+        gemm.fit_depth(points[:1], sms=1, tile=(1, 1))
