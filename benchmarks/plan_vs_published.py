@@ -1,53 +1,70 @@
-"""The planner beside published large training runs: predicted vs reported TFLOP/s per GPU.
+"""The planner beside published large training runs: predicted vs published step time.
 
-Each row is a run whose paper gives the model, the layout, the batch and the achieved
-throughput. What a paper does not say (schedule details, recomputation) is set to the
-stated assumption, and both readings are printed where it matters. No GPU needed.
+Each run (``meshlab.plan.published``: paper, table and row, what its figure counts, what the
+paper leaves unsaid) is estimated with its stated layout, the unstated knobs at the
+planner's fastest choice that fits. A published TFLOP/s figure becomes the step time through
+the paper's own FLOP count, so Megatron's hardware FLOP/s (recompute counted) and Llama 3's
+MFU compare like for like; the predicted run's model and hardware TFLOP/s, MFU and HFU are
+printed beside. The development runs are what the model was built against; the held-out
+runs were not looked at while it was. No GPU needed.
 
-$ python benchmarks/plan_vs_published.py
+$ python benchmarks/plan_vs_published.py            # every run, both groups, the errors
+$ python benchmarks/plan_vs_published.py --rank     # also where each published layout
+                                                    # ranks in the planner's own search
 """
 
 from __future__ import annotations
 
-from meshlab.plan import HARDWARE, MODELS, Layout, ModelShape, estimate
+import argparse
+import statistics
 
-# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM" (SC21, arXiv 2104.04473), Table 1: the 1T model (128 layers, hidden 25,600,
-# 160 heads, sequence 2,048, vocabulary 51,200).
-GPT_1T = ModelShape(name="gpt-1t", layers=128, hidden=25600, heads=160, ffn=4 * 25600,
-                    vocab=51200, seq_len=2048, gated_ffn=False, tied_embeddings=True,
-                    learned_positions=True)
+from meshlab.plan import HARDWARE, search
+from meshlab.plan.published import DEVELOPMENT, HELD_OUT, PublishedRun, predict
 
-# (run, source, model, hardware, layout, reported TFLOP/s per GPU, what the paper counts)
-RUNS = [
-    ("Llama 3 405B, 8,192 GPUs", "Dubey et al. 2024, Llama 3, Table 4", MODELS["llama3-405b"],
-     "h100-sxm", "tp=8 pp=16 dp=64 zero=2 mbs=1 m=32", 430, "model"),
-    ("  same, interleaved v=2", "", MODELS["llama3-405b"], "h100-sxm",
-     "tp=8 pp=16 dp=64 zero=2 mbs=1 m=32 schedule=interleaved_1f1b v=2", 430, "model"),
-    ("Llama 3 405B, 16,384 GPUs", "Dubey et al. 2024, Llama 3, Table 4",
-     MODELS["llama3-405b"], "h100-sxm", "tp=8 pp=16 dp=128 zero=2 mbs=1 m=16", 400, "model"),
-    ("  same, interleaved v=2", "", MODELS["llama3-405b"], "h100-sxm",
-     "tp=8 pp=16 dp=128 zero=2 mbs=1 m=16 schedule=interleaved_1f1b v=2", 400, "model"),
-    ("GPT-3 175B, 1,536 GPUs", "Narayanan et al. 2021, Megatron-LM, Table 1",
-     MODELS["gpt3-175b"], "a100-80gb", "tp=8 pp=16 dp=12 zero=0 mbs=1 m=128 ac=full", 153,
-     "hardware"),
-    ("GPT 1T, 3,072 GPUs", "Narayanan et al. 2021, Megatron-LM, Table 1", GPT_1T,
-     "a100-80gb", "tp=8 pp=64 dp=6 zero=0 mbs=1 m=512 ac=full", 163, "hardware"),
-]
+
+def table(runs: list[PublishedRun], title: str, rank: bool) -> list[float]:
+    print(f"\n{title}")
+    print(f"{'run':<36} {'published':>9} {'predicted':>9} {'error':>7} {'model TF':>8} "
+          f"{'hw TF':>6} {'MFU':>5} {'HFU':>5} {'GiB':>4}  layout (free knobs chosen)"
+          + ("   rank in search" if rank else ""))
+    errors = []
+    for run in runs:
+        e, published = predict(run), run.published_step_s()
+        if e is None:
+            print(f"{run.name:<36} {published:>8.2f}s  does not fit: a run that ran")
+            errors.append(1.0)
+            continue
+        error = e.step_s / published - 1
+        errors.append(abs(error))
+        line = (f"{run.name:<36} {published:>8.2f}s {e.step_s:>8.2f}s {error:>+7.1%} "
+                f"{e.tflops_per_gpu:>8.0f} {e.hw_tflops_per_gpu:>6.0f} {e.mfu:>5.0%} "
+                f"{e.hfu:>5.0%} {e.memory['total'] / 2**30:>4.0f}  {e.layout.describe()}")
+        if rank:
+            line += "   " + _rank(run, e.tokens_per_s)
+        print(line)
+    print(f"mean absolute error {statistics.mean(errors):.1%}, worst {max(errors):.1%} "
+          f"({len(runs)} runs)")
+    return errors
+
+
+def _rank(run: PublishedRun, tokens_per_s: float) -> str:
+    """Where the published layout's prediction ranks among every layout the planner's
+    search tries for the same model, GPUs and batch (top = fastest)."""
+    found = search(run.model, gpus=run.gpus, hardware=HARDWARE[run.hardware],
+                   global_batch=run.batch, top=None)
+    ahead = int((found["tokens_per_s"] > tokens_per_s * (1 + 1e-9)).sum())
+    return f"{ahead + 1} of {len(found)} (top {(ahead + 1) / len(found):.1%})"
 
 
 def main() -> None:
-    print(f"{'run':<28} {'layout':<58} {'reported':>8} {'predicted':>9} {'ratio':>6} "
-          f"{'bubble':>6} {'GiB':>5}")
-    for name, _source, model, hw, text, reported, counts in RUNS:
-        e = estimate(model, Layout.parse(text), HARDWARE[hw])
-        # Megatron counts recomputed FLOPs (its eq. 3 has the factor 4 of full recompute);
-        # Llama 3 reports model FLOPs (MFU)
-        flops = e.hardware_flops if counts == "hardware" else e.model_flops
-        predicted = flops / e.step_s / e.layout.gpus / 1e12
-        print(f"{name:<28} {e.layout.describe():<58} {reported:>8} {predicted:>9.0f} "
-              f"{predicted / reported:>6.2f} {e.bubble_fraction:>6.1%} "
-              f"{e.memory['total'] / 2**30:>5.0f}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rank", action="store_true",
+                        help="also rank each published layout in the planner's search (slow)")
+    args = parser.parse_args()
+    for run in DEVELOPMENT + HELD_OUT:
+        assert run.source, run.name
+    table(DEVELOPMENT, "development runs (the model was built against these)", args.rank)
+    table(HELD_OUT, "held-out runs (not looked at while the model was built)", args.rank)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,13 @@ from meshlab.calibrate.compute import (
     MatmulPoint,
     copy_seconds,
     dtypes_for,
+    tiling,
     time_matmuls,
 )
 from meshlab.calibrate.host_costs import layer_seconds
 from meshlab.calibrate.hosts import choose_axes, device_name, host_facts
 from meshlab.calibrate.result import Calibration, summary, write_profile
+from meshlab.plan.gemm import fit_depth
 from meshlab.timing import slowest
 
 if TYPE_CHECKING:
@@ -82,12 +84,17 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
     largest = max(matmul, key=lambda p: p.m * p.n * p.k)
     tflops = {p.dtype: p.tflops for p in matmul if (p.m, p.n, p.k) == (largest.m, largest.n,
                                                                          largest.k)}
+    sms, tile = tiling(device)
+    fits = {d: fit_depth([(p.m, p.n, p.k, p.tflops) for p in matmul if p.dtype == d], sms=sms,
+                         tile=tile) for d in tflops}
+    # one depth for the profile: the training dtype's (bf16 where it runs)
+    k0 = fits["bf16" if "bf16" in fits else next(iter(fits))][0]
     copy_bytes = COPY_BYTES[kind] // (4 if quick else 1)
     (copy_s,) = slowest([copy_seconds(copy_bytes, device, reps)], device)
     here = layer_seconds(device, reps)
     per_layer = dict(zip(here, slowest(list(here.values()), device), strict=True))
-    fits = time_collectives(mesh, sizes, device, reps)
-    intra, inter, notes = choose_axes(fits, hosts)
+    collectives = time_collectives(mesh, sizes, device, reps)
+    intra, inter, notes = choose_axes(collectives, hosts)
     if mesh is None:
         notes.insert(0, "no mesh: only the world group was timed (%mesh init to time each axis)")
     axes = [] if mesh is None else [f"{n}={s}" for n, s in zip(
@@ -98,8 +105,8 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
         hosts=hosts, mesh=" ".join(axes), timer="cuda events" if kind == "cuda" else
         "cpu wall clock", memory_gib=memory, reserved_gib=reserved,
         memory_bandwidth_gbs=2 * copy_bytes / copy_s / 1e9, layer_seconds=per_layer,
-        matmul=matmul, tflops=tflops,
-        collectives=fits, intra_axis=intra, inter_axis=inter,
+        matmul=matmul, tflops=tflops, sms=sms, gemm_tile=tile, gemm_k0=k0,
+        collectives=collectives, intra_axis=intra, inter_axis=inter,
         seconds=time.perf_counter() - started, notes=notes)
 
 

@@ -17,13 +17,24 @@ from meshlab.plan.hardware import GIB
 from meshlab.timing import median_seconds, slowest, windowed_seconds
 
 MIB = 2**20
-# (m, n, k): squares and a tall-skinny one (tokens x hidden). The profile takes the largest.
-MATMULS = {"cpu": ((256, 256, 256), (512, 512, 512), (2048, 256, 1024), (1024, 1024, 1024)),
-           "cuda": ((2048, 2048, 2048), (4096, 4096, 4096), (16384, 2048, 8192),
-                    (8192, 8192, 8192))}
+# (m, n, k): squares, a tall-skinny one (tokens x hidden) and shallow ones (an attention
+# head's depth): the profile fits the GEMM model's depth (gemm_k0) and ceiling to them all.
+MATMULS = {"cpu": ((512, 512, 64), (256, 256, 256), (512, 512, 512), (2048, 256, 1024),
+                   (1024, 1024, 1024)),
+           "cuda": ((8192, 8192, 128), (8192, 8192, 512), (2048, 2048, 2048),
+                    (4096, 4096, 4096), (16384, 2048, 8192), (8192, 8192, 8192))}
 # A CPU without bf16 units runs bf16 at ~1 GFLOP/s: 1024^3 took 29 s on 4 ranks of 2 cores.
-QUICK_MATMULS = {"cpu": ((256, 256, 256), (512, 512, 512)),
-                 "cuda": ((4096, 4096, 4096), (8192, 8192, 8192))}
+QUICK_MATMULS = {"cpu": ((512, 512, 64), (256, 256, 256), (512, 512, 512)),
+                 "cuda": ((8192, 8192, 128), (4096, 4096, 4096), (8192, 8192, 8192))}
+# cuBLAS's large bf16/fp16 output tile; a CPU's matmul has no waves to quantize
+GPU_TILE = (256, 128)
+
+
+def tiling(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(multiprocessors, output tile) of the GEMM model on ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count, GPU_TILE
+    return 1, (1, 1)
 COPY_BYTES = {"cpu": 64 * MIB, "cuda": GIB}
 
 

@@ -16,6 +16,7 @@ from meshlab.calibrate.collectives import CollectiveFit
 from meshlab.calibrate.compute import MatmulPoint
 from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
 from meshlab.plan.estimate import estimate
+from meshlab.plan.gemm import shape_factor
 from meshlab.plan.hardware import Hardware, save
 from meshlab.plan.layout import Layout
 
@@ -45,6 +46,11 @@ class Calibration:
     matmul: list[MatmulPoint]
     tflops: dict[str, float]
     """Achieved TFLOP/s per dtype at the largest matmul."""
+    sms: int
+    gemm_tile: tuple[int, int]
+    """The GEMM model's multiprocessors and output tile on this device (``plan.gemm``)."""
+    gemm_k0: float
+    """The GEMM model's depth, fitted to every matmul measured (``plan.gemm.fit_depth``)."""
     collectives: list[CollectiveFit]
     intra_axis: str | None
     """Axis whose fits became the profile's intra link and collectives."""
@@ -67,14 +73,22 @@ class Calibration:
         return max(len(r) for r in self.hosts.values())
 
     def profile(self, name: str) -> Hardware:
-        """The planner's hardware profile: achieved numbers, so matmul_efficiency is 1."""
+        """The planner's hardware profile: achieved numbers, so matmul_efficiency is 1 and
+        the GEMM curve is the fitted one."""
         if self.intra_axis is None and self.inter_axis is None:
             raise ValueError(f"no collective was timed on {self.world_size} rank(s): calibrate "
                              "a cluster of at least 2 ranks")
         inter = self.fit(self.inter_axis or str(self.intra_axis), "all_reduce").link()
         intra_axis = self.intra_axis or str(self.inter_axis)
         collectives = {f.collective: f.link() for f in self.collectives if f.axis == intra_axis}
-        hw = Hardware(name=name, tflops=dict(self.tflops), matmul_efficiency=1.0,
+        # the largest matmul's achieved rate, over what its shape keeps of the ceiling: the
+        # profile reproduces that matmul exactly and the smaller ones by the fitted curve
+        largest = max(self.matmul, key=lambda p: p.m * p.n * p.k)
+        keeps = shape_factor(largest.m, largest.n, largest.k, sms=self.sms,
+                             tile=self.gemm_tile, k0=self.gemm_k0)
+        hw = Hardware(name=name, tflops={d: t / keeps for d, t in self.tflops.items()},
+                      matmul_efficiency=1.0, sms=self.sms, gemm_tile=self.gemm_tile,
+                      gemm_k0=self.gemm_k0,
                       memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
                       memory_bandwidth_gbs=self.memory_bandwidth_gbs,
                       # a GPU computes while its host queues work and NCCL runs beside it;

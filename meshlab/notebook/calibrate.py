@@ -12,6 +12,7 @@ import pandas as pd
 from meshlab.calibrate import Calibration, write_profile
 from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.tables.table import Table, sig
+from meshlab.plan.gemm import shape_factor
 from meshlab.plan.hardware import Hardware
 
 
@@ -65,7 +66,9 @@ def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
 PROFILE_FIELDS = ("used_in_profile: the profile fields a fit fills (intra: all_reduce within a "
                   "node; inter: all_reduce across nodes; collectives: the per-collective "
                   "table)")
-LARGEST_SHAPE = "used_in_profile: the largest shape per dtype gives the profile's TFLOP/s"
+LARGEST_SHAPE = ("used_in_profile: the largest shape per dtype gives the profile's TFLOP/s; "
+                 "model_tflops: the profile's GEMM curve (tiles, waves, depth K/(K + k0), "
+                 "k0 fitted to every shape) at that shape")
 
 
 def collectives_frame(calibration: Calibration) -> pd.DataFrame:
@@ -90,11 +93,15 @@ def collectives_frame(calibration: Calibration) -> pd.DataFrame:
 def matmul_frame(calibration: Calibration) -> pd.DataFrame:
     """Matmul points; ``used_in_profile`` marks the ones whose TFLOP/s the profile took."""
     largest = max((p.m * p.n * p.k, (p.m, p.n, p.k)) for p in calibration.matmul)[1]
+    c = calibration
+    keeps = shape_factor(*largest, sms=c.sms, tile=c.gemm_tile, k0=c.gemm_k0)
     rows = [{"dtype": p.dtype, "m": p.m, "n": p.n, "k": p.k, "median_ms": p.seconds * 1e3,
-             "tflops": p.tflops, "used_in_profile": (p.m, p.n, p.k) == largest}
-            for p in calibration.matmul]
+             "tflops": p.tflops, "model_tflops": c.tflops[p.dtype] / keeps * shape_factor(
+                 p.m, p.n, p.k, sms=c.sms, tile=c.gemm_tile, k0=c.gemm_k0),
+             "used_in_profile": (p.m, p.n, p.k) == largest}
+            for p in c.matmul]
     return pd.DataFrame(rows, columns=["dtype", "m", "n", "k", "median_ms", "tflops",
-                                       "used_in_profile"])
+                                       "model_tflops", "used_in_profile"])
 
 
 def calibration_tables(report: CalibrationReport) -> tuple[Table, Table]:
@@ -102,7 +109,8 @@ def calibration_tables(report: CalibrationReport) -> tuple[Table, Table]:
     digits a timing supports (three significant), each with a caption and a note."""
     three = sig(3)
     matmul = Table(report.matmul, caption="matmul: achieved TFLOP/s on the slowest rank",
-                   formats={"median_ms": three, "tflops": three}, note=LARGEST_SHAPE)
+                   formats={"median_ms": three, "tflops": three, "model_tflops": three},
+                   note=LARGEST_SHAPE)
     collectives = report.collectives
     if not collectives["note"].any():
         collectives = collectives.drop(columns="note")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from meshlab.notebook.export import notebook
 from meshlab.plan import cli as plan_cli
@@ -14,7 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     notebook.add_command(commands)
     plan_cli.add_command(commands)
     args = parser.parse_args(argv)
-    return int(args.run(args, parser))
+    try:
+        code = int(args.run(args, parser))
+        sys.stdout.flush()  # a closed pipe raises here, not at exit where nothing can catch it
+    except BrokenPipeError:
+        # `meshlab plan ... | head -1`: the reader left; end quietly, as the signal module's
+        # "Note on SIGPIPE" shows (stdout to devnull so the exit flush cannot raise again)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":

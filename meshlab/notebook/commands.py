@@ -195,8 +195,9 @@ def calibrate(line: str) -> None:
 
 
 @magic_arguments()
-@argument("model", help="a preset (" + ", ".join(MODELS) + "), or a notebook variable "
-          "holding a ModelShape or a meshlab ModelConfig")
+@argument("model", help="a preset (" + ", ".join(MODELS) + "), a .toml file of ModelShape's "
+          "fields (layers = 32, hidden = 4096, ...), or a notebook variable holding a "
+          "ModelShape or a meshlab ModelConfig")
 @argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
 @argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
           "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")
@@ -204,7 +205,8 @@ def calibrate(line: str) -> None:
           'm=16"; without it the best layouts are searched')
 @argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
 @argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
-          "least one sequence per GPU)")
+          "least one sequence per GPU; with --layout: sets m, or must equal mbs x m x dp where "
+          "the layout gives m)")
 @argument("--precision", default="bf16", choices=list(PRECISIONS),
           help="compute precision (default bf16)")
 @argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")

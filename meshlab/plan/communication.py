@@ -116,7 +116,8 @@ class Communication:
         # (parameters, ranks they are sharded over): experts only over the data ranks
         # outside their ep group (torchtitan's dp_shard_mod_ep)
         parts = [(dense, group), (expert, group // lay.ep)]
-        units = s.layers  # one FSDP unit per layer, as fully_shard is applied
+        # one unit per layer (FSDP2) or per weight matrix (DeepSpeed ZeRO-3: 4 or 5 a layer)
+        units = s.layers * (1 if lay.shard_unit == "layer" else 5 if s.model.gated_ffn else 4)
         fwd = bwd = 0.0
         for params, ranks in parts:
             if not params or ranks == 1:
@@ -133,6 +134,23 @@ class Communication:
             bwd += self.add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
                             ranks, stride, params * dt.grads / units, calls, overlapped=True)
         return fwd / mb, bwd / mb
+
+    def fsdp_edges(self) -> float:
+        """The FSDP traffic nothing can hide: the step's first unit gathered before any
+        compute can start, its last unit's gradients reduced after the last backward."""
+        s = self.stage
+        lay, dt = s.layout, s.dtypes
+        if lay.zero < 2 or lay.shard_group == 1:
+            return 0.0
+        hw, ranks, unit = s.hardware, lay.shard_group, s.shard_unit_params
+        inter = lay.shard_group * lay.tp > hw.gpus_per_node
+        out = 0.0
+        for kind, nbytes in (("all_gather", unit * dt.params), ("reduce_scatter",
+                                                                 unit * dt.grads)):
+            link = hw.link(kind, inter_node=inter)
+            out += collective_seconds(kind, ranks, nbytes, latency_s=link.latency_us * 1e-6,
+                                      bandwidth_bytes_s=link.bandwidth_gbs * 1e9)
+        return out
 
     def pipeline_hop(self) -> float:
         """One micro-batch's activations (or their gradients) to the next stage."""
@@ -162,9 +180,10 @@ class Communication:
             ar = self.add(axis, "gradient all-reduce", "all_reduce", dp_all, lay.tp,
                           params * dt.grads, 1, overlapped=True)
             # overlaps the last micro-batch's backward, bucket by bucket; the last bucket
-            # always waits
+            # always waits (without overlap: all of it waits)
             bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * dt.grads))
-            exposed += max(s.not_hidden(ar, last_backward_s), bucket)
+            exposed += (max(s.not_hidden(ar, last_backward_s), bucket)
+                        if lay.overlap_grad_reduce else ar)
             if lay.zero == 1 and lay.shard_group > 1:
                 # as torch's ZeroRedundancyOptimizer (meshlab's zero1): all-reduce, then each
                 # rank's updated shard to the others; the ZeRO paper's reduce-scatter +
@@ -178,5 +197,5 @@ class Communication:
             ar = self.add("dp_replicate", "HSDP all-reduce of gradient shards", "all_reduce",
                           lay.dp_replicate, lay.stride("dp_replicate"), shard, 1,
                           overlapped=True)
-            exposed += s.not_hidden(ar, last_backward_s)
+            exposed += s.not_hidden(ar, last_backward_s) if lay.overlap_grad_reduce else ar
         return exposed

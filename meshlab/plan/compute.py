@@ -1,9 +1,12 @@
-"""Compute time on one GPU: PaLM's training FLOPs (recompute included) at the hardware's
-achievable matmul rate, memory-bound work (norms, activations, residuals) at memory
-bandwidth, the host's fixed cost per layer, and the optimizer step."""
+"""Compute time on one GPU: each GEMM of a layer at the efficiency its shape reaches
+(``meshlab.plan.gemm``), attention's products at theirs, memory-bound work (norms,
+activations, residuals, unfused attention scores) at memory bandwidth, the output
+projection and loss on the last stage, the host's fixed cost per layer, and the optimizer
+step. The FLOP counts (PaLM's, for MFU) are kept apart from the time."""
 
 from __future__ import annotations
 
+from meshlab.plan import gemm
 from meshlab.plan.formulas import training_flops_per_token
 from meshlab.plan.shapes import ModelShape
 from meshlab.plan.stage import Stage
@@ -22,27 +25,103 @@ def flops_per_token(model: ModelShape, recompute: str, layers: int) -> tuple[flo
 
 
 def microbatch_seconds(stage: Stage) -> tuple[float, float]:
-    """Forward and backward compute of one micro-batch on one GPU, host cost included."""
+    """Forward and backward of one micro-batch on the slowest pipeline rank, host included.
+
+    Layers split evenly, the first ranks taking the remainder (Megatron, torchtitan); the
+    last rank also runs the output projection and the loss, so it is the slowest unless it
+    holds fewer layers."""
     lay, hw = stage.layout, stage.hardware
-    # one micro-batch on the busiest stage, one GPU (tp shares each matmul); the forward
-    # is a third of the model FLOPs, the backward the rest plus any recompute
-    model_flops, hardware_flops = flops_per_token(stage.model, lay.recompute, stage.layers)
-    rate = hw.flops_per_s(stage.dtypes.compute)
-    forward_flops = model_flops / 3 * stage.tokens / lay.tp
-    flops_mb = hardware_flops * stage.tokens / lay.tp
-    memory_s = memory_bound_bytes(stage) / (hw.memory_bandwidth_gbs * 1e9)
-    t_f = forward_flops / rate + memory_s / 3
-    t_b = flops_mb / rate + memory_s - t_f
+    f, b = layer_seconds(stage)
+    out_f, out_b = output_seconds(stage)
+    first = stage.layers
+    last = stage.model.layers // lay.pp if lay.pp > 1 else first
+    t_f, t_b = max((first * f, first * b), (last * f + out_f, last * b + out_b), key=sum)
     # the host's fixed cost per layer: hidden behind the math on an asynchronous device
     overhead = (hw.layer_overhead_us + hw.fsdp_overhead_us * (lay.zero >= 2)
-                + hw.tp_overhead_us * (lay.tp > 1)) * 1e-6 * stage.layers
+                + hw.tp_overhead_us * (lay.tp > 1)) * 1e-6 * first
     if lay.recompute == "full":
         overhead *= 4 / 3  # the forward's operators run twice
     return _with_host(stage, t_f, overhead / 3), _with_host(stage, t_b, overhead * 2 / 3)
 
 
+def layer_seconds(stage: Stage) -> tuple[float, float]:
+    """Forward and backward (recompute included) of one layer for one micro-batch: its
+    GEMMs at their shapes' efficiency (``meshlab.plan.gemm``), attention's at theirs, and the
+    memory-bound rest at memory bandwidth."""
+    hw, dt, lay = stage.hardware, stage.dtypes, stage.layout
+    dense_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in layer_gemms(stage))
+    dense_fb = sum(gemm.training_seconds(hw, g, dt.compute, dt.activations)
+                   for g in layer_gemms(stage))
+    # fused (flash) attention skips the masked half of the causal square; the backward
+    # computes four products to the forward's two
+    attn_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations)
+                 for g in attention_gemms(stage)) * (0.5 if lay.flash_attention else 1.0)
+    bandwidth = hw.memory_bandwidth_gbs * 1e9
+    mem_f = memory_bound_bytes(stage) / 3 / bandwidth
+    scores_f = score_bytes(stage) / 3 / bandwidth
+    f = dense_f + attn_f + mem_f + scores_f
+    b = (dense_fb - dense_f) + 2 * attn_f + 2 * (mem_f + scores_f)
+    if lay.recompute == "full":
+        b += f
+    elif lay.recompute == "selective":  # the attention core again
+        b += attn_f + scores_f
+    return f, b
+
+
+def output_seconds(stage: Stage) -> tuple[float, float]:
+    """The output projection and the loss over the vocabulary (fp32 logits, ~3 passes
+    forward, twice that backward), forward and backward, on the last stage."""
+    hw, dt, m, lay = stage.hardware, stage.dtypes, stage.model, stage.layout
+    g = gemm.Gemm("output projection", stage.tokens, max(1, m.vocab // lay.tp), m.hidden)
+    loss = 3 * 4 * stage.tokens * m.vocab / lay.tp / (hw.memory_bandwidth_gbs * 1e9)
+    f = gemm.seconds(hw, g, dt.compute, dt.activations) + loss
+    return f, gemm.training_seconds(hw, g, dt.compute, dt.activations) - f + 3 * loss
+
+
+def layer_gemms(stage: Stage) -> list[gemm.Gemm]:
+    """The weight GEMMs of one layer's forward, one micro-batch, one GPU (tp splits N of
+    the column-parallel ones and K of the row-parallel ones)."""
+    m, lay = stage.model, stage.layout
+    tokens, t, h = stage.tokens, lay.tp, m.hidden
+    q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+    up = m.ffn * (2 if m.gated_ffn else 1)
+    gemms = [gemm.Gemm("qkv projection", tokens, (q + 2 * kv) // t, h),
+             gemm.Gemm("attention output", tokens, h, q // t)]
+    if not m.experts:
+        return [*gemms, gemm.Gemm("mlp up", tokens, up // t, h),
+                gemm.Gemm("mlp down", tokens, h, m.ffn // t)]
+    # each rank's experts see its ep group's tokens: top_k per token, spread evenly
+    local = m.experts // lay.ep
+    per_expert = max(1, tokens * m.top_k // local)
+    return [*gemms, gemm.Gemm("router", tokens, m.experts, h),
+            gemm.Gemm("expert up", per_expert, up // t, h, local),
+            gemm.Gemm("expert down", per_expert, h, m.ffn // t, local)]
+
+
+def attention_gemms(stage: Stage) -> list[gemm.Gemm]:
+    """QK^T and the weighted sum of values, per sequence and local head: this rank's
+    queries (cp splits them) against every key (cp gathers them)."""
+    m, lay = stage.model, stage.layout
+    heads = lay.micro_batch * m.heads // lay.tp
+    return [gemm.Gemm("attention scores", stage.seq, m.seq_len, m.head_dim, heads),
+            gemm.Gemm("attention values", stage.seq, m.head_dim, m.seq_len, heads)]
+
+
+def score_bytes(stage: Stage) -> float:
+    """Bytes unfused attention moves for its s x s scores (none under FlashAttention):
+    writing the scores, reading them for the masked softmax, writing the probabilities,
+    dropout's read, mask and write, the read by the weighted sum (~13 bytes a score in
+    16-bit), twice that in the backward."""
+    if stage.layout.flash_attention:
+        return 0.0
+    m, lay = stage.model, stage.layout
+    scores = lay.micro_batch * m.heads / lay.tp * stage.seq * m.seq_len
+    return 3 * 13 * scores * stage.dtypes.activations / 2
+
+
 def memory_bound_bytes(stage: Stage) -> float:
-    """Bytes the non-matmul work of one micro-batch moves (forward and backward).
+    """Bytes the non-matmul work of one layer moves for one micro-batch (forward and
+    backward).
 
     Eager PyTorch runs each elementwise step as its own kernel, reading and writing
     whole tensors: per token and layer, two RMSNorms (~7 passes over the hidden state
@@ -55,7 +134,7 @@ def memory_bound_bytes(stage: Stage) -> float:
     ffn = m.ffn * (m.top_k if m.experts else 1)
     per_token = (14 * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden
                  + 5 * ffn) / lay.tp
-    return 3 * per_token * stage.dtypes.activations * stage.tokens * stage.layers
+    return 3 * per_token * stage.dtypes.activations * stage.tokens
 
 
 def optimizer_seconds(stage: Stage) -> float:

@@ -86,10 +86,21 @@ class Estimate:
         return self.model_flops / self.step_s / self.layout.gpus / 1e12
 
     @property
+    def hw_tflops_per_gpu(self) -> float:
+        """Hardware TFLOP/s each GPU achieves: recomputed FLOPs counted too (what Megatron's
+        papers report)."""
+        return self.hardware_flops / self.step_s / self.layout.gpus / 1e12
+
+    @property
     def mfu(self) -> float:
         """Model FLOPs utilisation against the dense peak of the compute dtype."""
         peak = self.hardware.tflops[self.layout.dtypes.compute]
         return self.tflops_per_gpu / peak
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: recompute counted, against the same peak."""
+        return self.hw_tflops_per_gpu / self.hardware.tflops[self.layout.dtypes.compute]
 
     def comm_by_axis(self) -> dict[str, float]:
         """Seconds per step of each axis's collectives (overlapped or not)."""
@@ -116,6 +127,7 @@ class Estimate:
                 "step_s": self.step_s, "bubble": self.bubble_fraction,
                 "exposed_comm_s": self.exposed_comm_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "hw_tflops_per_gpu": self.hw_tflops_per_gpu, "hfu": self.hfu,
                 "global_batch": self.layout.global_batch}
 
 
@@ -129,12 +141,12 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     compute_mb = t_f + t_b
     t_f_crit, t_b_crit = comm.critical_path()  # TP, CP, EP per micro-batch
     hidden_f, hidden_b = comm.fsdp_per_microbatch()  # overlaps its own compute
-    t_f += t_f_crit + stage.not_hidden(hidden_f, t_f)
-    t_b += t_b_crit + stage.not_hidden(hidden_b, t_b)
+    t_f += t_f_crit + stage.not_hidden_units(hidden_f, t_f)
+    t_b += t_b_crit + stage.not_hidden_units(hidden_b, t_b)
     hop = comm.pipeline_hop()
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
-    exposed = comm.gradient_sync(last_backward_s=t_b)
+    exposed = comm.gradient_sync(last_backward_s=t_b) + comm.fsdp_edges()
     optimizer_s = optimizer_seconds(stage)
     memory = memory_per_gpu(stage, inflight)
     notes: list[str] = []

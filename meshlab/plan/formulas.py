@@ -85,6 +85,44 @@ def activation_bytes_per_layer(*, seq: int, batch: int, hidden: int, heads: int,
     return sbh * (10 + 24 / t + attention_core / t)
 
 
+def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_width: int,
+                           kv_width: int, ffn: int, gated: bool, dropout: bool, tp: int = 1,
+                           sequence_parallel: bool = False, recompute: str = "none",
+                           scores: bool = True) -> float:
+    """Activation bytes one layer keeps for its backward, per device, in 16 bits: Korthikanti
+    et al.'s section 4 count, term by term, for any attention width, grouped-query keys
+    and values, a gated (SwiGLU) or plain MLP, with or without dropout.
+
+    Per token (h = hidden, q = heads x head_dim, kv = kv_heads x head_dim, f = ffn, a =
+    heads, s = seq): the two norms' inputs 4h; the QKV projection's input 2h; Q, K, V
+    2q + 4kv; the attention scores (``scores``: unfused attention keeps its softmax, 2as,
+    and with dropout its mask and output, 3as more); the output projection's input 2q; the
+    MLP's input 2h; its intermediates (GELU: 4f, its input and output; SwiGLU: 6f, gate, up
+    and their product); dropout's masks h after attention and h after the MLP. A GPT (q = kv
+    = h, f = 4h, GELU, dropout) gives Korthikanti's 34h + 5as.
+
+    TP shards all but the norms' and the projections' inputs and the dropout masks (10h
+    with dropout, Korthikanti's 10); sequence parallelism shards those too. Selective
+    recompute drops the scores; full recompute keeps the layer's input, 2h (sharded by SP).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
+                        ("tp", tp), ("q_width", q_width), ("kv_width", kv_width),
+                        ("ffn", ffn)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    h, sb, t = hidden, float(seq * batch), tp
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        return 2 * sb * h / (t if sp else 1)
+    replicated = 4 * h + 2 * h + 2 * h + (2 * h if dropout else 0)
+    sharded = 2 * q_width + 4 * kv_width + 2 * q_width + (6 if gated else 4) * ffn
+    if scores and recompute == "none":
+        sharded += (5 if dropout else 2) * heads * seq
+    return sb * (replicated / (t if sp else 1) + sharded / t)
+
+
 # -- FLOPs -------------------------------------------------------------------------------------
 
 

@@ -45,7 +45,18 @@ class Hardware:
     """Peak dense TFLOP/s by compute dtype (fp32, tf32, bf16, fp8); a missing one is not
     supported (fp8 on an A100)."""
     matmul_efficiency: float = 0.75
-    """Share of peak a large GEMM reaches (measured profiles: 1, their tflops are achieved)."""
+    """Share of peak a large square GEMM reaches; smaller and skinnier ones reach less
+    (``meshlab.plan.gemm``: tiles, waves, depth)."""
+    sms: int = 1
+    """Streaming multiprocessors: tiles of a GEMM run in waves of this many (1: no waves)."""
+    gemm_tile: tuple[int, int] = (1, 1)
+    """Output tile (M, N) one multiprocessor computes at a time ((1, 1): no tiling loss)."""
+    gemm_k0: float = 0.0
+    """The depth K at which a GEMM's pipeline fill costs as much as its work: efficiency
+    grows as K / (K + gemm_k0)."""
+    overlap_cost: float = 0.0
+    """Share of the communication that runs behind compute which still slows it: NCCL's
+    kernels take multiprocessors and memory bandwidth from the math."""
     memory_gib: float
     """Device memory, GiB."""
     reserved_gib: float = 0.0
@@ -91,17 +102,26 @@ class Hardware:
             raise ValueError(f"{self.name}: host overheads cannot be negative")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
+        if self.sms < 1 or min(self.gemm_tile) < 1 or len(self.gemm_tile) != 2:
+            raise ValueError(f"{self.name}: sms and both gemm_tile sizes must be >= 1, got "
+                             f"sms={self.sms}, gemm_tile={self.gemm_tile}")
+        if self.gemm_k0 < 0 or not 0 <= self.overlap_cost <= 1:
+            raise ValueError(f"{self.name}: gemm_k0 must be >= 0 and overlap_cost in [0, 1]")
         unknown = set(self.collectives) - set(COLLECTIVES)
         if unknown:
             raise ValueError(f"{self.name}: unknown collectives {sorted(unknown)}; "
                              f"choose from {', '.join(COLLECTIVES)}")
 
-    def flops_per_s(self, dtype: str) -> float:
-        """Achievable FLOP/s for matmuls in ``dtype``."""
+    def tflops_peak(self, dtype: str) -> float:
+        """Dense peak TFLOP/s in ``dtype``."""
         if dtype not in self.tflops:
             raise ValueError(f"{self.name} has no {dtype} peak (it has "
                              f"{', '.join(self.tflops)}): choose another precision")
-        return self.tflops[dtype] * 1e12 * self.matmul_efficiency
+        return self.tflops[dtype]
+
+    def flops_per_s(self, dtype: str) -> float:
+        """FLOP/s of a large square matmul in ``dtype``."""
+        return self.tflops_peak(dtype) * 1e12 * self.matmul_efficiency
 
     def link(self, collective: str, *, inter_node: bool) -> Link:
         """The link a collective runs on: measured for it, else the node's or the network's."""
@@ -115,10 +135,14 @@ class Hardware:
 
 
 def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
-         nvlink_gbs: float, nic_gbs: float, efficiency: float) -> Hardware:
+         nvlink_gbs: float, nic_gbs: float, efficiency: float, sms: int) -> Hardware:
     # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
     # an eager layer's forward and backward launch ~100 kernels at ~4 us each
-    return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency,
+    # cuBLAS's large bf16 tiles are 256 x 128; a tile's main loop steps 64 deep in K with a
+    # pipeline a few steps long (gemm_k0 = 128); NCCL's ring kernels occupy up to 16
+    # multiprocessors and their memory traffic while they run (overlap_cost)
+    return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency, sms=sms,
+                    gemm_tile=(256, 128), gemm_k0=128.0, overlap_cost=16 / sms,
                     memory_gib=memory_gib, reserved_gib=4.0, layer_overhead_us=400.0,
                     memory_bandwidth_gbs=memory_tbs * 1000, gpus_per_node=8,
                     intra=Link(bandwidth_gbs=nvlink_gbs, latency_us=5.0),
@@ -133,14 +157,16 @@ def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: 
 HARDWARE: dict[str, Hardware] = {
     "a100-80gb": _gpu("a100-80gb", tflops={"fp32": 19.5, "tf32": 156, "bf16": 312},
                       memory_gib=80, memory_tbs=2.039, nvlink_gbs=230, nic_gbs=22.5,
-                      efficiency=0.8),
+                      efficiency=0.8, sms=108),
     "h100-sxm": _gpu("h100-sxm", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                      memory_gib=80, memory_tbs=3.35, nvlink_gbs=370, nic_gbs=45,
-                     efficiency=0.75),
+                     efficiency=0.75, sms=132),
     "h200": _gpu("h200", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
-                 memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45, efficiency=0.75),
+                 memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45, efficiency=0.75,
+                 sms=132),
     "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
-                 memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7),
+                 memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7,
+                 sms=148),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
     "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,
@@ -185,6 +211,8 @@ def load(path: str | Path) -> Hardware:
         for key in ("intra", "inter"):
             data[key] = Link(**data[key])
         data["collectives"] = {k: Link(**v) for k, v in data.get("collectives", {}).items()}
+        if "gemm_tile" in data:  # TOML has arrays, the profile a pair
+            data["gemm_tile"] = tuple(data["gemm_tile"])
         return Hardware(**data)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: incomplete profile ({e}); see meshlab.plan.HARDWARE for "
@@ -217,5 +245,7 @@ def _toml(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else "0.0"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     return repr(value)
 

@@ -17,7 +17,7 @@ from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
 from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
-from meshlab.schedules import BUILDERS, check_virtual, stages_per_rank
+from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +41,7 @@ PRECISIONS = {
     "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
 }
 
+SHARD_UNITS = ("layer", "weight")
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule of a layout that names none: the only one a layout without a pipeline has."""
 ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
@@ -85,6 +86,12 @@ class Layout:
     precision: str = "bf16"
     flash_attention: bool = True
     """Attention kernels that do not store the s x s scores (FlashAttention, SDPA)."""
+    shard_unit: str = "layer"
+    """What ZeRO-2/3 gathers and reduces at once: "layer" (FSDP2 per block, torchtitan) or
+    "weight" (each weight matrix: DeepSpeed ZeRO-3, FSDP1 wrapping every Linear)."""
+    overlap_grad_reduce: bool = True
+    """Gradients reduced during the backward, bucket by bucket (torch DDP, FSDP, Megatron's
+    --overlap-grad-reduce); off: after it (Megatron-LM before 2023)."""
 
     def __post_init__(self) -> None:
         # the degrees are checked again, in full, by MeshSpec below: this names the fix first
@@ -100,9 +107,15 @@ class Layout:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        if self.shard_unit not in SHARD_UNITS:
+            raise ValueError(f"shard_unit must be one of {', '.join(SHARD_UNITS)}, "
+                             f"got {self.shard_unit!r}")
         if self.schedule not in BUILDERS:
             raise ValueError(f"schedule must be one of {', '.join(BUILDERS)}, "
                              f"got {self.schedule!r}")
+        if self.schedule in TAKES_VIRTUAL and self.virtual == 1:
+            raise ValueError(f"schedule={self.schedule} with v=1 would run plain 1F1B: give "
+                             "v=2 or more stages per rank, or schedule=1f1b")
         # MeshSpec's own checks (ep divides dp_shard x cp and is a multiple of cp, ...): a
         # layout is refused exactly where %mesh init would refuse its mesh
         _ = self.mesh_spec
@@ -158,24 +171,34 @@ class Layout:
             parts.append(f"ac={self.recompute}")
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("sp=0")
+        if not self.flash_attention:
+            parts.append("flash_attention=0")
+        if self.shard_unit != "layer" and self.zero >= 2:
+            parts.append(f"shard_unit={self.shard_unit}")
+        if not self.overlap_grad_reduce:
+            parts.append("overlap_grad_reduce=0")
         return " ".join(parts)
 
     @classmethod
     def parse(cls, text: str, **defaults: Any) -> Layout:
         """``"pp=4 dp=8 tp=8 zero=1 mbs=1 m=16 ac=full"`` (dp means dp_shard)."""
-        values: dict[str, Any] = dict(defaults)
+        return cls(**{**defaults, **cls.stated(text)})
+
+    @classmethod
+    def stated(cls, text: str) -> dict[str, Any]:
+        """The values a layout string gives, by field name (what ``parse`` does not fill
+        in from its defaults): ``"dp=8 m=4"`` -> {"dp_shard": 8, "microbatches": 4}."""
+        values: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
-        given: set[str] = set()
         for token in text.replace(",", " ").split():
             match = re.fullmatch(r"([a-z_]+)=(\S+)", token)
             key = ALIASES.get(match.group(1), match.group(1)) if match else ""
             if not match or key not in types:
                 raise ValueError(f"layout {token!r}: write NAME=VALUE with NAME one of "
                                  f"{', '.join([*types, *ALIASES])}")
-            if key in given:  # as MeshSpec.parse: "dp=2 dp_shard=4" is a typo, not a choice
+            if key in values:  # as MeshSpec.parse: "dp=2 dp_shard=4" is a typo, not a choice
                 raise ValueError(f"layout {token!r}: {key} given twice in {text!r}: "
                                  "keep one")
-            given.add(key)
             value = match.group(2)
             try:
                 if types[key] == "int":
@@ -189,7 +212,7 @@ class Layout:
             except KeyError:  # a typo must not read as "on"
                 raise ValueError(f"layout {token!r}: {key} takes 1/0, true/false, yes/no or "
                                  "on/off") from None
-        return cls(**values)
+        return values
 
 
 def check(model: ModelShape, layout: Layout) -> None:

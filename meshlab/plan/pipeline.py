@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshlab.schedules import BREADTH_FIRST, Costs, build, stages_per_rank
+from meshlab.schedules.simulate import simulate
 
 SIMULATED_ACTIONS = 512  # forwards per step simulated exactly; longer steps extrapolated
 # Interleaved 1F1B runs its micro-batches in rounds (torch requires the rounds to divide
@@ -50,7 +51,8 @@ def _simulate(schedule: str, pp: int, microbatches: int, virtual: int, backward:
               comm: float) -> tuple[float, float]:
     """(makespan in units of t_F, peak micro-batch chunks in flight on the first rank)."""
     virtual = stages_per_rank(schedule, virtual)
-    timeline = build(schedule, ranks=pp, microbatches=microbatches,
-                     virtual=virtual).simulate(Costs(forward=1.0, backward=backward,
-                                                     comm=comm))
+    built = build(schedule, ranks=pp, microbatches=microbatches, virtual=virtual)
+    # the builders' schedules are validated by their own tests: the planner runs thousands
+    timeline = simulate(built, Costs(forward=1.0, backward=backward, comm=comm),
+                        validated=True)
     return timeline.makespan, float(timeline.peak_inflight(0))

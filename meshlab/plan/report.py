@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshlab.mesh import AXES
 from meshlab.plan.estimate import Estimate, estimate
+from meshlab.plan.formulas import ZERO_STAGES
 from meshlab.plan.hardware import GIB, Hardware, hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.search import search
@@ -17,6 +19,8 @@ if TYPE_CHECKING:  # pandas only when a table is asked for: ranks import the pla
     import pandas as pd
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
+COMM_COLUMNS = ("axis", "what", "collective", "ranks", "link", "calls", "mib_each", "seconds",
+                "overlapped")
 STEP_TOKENS = 4 * 2**20  # default batch: ~4M tokens per step, as Llama 3 began with
 
 
@@ -30,29 +34,35 @@ class Plan:
     estimates: list[Estimate]
     tokens: float | None = None
     """Training tokens, for days and GPU-hours."""
+    notes: list[str] = field(default_factory=list)
+    """What ``plan`` assumed that the caller did not say (e.g. the ZeRO stage)."""
 
     @property
     def best(self) -> Estimate:
         return self.estimates[0]
 
-    def table(self) -> pd.DataFrame:
-        """One row per layout: memory, step time, throughput, MFU (and days to train)."""
-        import pandas as pd
-
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per layout, as ``table`` shows them (plain Python values)."""
         rows = []
         for e in self.estimates:
-            row = e.summary()
-            row = {"layout": row["layout"], "fits": row["fits"],
-                   "memory_gib": _sig(row["memory_gib"]), "step_s": _sig(e.step_s),
+            row = {"layout": e.layout.describe(), "fits": e.fits,
+                   "memory_gib": _sig(e.memory["total"] / GIB), "step_s": _sig(e.step_s),
                    "bubble": round(e.bubble_fraction, 3),
                    "exposed_comm_s": _sig(e.exposed_comm_s),
                    "tokens_per_s": _whole(e.tokens_per_s),
-                   "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu)}
+                   "tflops_per_gpu": _sig(e.tflops_per_gpu), "mfu": _sig(e.mfu),
+                   "hw_tflops_per_gpu": _sig(e.hw_tflops_per_gpu), "hfu": _sig(e.hfu)}
             if self.tokens:
                 row["days"] = round(e.train_days(self.tokens), 1)
                 row["gpu_hours"] = round(e.gpu_hours(self.tokens))
             rows.append(row)
-        return pd.DataFrame(rows)
+        return rows
+
+    def table(self) -> pd.DataFrame:
+        """One row per layout: memory, step time, throughput, MFU (and days to train)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows())
 
     def memory_frame(self) -> pd.DataFrame:
         """Long format for a stacked bar per layout: layout, part, gib (plus usable_gib)."""
@@ -63,18 +73,43 @@ class Plan:
                 for e in self.estimates for part in MEMORY_PARTS]
         return pd.DataFrame(rows)
 
+    def comm_rows(self, index: int = 0) -> list[dict[str, Any]]:
+        """The collectives of one layout (the best by default), slowest first, as dicts."""
+        rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
+                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
+                 "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
+                 "overlapped": c.overlapped} for c in self.estimates[index].collectives]
+        return sorted(rows, key=lambda row: -row["seconds"])
+
     def comm_frame(self, index: int = 0) -> pd.DataFrame:
         """The collectives of one layout (the best by default), slowest axis first."""
         import pandas as pd
 
-        e = self.estimates[index]
-        rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
-                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
-                 "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
-                 "overlapped": c.overlapped} for c in e.collectives]
-        frame = pd.DataFrame(rows, columns=["axis", "what", "collective", "ranks", "link",
-                                            "calls", "mib_each", "seconds", "overlapped"])
-        return frame.sort_values("seconds", ascending=False, ignore_index=True)
+        return pd.DataFrame(self.comm_rows(index), columns=COMM_COLUMNS)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything ``text``, ``table`` and ``comm_frame`` show, as plain values for JSON:
+        model, gpus, hardware, global batch, the best layout and its numbers (unrounded),
+        every layout, the best one's collectives and the notes."""
+        e = self.best
+        best = {"layout": e.layout.describe(), "settings": dataclasses.asdict(e.layout),
+                "fits": e.fits,
+                "memory_gib": {part: e.memory[part] / GIB for part in (*MEMORY_PARTS, "total")},
+                "step_s": e.step_s, "compute_s": e.compute_s, "pipeline_s": e.pipeline_s,
+                "bubble": e.bubble_fraction, "exposed_comm_s": e.exposed_comm_s,
+                "optimizer_s": e.optimizer_s, "tokens_per_step": e.tokens_per_step,
+                "tokens_per_s": e.tokens_per_s, "tflops_per_gpu": e.tflops_per_gpu,
+                "mfu": e.mfu, "hw_tflops_per_gpu": e.hw_tflops_per_gpu, "hfu": e.hfu,
+                "days": e.train_days(self.tokens) if self.tokens else None,
+                "gpu_hours": e.gpu_hours(self.tokens) if self.tokens else None}
+        return {"model": {**dataclasses.asdict(self.model), "params": self.model.params},
+                "gpus": self.gpus, "hardware": self.hardware.name,
+                "usable_gib": self.hardware.usable_bytes / GIB,
+                "global_batch": e.layout.global_batch, "seq_len": self.model.seq_len,
+                "tokens": self.tokens, "best": best,
+                "layouts": [{**row, "days": row.get("days"), "gpu_hours": row.get("gpu_hours")}
+                            for row in self.rows()],
+                "collectives": self.comm_rows(), "notes": [*self.notes, *e.notes]}
 
     def text(self) -> str:
         """A few lines on the best layout."""
@@ -85,12 +120,13 @@ class Plan:
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU "
                  f"({'fits' if e.fits else 'does NOT fit'} in "
                  f"{self.hardware.usable_bytes / GIB:.0f} GiB), step {e.step_s:.3g} s, "
-                 f"{e.tokens_per_s:,.0f} tokens/s, {e.tflops_per_gpu:.3g} TFLOP/s per GPU, "
-                 f"MFU {e.mfu:.2g}, bubble {e.bubble_fraction:.0%}"]
+                 f"{e.tokens_per_s:,.0f} tokens/s, per GPU {e.tflops_per_gpu:.3g} model / "
+                 f"{e.hw_tflops_per_gpu:.3g} hardware TFLOP/s (recompute counted), MFU "
+                 f"{e.mfu:.2g}, HFU {e.hfu:.2g}, bubble {e.bubble_fraction:.0%}"]
         if self.tokens:
             lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
                          f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")
-        lines += e.notes
+        lines += [*self.notes, *e.notes]
         return "\n".join(lines)
 
 
@@ -103,22 +139,52 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
          layout: str | Layout | None = None, constraints: str | None = None,
          global_batch: int | None = None, precision: str = "bf16", top: int = 10,
          tokens: float | None = None) -> Plan:
-    """Estimate ``layout`` (its degrees must multiply to ``gpus``), or search the best
-    ``top`` layouts meeting ``constraints`` (e.g. "tp<=8 pp=16")."""
+    """Estimate ``layout`` (its degrees must multiply to ``gpus``; ``global_batch`` sets its
+    micro-batches where it states none), or search the best ``top`` layouts meeting
+    ``constraints`` (e.g. "tp<=8 pp=16")."""
     shape, hw = model_shape(model), hardware(hardware_profile)
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     if layout is not None:
+        notes = []
+        stated = {f.name for f in dataclasses.fields(Layout)}  # a Layout states everything
         if isinstance(layout, str):
-            layout = Layout.parse(layout, precision=precision)
+            given = Layout.stated(layout)
+            layout, stated = Layout(**{"precision": precision, **given}), set(given)
+        if "zero" not in stated:
+            notes.append(f"zero not given: zero={layout.zero} assumed (FSDP: parameters, "
+                         "gradients and optimizer states sharded); pass "
+                         f"zero={min(ZERO_STAGES)}..{max(ZERO_STAGES)} in the layout to "
+                         "choose")
         if layout.gpus != gpus:
             raise ValueError(f"the layout {layout.describe()} uses {layout.gpus} GPUs, not "
                              f"{gpus}: make {' x '.join(AXES)} = {gpus}")
-        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens)
+        if global_batch is not None:
+            layout = with_batch(layout, global_batch, fixed="microbatches" in stated)
+        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top)
     return Plan(shape, gpus, hw, list(found["estimate"]), tokens)
+
+
+def with_batch(layout: Layout, global_batch: int, *, fixed: bool) -> Layout:
+    """``layout`` with ``global_batch`` sequences per step: its micro-batches set from it, or,
+    where they are ``fixed`` (stated), checked against it."""
+    mbs, m, dp = layout.micro_batch, layout.microbatches, layout.dp
+    if global_batch == layout.global_batch:
+        return layout
+    if fixed:
+        raise ValueError(f"--batch {global_batch} disagrees with the layout's mbs={mbs} x "
+                         f"m={m} x dp={dp} = {layout.global_batch} sequences: pass --batch "
+                         f"{layout.global_batch}, or drop m= from the layout to have it set "
+                         "from --batch")
+    if global_batch < 1 or global_batch % (mbs * dp):
+        lower = max(mbs * dp, global_batch - global_batch % (mbs * dp))
+        raise ValueError(f"--batch {global_batch} is not a multiple of the layout's mbs={mbs} "
+                         f"x dp={dp} = {mbs * dp} sequences: pass --batch {lower}, or change "
+                         "mbs or dp")
+    return dataclasses.replace(layout, microbatches=global_batch // (mbs * dp))
 
 
 def _sig(x: float) -> float:

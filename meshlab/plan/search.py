@@ -73,13 +73,14 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
 
     tps = allowed("tp", [t for t in _powers_of_two(hardware.gpus_per_node)
                          if model.n_kv_heads % t == 0 and model.ffn % t == 0])
-    pps = allowed("pp", [p for p in _powers_of_two(min(gpus, model.layers))])
+    # any pipeline depth that divides the GPUs (12 and 35 ran at scale, not only powers of 2)
+    pps = allowed("pp", [p for p in range(1, min(gpus, model.layers) + 1) if gpus % p == 0])
     cps = allowed("cp", [c for c in _powers_of_two(16) if model.seq_len % (2 * c) == 0]
                   if model.seq_len >= 16384 else [1])
     eps = allowed("ep", [e for e in _powers_of_two(model.experts) if model.experts % e == 0]
                   if model.experts else [1])
-    zeros = allowed("zero", [1, 2, 3])
-    mbss = allowed("micro_batch", [1, 2, 4])
+    zeros = allowed("zero", [0, 1, 2, 3])
+    mbss = allowed("micro_batch", list(range(1, 9)))
     recomputes = allowed("recompute", ["none", "selective", "full"])
     schedules = allowed("schedule", SEARCHED_SCHEDULES)
     for tp, pp, cp, ep, zero, mbs, recompute, schedule in itertools.product(
@@ -94,8 +95,8 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
             continue
         virtuals = [1]
         if schedule in TAKES_VIRTUAL:
-            virtuals = [v for v in allowed("virtual", [2, 4]) if model.layers % (pp * v) == 0
-                        and microbatches % pp == 0]
+            virtuals = [v for v in allowed("virtual", range(2, 9))
+                        if model.layers % (pp * v) == 0 and microbatches % pp == 0]
         if pp > 1 and microbatches < pp:
             continue  # the pipeline would never fill
         # HSDP: shard inside a node's worth of data ranks, replicate across
@@ -130,7 +131,7 @@ def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: in
 
     if isinstance(constraints, str):
         constraints = parse_constraints(constraints)
-    rows = []
+    rows, smallest = [], None
     for layout in candidates(model, gpus, hardware, global_batch=global_batch,
                              constraints=constraints, precision=precision):
         try:
@@ -139,12 +140,27 @@ def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: in
             continue  # the model cannot take this layout (checked in detail by check())
         if result.fits or include_unfit:
             rows.append({**result.summary(), "estimate": result})
+        if smallest is None or result.memory["total"] < smallest.memory["total"]:
+            smallest = result
     if not rows:
-        raise ValueError(f"no layout of {model.name} on {gpus} {hardware.name} GPUs with a "
-                         f"global batch of {global_batch} fits in memory: add GPUs, allow "
-                         "more sharding (fewer constraints), or lower the batch")
+        raise ValueError(_why_empty(model, gpus, hardware, global_batch, smallest))
     # fastest first; of equally fast layouts, the one that needs less memory
     frame = pd.DataFrame(rows).sort_values(["tokens_per_s", "memory_gib"],
                                            ascending=[False, True])
     frame = frame.reset_index(drop=True)
     return frame.head(top) if top else frame
+
+
+def _why_empty(model: ModelShape, gpus: int, hardware: Hardware, global_batch: int,
+               smallest: Estimate | None) -> str:
+    """Why a search found nothing, and the change that would find something."""
+    where = f"{model.name} on {gpus} {hardware.name} GPUs with a global batch of {global_batch}"
+    if smallest is None:
+        return (f"no layout of {where} splits the batch: it must be a multiple of the "
+                f"data-parallel degree x the micro-batch size for some layout the constraints "
+                f"allow; try a batch that is a multiple of {gpus}, or fewer constraints")
+    need, usable = smallest.memory["total"] / 2**30, hardware.usable_bytes / 2**30
+    return (f"no layout of {where} fits in memory: the smallest, "
+            f"{smallest.layout.describe()}, needs {need:.1f} GiB of {usable:.0f} GiB usable; "
+            "add GPUs, allow more sharding or recompute (fewer constraints), or a smaller "
+            "micro-batch")

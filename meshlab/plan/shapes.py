@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+import os
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +37,9 @@ class ModelShape:
     """The output projection reuses the token embedding."""
     learned_positions: bool = False
     """A position-embedding table (GPT-3) rather than RoPE."""
+    dropout: bool = False
+    """Dropout in training (GPT-2/3, Megatron's GPTs): its masks are kept for the backward.
+    Llama-style models train without."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
@@ -118,25 +127,77 @@ MODELS: dict[str, ModelShape] = {
                               kv_heads=8, ffn=53248, vocab=128256, seq_len=8192),
     "gpt3-175b": ModelShape(name="gpt3-175b", layers=96, hidden=12288, heads=96, ffn=49152,
                             vocab=50257, seq_len=2048, gated_ffn=False, tied_embeddings=True,
-                            learned_positions=True),
+                            learned_positions=True, dropout=True),
     # meshlab.models.ModelConfig() at the size the benchmarks train (max_seq_len=64)
     "meshlab": ModelShape(name="meshlab", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
                           vocab=256, seq_len=64),
 }
 
 
-def model_shape(name_or_shape: str | ModelShape | Any) -> ModelShape:
-    """A preset by name (any case), the shape itself, or a meshlab ``ModelConfig``."""
+def model_shape(name_or_shape: str | os.PathLike[str] | ModelShape | Any) -> ModelShape:
+    """A preset by name (any case), a ``.toml`` file (``load_model``), the shape itself, or a
+    meshlab ``ModelConfig``."""
     if isinstance(name_or_shape, ModelShape):
         return name_or_shape
     if hasattr(name_or_shape, "n_layers") and hasattr(name_or_shape, "dim"):
         return ModelShape.from_config(name_or_shape)
+    if isinstance(name_or_shape, os.PathLike) or (
+            isinstance(name_or_shape, str) and name_or_shape.strip().endswith(".toml")):
+        return load_model(name_or_shape)
     if not isinstance(name_or_shape, str):
         raise ValueError(f"cannot plan a {type(name_or_shape).__name__}: give a preset name "
-                         f"({', '.join(MODELS)}), a ModelShape or a meshlab ModelConfig")
+                         f"({', '.join(MODELS)}), a .toml file, a ModelShape or a meshlab "
+                         "ModelConfig")
     key = name_or_shape.strip().lower()
     if key not in MODELS:
         raise ValueError(f"unknown model {name_or_shape!r}: choose one of {', '.join(MODELS)}, "
-                         "or give a ModelShape (ModelShape.from_config(cfg) for a meshlab "
-                         "model)")
+                         "give a .toml file of ModelShape's fields, or a ModelShape "
+                         "(ModelShape.from_config(cfg) for a meshlab model)")
     return MODELS[key]
+
+
+def load_model(path: str | os.PathLike[str]) -> ModelShape:
+    """A ``ModelShape`` from a TOML file whose keys are its fields (``name`` defaults to the
+    file's stem), e.g. ``layers = 32``, ``hidden = 4096``, ``kv_heads = 8``."""
+    path = Path(path).expanduser()
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read the model file {path} ({e.strerror or e}): check the "
+                         "path") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid TOML ({e}): fix it there") from None
+    known = {f.name: f for f in fields(ModelShape)}
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean {close[0]}?" if close else "remove it"
+            raise ValueError(f"{path}: unknown key {key!r}: {fix} (a model has "
+                             f"{', '.join(known)})")
+        kind = _TOML_TYPES[key]
+        # bool is an int in Python: `layers = true` must not read as 1
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            expected, example = _EXPECTED[kind]
+            raise ValueError(f"{path}: {key} = {json.dumps(value, default=str)} is "
+                             f"{_toml_type(value)}, not {expected}: write e.g. "
+                             f"{key} = {example}")
+    missing = [n for n, f in known.items() if f.default is MISSING and n not in data]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)}: add "
+                         f"{'it' if len(missing) == 1 else 'each'} as a whole number, e.g. "
+                         f"{missing[0]} = 32")
+    return ModelShape(**{"name": path.stem, **data})
+
+
+# the TOML type of each ModelShape field (kv_heads: an int, or absent for heads)
+_TOML_TYPES: dict[str, type] = {f.name: {"str": str, "bool": bool}.get(str(f.type), int)
+                                for f in fields(ModelShape)}
+_EXPECTED = {int: ("a whole number", "32"), bool: ("true or false", "true"),
+             str: ("a string", '"my-model"')}
+
+
+def _toml_type(value: Any) -> str:
+    """What TOML calls a value: a string, a whole number, true/false, a table..."""
+    names = {bool: "a boolean", int: "a whole number", float: "a decimal number",
+             str: "a string", dict: "a table", list: "an array"}
+    return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)

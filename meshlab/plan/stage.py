@@ -57,6 +57,40 @@ class Stage:
             dense += m.vocab * m.hidden / lay.tp
         return dense, expert
 
+    @cached_property
+    def shard_units(self) -> list[float]:
+        """Parameters of each unit FSDP gathers at once, in a layer's order, on one GPU: the
+        layer (FSDP2 wraps each block, as torchtitan does), or each weight matrix (DeepSpeed
+        ZeRO-3 and FSDP1 wrapping every Linear: QKV, output, MLP in, MLP out)."""
+        m, lay = self.model, self.layout
+        if lay.shard_unit == "layer":
+            return [m.layer_params / lay.tp]
+        q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+        up = m.ffn * (2 if m.gated_ffn else 1)
+        return [m.hidden * w / lay.tp for w in (q + 2 * kv, q, up, m.ffn)]
+
+    @property
+    def shard_unit_params(self) -> float:
+        """The largest unit FSDP gathers (its buffers' size)."""
+        return max(self.shard_units)
+
+    def not_hidden_units(self, comm_s: float, compute_s: float) -> float:
+        """``not_hidden`` for FSDP, unit by unit: the next unit's gather runs behind this
+        unit's compute, so a big unit after a small one waits even when the totals match.
+        ``comm_s`` and ``compute_s`` are a layer's, shared out by the units' sizes."""
+        if not self.hardware.asynchronous:
+            return comm_s
+        units = self.shard_units
+        total = sum(units)
+        exposed = sum(max(0.0, comm_s * units[(i + 1) % len(units)] / total
+                          - compute_s * u / total) for i, u in enumerate(units))
+        return exposed + self.hardware.overlap_cost * (comm_s - exposed)
+
     def not_hidden(self, comm_s: float, compute_s: float) -> float:
-        """What of ``comm_s`` does not hide behind ``compute_s`` (on CPU ranks: all of it)."""
-        return max(0.0, comm_s - compute_s) if self.hardware.asynchronous else comm_s
+        """What ``comm_s`` of communication running behind ``compute_s`` adds: the part
+        that does not fit behind it, and the hardware's ``overlap_cost`` share of the part
+        that does (its kernels slow the math). On CPU ranks: all of it."""
+        if not self.hardware.asynchronous:
+            return comm_s
+        return max(0.0, comm_s - compute_s) + self.hardware.overlap_cost * min(comm_s,
+                                                                              compute_s)

@@ -69,16 +69,22 @@ TOY = Hardware(name="toy", tflops={"bf16": 1.0, "fp32": 0.5}, matmul_efficiency=
 FREE_LINKS = dataclasses.replace(TOY, intra=Link(bandwidth_gbs=1e9, latency_us=0.0),
                                  inter=Link(bandwidth_gbs=1e9, latency_us=0.0))
 
-# One micro-batch of TINY (1 sequence of 64 tokens) on one GPU, no recompute:
-#   model FLOPs per token (PaLM): per layer 6 x 36,864 + 12 x (4 x 16) x 64 = 270,336,
-#   two layers + output projection 6 x 256 x 64 = 98,304 -> 638,976
-#   per micro-batch: 638,976 x 64 tokens = 40,894,464 FLOPs at 5e11 FLOP/s
+# TOY with memory so fast that every GEMM of TINY is compute-bound (on TOY's 1 GB/s they
+# are all memory-bound: reading their matrices takes longer than their math).
+COMPUTE_BOUND = dataclasses.replace(TOY, memory_bandwidth_gbs=1e6)
+# One micro-batch of TINY (1 sequence of 64 tokens) on one GPU of COMPUTE_BOUND, no
+# recompute, flash attention (TOY has no tiles, waves or depth loss: every GEMM at 50%):
+#   weight GEMMs per token and layer: forward 2 x 36,864, backward twice that -> 221,184
+#   attention: forward 4 s q = 16,384, half of it computed (causal, fused), backward twice
+#   -> 3 x 8,192 = 24,576; output projection 6 x 256 x 64 = 98,304 per token
+#   per micro-batch: 64 x (2 x (221,184 + 24,576) + 98,304) = 37,748,736 FLOPs at 5e11
 #   eager elementwise traffic per token and layer (compute.memory_bound_bytes): norms
 #   14 h = 896, RoPE 3 (q + kv) = 3 x 96 = 288, attention I/O 2q + 2kv = 192, residuals
 #   6 h = 384, SwiGLU 5 ffn = 640 -> 2,400 values; forward + backward (x3), 2 bytes,
-#   64 tokens, 2 layers -> 1,843,200 bytes at 1e9 B/s
+#   64 tokens, 2 layers -> 1,843,200 bytes; the loss over fp32 logits 3 x 4 x 64 x 256
+#   forward, twice that backward -> 589,824 bytes; both at 1e15 B/s
 TINY_FLOPS_PER_TOKEN = 2 * (6 * 36_864 + 12 * 64 * 64) + 6 * 256 * 64
-TINY_MICROBATCH_S = 40_894_464 / 5e11 + 1_843_200 / 1e9  # t_F + t_B = 1,924.988928 us
+TINY_MICROBATCH_S = 37_748_736 / 5e11 + (1_843_200 + 589_824) / 1e15  # t_F + t_B
 
 
 # -- formulas: ZeRO ----------------------------------------------------------------------
@@ -555,12 +561,12 @@ def test_link_uses_a_measured_collective_inside_a_node_only() -> None:
 
 
 def test_one_gpu_step_is_the_microbatches_one_after_another() -> None:
-    e = estimate(TINY, Layout(zero=0, microbatches=4), TOY)
+    e = estimate(TINY, Layout(zero=0, microbatches=4), COMPUTE_BOUND)
     assert e.compute_s == pytest.approx(4 * TINY_MICROBATCH_S, rel=1e-12)
     assert e.pipeline_s == pytest.approx(4 * TINY_MICROBATCH_S, rel=1e-12)
     assert e.bubble_fraction == 0.0 and e.exposed_comm_s == 0.0 and e.collectives == []
-    # AdamW streams ADAMW_BYTES per parameter at 1 GB/s
-    assert e.optimizer_s == pytest.approx(TINY_PARAMS * ADAMW_BYTES / 1e9, rel=1e-12)
+    # AdamW streams ADAMW_BYTES per parameter at 1e15 B/s
+    assert e.optimizer_s == pytest.approx(TINY_PARAMS * ADAMW_BYTES / 1e15, rel=1e-12)
     assert e.step_s == pytest.approx(e.pipeline_s + e.optimizer_s, rel=1e-12)
 
 
@@ -570,11 +576,13 @@ def test_one_gpu_memory_by_hand() -> None:
     assert m["params"] == 2 * TINY_PARAMS == 213_632
     assert m["grads"] == 2 * TINY_PARAMS
     assert m["optimizer"] == 12 * TINY_PARAMS == 1_281_792
-    # flash attention keeps Korthikanti's 34 s b h per layer (no scores): 139,264 x 2 layers,
-    # plus fp32 logits and their gradient, 2 x 4 x 64 tokens x 256 = 131,072
-    assert m["activations"] == 34 * 64 * 64 * 2 + 2 * 4 * 64 * 256 == 409_600
+    # a layer keeps (bytes a token) its norms' inputs 4h, the QKV input 2h, Q, K, V 2q + 4kv,
+    # the attention output 2q, the MLP input 2h and SwiGLU's gate, up and product 6 ffn:
+    # 256 + 128 + 128 + 128 + 128 + 128 + 768 = 1,664 (flash: no scores, no dropout) ->
+    # 106,496 x 2 layers, plus fp32 logits and their gradient, 2 x 4 x 64 tokens x 256
+    assert m["activations"] == 1664 * 64 * 2 + 2 * 4 * 64 * 256 == 344_064
     assert m["buffers"] == 2 * DDP_BUCKET_BYTES  # two 25 MiB DDP buckets
-    assert m["total"] == pytest.approx(213_632 * 2 + 1_281_792 + 409_600 + 2 * 25 * 2**20)
+    assert m["total"] == pytest.approx(213_632 * 2 + 1_281_792 + 344_064 + 2 * 25 * 2**20)
 
 
 def test_zero_3_shards_every_state_over_the_data_ranks() -> None:
@@ -589,16 +597,16 @@ def test_fp32_and_full_recompute_activations_by_hand() -> None:
     bf16 = estimate(TINY, Layout(recompute="full"), TOY).memory["activations"]
     fp32 = estimate(TINY, Layout(recompute="full", precision="fp32"), TOY).memory
     # full recompute keeps each layer's input, 2 s b h = 8,192 bytes in 16 bits, plus the
-    # 34 s b h = 139,264 bytes of the one layer being recomputed, plus 131,072 of logits
-    assert bf16 == 2 * 8192 + 139_264 + 131_072
+    # 106,496 bytes of the one layer being recomputed, plus 131,072 of logits
+    assert bf16 == 2 * 8192 + 106_496 + 131_072
     # fp32 doubles both activation terms (the logits are fp32 already)
-    assert fp32["activations"] == 2 * (2 * 8192 + 139_264) + 131_072
+    assert fp32["activations"] == 2 * (2 * 8192 + 106_496) + 131_072
     assert fp32["params"] == 4 * TINY_PARAMS and fp32["optimizer"] == 8 * TINY_PARAMS
 
 
 def test_host_overhead_hides_on_an_asynchronous_device_only() -> None:
     # 1 s of host time per layer: 2 s per micro-batch, far above the ~2 ms of device work
-    slow_host = dataclasses.replace(TOY, layer_overhead_us=1e6)
+    slow_host = dataclasses.replace(COMPUTE_BOUND, layer_overhead_us=1e6)
     hidden = estimate(TINY, Layout(zero=0, microbatches=2), slow_host)
     assert hidden.pipeline_s == pytest.approx(2 * 2.0, rel=1e-12)
     serial = estimate(TINY, Layout(zero=0, microbatches=2),
@@ -637,6 +645,8 @@ def test_flops_mfu_and_training_time_definitions() -> None:
     assert e.tokens_per_s == tokens / e.step_s
     assert e.tflops_per_gpu == pytest.approx(e.model_flops / e.step_s / 4 / 1e12, rel=1e-12)
     assert e.mfu == pytest.approx(e.tflops_per_gpu / 1.0, rel=1e-12)  # bf16 peak: 1 TFLOP/s
+    # no recompute: the hardware's FLOPs are the model's
+    assert (e.hw_tflops_per_gpu, e.hfu) == (e.tflops_per_gpu, e.mfu)
     three_days = e.tokens_per_s * 86400 * 3
     assert e.train_days(three_days) == pytest.approx(3.0, rel=1e-12)
     assert e.gpu_hours(three_days) == pytest.approx(3 * 24 * 4, rel=1e-12)
@@ -652,6 +662,7 @@ def test_recompute_adds_hardware_flops_not_model_flops(recompute: str,
     tokens = 4 * 64
     assert e.model_flops == TINY_FLOPS_PER_TOKEN * tokens
     assert e.hardware_flops - e.model_flops == extra_per_token * tokens
+    assert e.hfu / e.mfu == pytest.approx(e.hardware_flops / e.model_flops, rel=1e-12)
 
 
 def test_fits_flips_when_memory_shrinks() -> None:
@@ -669,7 +680,7 @@ def test_fits_flips_when_memory_shrinks() -> None:
 
 
 def test_ddp_issues_one_gradient_all_reduce_per_step() -> None:
-    e = estimate(TINY, Layout(dp_shard=4, zero=0, microbatches=4), TOY)
+    e = estimate(TINY, Layout(dp_shard=4, zero=0, microbatches=4), COMPUTE_BOUND)
     (ar,) = e.collectives
     assert (ar.axis, ar.collective, ar.ranks, ar.calls, ar.inter_node) == (
         "dp", "all_reduce", 4, 1, False)
@@ -790,9 +801,9 @@ def test_gpipe_holds_every_microbatch_and_1f1b_holds_p_on_the_first_rank() -> No
     assert _pipeline("1f1b", 4, 8, 1, 1.0, 2.0, 0.0)[2] == 4
     gpipe = estimate(PIPE, Layout(pp=4, microbatches=8, schedule="gpipe"), FREE_LINKS)
     one_f = estimate(PIPE, Layout(pp=4, microbatches=8), FREE_LINKS)
-    # 8 layers / 4 stages = 2 per stage, 34 s b h = 139,264 bytes each, + 131,072 of logits
-    assert gpipe.memory["activations"] == 139_264 * 2 * 8 + 131_072
-    assert one_f.memory["activations"] == 139_264 * 2 * 4 + 131_072
+    # 8 layers / 4 stages = 2 per stage, 106,496 bytes each, + 131,072 of logits
+    assert gpipe.memory["activations"] == 106_496 * 2 * 8 + 131_072
+    assert one_f.memory["activations"] == 106_496 * 2 * 4 + 131_072
 
 
 def test_no_pipeline_is_the_microbatches_back_to_back() -> None:
@@ -898,5 +909,6 @@ def test_parse_constraints_rejects_what_it_cannot_honour(text: str, match: str) 
 
 def test_an_impossible_request_says_how_to_fix_it() -> None:
     with pytest.raises(ValueError, match=r"no layout of llama3-405b on 8 h100-sxm GPUs .*fits "
-                                         r"in memory: add GPUs"):
+                                         r"in memory: the smallest, .*, needs \d+\.\d GiB of 76 "
+                                         r"GiB usable; add GPUs"):
         search(MODELS["llama3-405b"], gpus=8, hardware=HARDWARE["h100-sxm"], global_batch=8)

@@ -1,0 +1,284 @@
+"""Published large training runs the planner is checked against: each with its source, table
+and row, what its figure counts, and what the paper leaves unsaid, as explicit assumptions.
+
+Every figure becomes the step time the run achieved, through the paper's own FLOP count
+(papers differ: Megatron's counts the recomputed forward, MFU does not), so predicted and
+published compare like for like whatever the convention.
+
+Two groups. ``DEVELOPMENT``: the runs the planner's model was developed against (its
+hardware constants are the vendors' and the physics', not fitted per run). ``HELD_OUT``:
+runs of the same era the model was not looked at against while it was built, to see that it
+predicts runs it has not seen.
+
+Knobs a paper does not state (micro-batch size, interleaving depth, recomputation) are
+``free``: the planner picks, among the values the paper leaves open, the fastest that fits,
+as the authors tuned them (Narayanan et al. section 5.4, Korthikanti et al. section 6).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+from meshlab.plan.estimate import Estimate, estimate
+from meshlab.plan.hardware import HARDWARE, Hardware
+from meshlab.plan.layout import Layout
+from meshlab.plan.shapes import MODELS, ModelShape
+
+# what a published figure is
+STEP = "step s"  # iteration time, as printed
+HARDWARE_TFLOPS = "hardware TFLOP/s per GPU (Megatron eq. 3: recomputed forward counted)"
+MODEL_TFLOPS = "model TFLOP/s per GPU (MFU: 6N + attention, no recompute)"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    name: str
+    source: str
+    """Paper, table and row."""
+    model: ModelShape
+    hardware: str
+    layout: str
+    """What the paper states, as ``Layout.parse`` reads it (micro-batches follow from the
+    batch and the micro-batch size)."""
+    batch: int
+    """Global batch, sequences."""
+    figure: float
+    unit: str
+    free: tuple[str, ...] = ()
+    """Layout knobs the paper does not state: the planner's choice among their values."""
+    assumed: tuple[str, ...] = ()
+    """Everything else taken as given that the paper does not say."""
+    family: str = ""
+    layer_slots: int = 0
+    """Stage slots beyond the layers when splitting the pipeline (Llama 3: the embedding
+    and the output, one each)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.stated().gpus
+
+    def stated(self) -> Layout:
+        """The layout as the paper states it (a free interleaving depth at 2 for now)."""
+        return Layout.parse(self.layout + (" v=2" if "virtual" in self.free else ""))
+
+    def published_step_s(self) -> float:
+        """The run's step time: printed, or its figure through the paper's FLOP count."""
+        if self.unit == STEP:
+            return self.figure
+        flops = (megatron_flops(self.model, self.batch) if self.unit == HARDWARE_TFLOPS
+                 else palm_model_flops(self.model, self.batch))
+        return flops / (self.figure * 1e12 * self.gpus)
+
+
+def megatron_flops(m: ModelShape, batch: int) -> float:
+    """Narayanan et al. 2021, eq. 3: F = 96 B s l h^2 (1 + s/6h + V/16lh) per iteration, a
+    GPT layer (4h MLP) with its forward recomputed; the logits are not recomputed."""
+    s, h, ell, v = m.seq_len, m.hidden, m.layers, m.vocab
+    return 96 * batch * s * ell * h**2 * (1 + s / (6 * h) + v / (16 * ell * h))
+
+
+def palm_model_flops(m: ModelShape, batch: int) -> float:
+    """Chowdhery et al. 2022 (PaLM), appendix B: 6N + 12 L H Q T per token, N the matmul
+    parameters (the output projection included), the MFU Llama 3 reports."""
+    per_token = 6 * m.active_matmul_params + 12 * m.layers * m.heads * m.head_dim * m.seq_len
+    return per_token * batch * m.seq_len
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape:
+    """A Megatron GPT: 4h GELU MLP, tied embeddings, learned positions, dropout, sequence
+    2,048."""
+    return ModelShape(name=name, layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden,
+                      vocab=vocab, seq_len=2048, gated_ffn=False, tied_embeddings=True,
+                      learned_positions=True, dropout=True)
+
+
+GPT_175B = _gpt("gpt-175b", 96, 12288, 96)
+GPT_530B = _gpt("gpt-530b", 105, 20480, 128)
+GPT_1T = _gpt("gpt-1t", 128, 25600, 160)
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM" (SC21, arXiv 2104.04473). Selene: DGX A100 80 GB, 8 x 200 Gb/s HDR per node.
+# Section 5.1: interleaved schedule (depth not given), V = 51,200, s = 2,048; eq. 3 counts
+# full activation recomputation; 2021 Megatron: plain data parallelism (no distributed
+# optimizer), no sequence parallelism, no FlashAttention.
+_NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473)"
+_MEGATRON_2021 = ("zero=0: data parallelism without a distributed optimizer (2021 Megatron)",
+                  "gradients all-reduced after the backward (--overlap-grad-reduce came in "
+                  "2023)", "no FlashAttention, no sequence parallelism (both later)")
+_T1 = [  # (billions, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s)
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+def _table1() -> list[PublishedRun]:
+    runs = []
+    for row, (b, heads, hidden, layers, tp, pp, gpus, batch, tflops) in enumerate(_T1, 1):
+        dp = gpus // (tp * pp)
+        pipe = " schedule=interleaved_1f1b" if pp > 1 else ""
+        runs.append(PublishedRun(
+            f"GPT {b}B, {gpus:,} GPUs", f"{_NARAYANAN}, Table 1, row {row} ({b}B)",
+            _gpt(f"gpt-{b}b", layers, hidden, heads), "a100-80gb",
+            f"tp={tp} pp={pp} dp={dp} zero=0 ac=full sp=0 flash_attention=0 "
+            "overlap_grad_reduce=0" + pipe, batch,
+            tflops, HARDWARE_TFLOPS,
+            free=("micro_batch", "virtual") if pp > 1 else ("micro_batch",),
+            assumed=_MEGATRON_2021, family="Megatron-LM 2021"))
+    return runs
+
+
+def _table2() -> list[PublishedRun]:
+    """Table 2: PTD-P (model-parallel size 96 = tp 8 x pp 12 for 175B, 280 = tp 8 x pp 35 for
+    530B, from sections 5.3.2 and Table 1) beside ZeRO-3 without model parallelism."""
+    runs = []
+    ptdp = [(GPT_175B, 8, 12, 1536, (384, 153), (768, 149), (1536, 141)),
+            (GPT_530B, 8, 35, 2240, (560, 171), (1120, 167), (2240, 159))]
+    for row, (model, tp, pp, batch, *cases) in enumerate(ptdp):
+        for i, (gpus, tflops) in enumerate(cases):
+            runs.append(PublishedRun(
+                f"{model.name} PTD-P, {gpus:,} GPUs",
+                f"{_NARAYANAN}, Table 2, PTD-P row {3 * row + i + 1}", model, "a100-80gb",
+                f"tp={tp} pp={pp} dp={gpus // (tp * pp)} zero=0 ac=full sp=0 "
+                "flash_attention=0 overlap_grad_reduce=0 mbs=1 schedule=interleaved_1f1b", batch,
+                tflops,
+                HARDWARE_TFLOPS, free=("virtual",),
+                assumed=(*_MEGATRON_2021, "tp 8 x pp 12 (175B), tp 8 x pp 35 (530B): the "
+                         "table gives only their product"), family="Megatron-LM 2021"))
+    zero3 = [(GPT_175B, 1536, 384, 4, 144), (GPT_175B, 1536, 768, 2, 88),
+             (GPT_175B, 1536, 1536, 1, 44), (GPT_530B, 2560, 640, 4, 138),
+             (GPT_530B, 2240, 1120, 2, 98), (GPT_530B, 2240, 2240, 1, 48)]
+    for row, (model, batch, gpus, mbs, tflops) in enumerate(zero3, 1):
+        runs.append(PublishedRun(
+            f"{model.name} ZeRO-3, {gpus:,} GPUs", f"{_NARAYANAN}, Table 2, ZeRO-3 row {row}",
+            model, "a100-80gb", f"dp={gpus} zero=3 shard_unit=weight ac=full flash_attention=0 "
+            f"mbs={mbs}", batch, tflops, HARDWARE_TFLOPS,
+            assumed=("DeepSpeed ZeRO-3 with activation checkpointing (the FLOP count, eq. 3, "
+                     "assumes it), gathering weight by weight", "no FlashAttention (2021)"),
+            family="Megatron-LM 2021"))
+    return runs
+
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+# (MLSys 2023, arXiv 2205.05198), Tables 3 and 5: no data parallelism, s = 2,048,
+# V = 51,200, interleaved with 3 stages per rank for 175B and 530B (section 6).
+_KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
+
+
+def _korthikanti() -> list[PublishedRun]:
+    rows = [  # (model, pp, batch, mbs, v, full recompute s, present work s)
+        (_gpt("gpt-22b", 48, 6144, 64), 1, 4, 4, 1, 1.42, 1.10),
+        (GPT_175B, 8, 64, 1, 3, 18.13, 13.75),
+        (GPT_530B, 35, 280, 1, 3, 49.05, 37.83),
+        (GPT_1T, 64, 512, 1, 0, 94.42, 71.49),
+    ]
+    runs = []
+    for row, (model, pp, batch, mbs, v, full_s, present_s) in enumerate(rows, 1):
+        gpus = 8 * pp
+        pipe = "" if pp == 1 else " schedule=interleaved_1f1b" + (f" v={v}" if v else "")
+        free = ("virtual",) if pp > 1 and not v else ()
+        for variant, layout, seconds in (
+                ("full recompute", "ac=full sp=0", full_s),
+                ("selective + SP", "ac=selective sp=1", present_s)):
+            runs.append(PublishedRun(
+                f"{model.name} {variant}, {gpus} GPUs",
+                f"{_KORTHIKANTI}, Tables 3 and 5, row {row} ({variant})", model, "a100-80gb",
+                f"tp=8 pp={pp} zero=0 mbs={mbs} flash_attention=0 {layout}{pipe}", batch,
+                seconds, STEP, free=free,
+                assumed=("no FlashAttention (the selective recompute it introduces is of "
+                         "the unfused attention core)",)
+                + (("1T: interleaving depth not given",) if free else ()),
+                family="Korthikanti 2022"))
+    return runs
+
+
+# Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 and section
+# 3.3: H100 80 GB, 400 Gb/s RoCE per GPU, FSDP that does not reshard after the forward
+# (zero=2 here), interleaved schedule with one layer removed from the first and the last
+# stage, no activation checkpointing at 8K, BF16 MFU on 989 TFLOP/s.
+_LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783)"
+
+
+def _llama3() -> list[PublishedRun]:
+    base = MODELS["llama3-405b"]
+    long = ModelShape(**{**base.__dict__, "name": "llama3-405b-128k", "seq_len": 131072})
+    rows = [(1, base, "tp=8 pp=16 dp=64", 2048, 430),
+            (2, base, "tp=8 pp=16 dp=128", 2048, 400),
+            (3, long, "tp=8 cp=16 pp=16 dp=8", 128, 380)]
+    runs = []
+    for row, model, layout, batch, tflops in rows:
+        runs.append(PublishedRun(
+            f"Llama 3 405B, row {row}", f"{_LLAMA3}, Table 4, row {row}", model, "h100-sxm",
+            f"{layout} zero=2", batch, tflops, MODEL_TFLOPS, layer_slots=2,
+            free=("micro_batch", "schedule", "virtual") + (("recompute",) if row == 3 else ()),
+            assumed=("FlashAttention-style attention (not stated)",
+                     "schedule free between 1F1B and interleaved: Llama 3's interleaved "
+                     "schedule tunes the micro-batches per round to fit memory (section "
+                     "3.3.2); the planner's is Megatron's, which keeps more in flight",
+                     "vocabulary 128,256 (the released one; the table says 128,000)")
+            + (("dp=8: the table prints 4, but 16,384 GPUs and 16M tokens need 8",
+                "recompute free: section 3.3 states none only for 8K sequences")
+               if row == 3 else ("no recompute (section 3.3)",)),
+            family="Llama 3"))
+    return runs
+
+
+DEVELOPMENT: list[PublishedRun] = [*_table1(), *_table2(), *_korthikanti(), *_llama3()]
+
+# Jiang et al. 2024, "MegaScale" (NSDI 24, arXiv 2402.15627), Tables 1 and 2, the stock
+# Megatron-LM rows: 175B with 128 heads, tp 8, pp 8, interleaved with 6 stages per rank,
+# ZeRO-2 (distributed optimizer), s = 2,048, V = 64,000; MFU on model FLOPs; iteration time
+# printed.
+_MEGASCALE = "Jiang et al. 2024 (arXiv 2402.15627)"
+_MEGASCALE_175B = _gpt("megascale-175b", 96, 12288, 128, vocab=64000)
+HELD_OUT: list[PublishedRun] = [
+    PublishedRun(
+        f"MegaScale's Megatron-LM, {gpus:,} GPUs",
+        f"{_MEGASCALE}, Table 2, Megatron-LM, batch {batch}, {gpus} GPUs", _MEGASCALE_175B,
+        "a100-80gb", f"tp=8 pp=8 dp={gpus // 64} zero=2 overlap_grad_reduce=0 "
+        "schedule=interleaved_1f1b v=6", batch, seconds, STEP, free=("micro_batch", "recompute"),
+        assumed=("A100 80 GB (the paper says Ampere, 8 x 200 Gb/s NICs per node)",
+                 "data-parallel traffic not overlapped (MegaScale's Table 3 adds that)",
+                 "FlashAttention not stated for the baseline: taken as on",),
+        family="MegaScale 2024")
+    for batch, gpus, seconds in ((768, 256, 40.0), (768, 512, 21.2), (768, 768, 15.2),
+                                 (768, 1024, 11.9), (6144, 3072, 29.02), (6144, 6144, 14.78),
+                                 (6144, 8192, 12.24), (6144, 12288, 8.57))
+]
+
+
+FREE: dict[str, tuple[Any, ...]] = {"micro_batch": (1, 2, 4, 8), "virtual": tuple(range(2, 9)),
+                                    "schedule": ("1f1b", "interleaved_1f1b"),
+        "recompute": ("none", "selective", "full")}
+"""The values a free knob is tried at."""
+
+
+def predict(run: PublishedRun, hardware: Hardware | None = None) -> Estimate | None:
+    """The planner's estimate of ``run``: its stated layout, with each free knob at the
+    value the planner finds fastest among those that fit; None when none fits."""
+    hw = hardware or HARDWARE[run.hardware]
+    stated = run.stated()
+    best: Estimate | None = None
+    for values in itertools.product(*(FREE[k] for k in run.free)):
+        knobs: dict[str, Any] = dict(zip(run.free, values, strict=True))
+        if knobs.get("schedule") == "1f1b":
+            if knobs.get("virtual", 2) != 2:
+                continue  # one 1F1B per interleaving depth tried: keep the first
+            knobs["virtual"] = 1
+        mbs: int = knobs.get("micro_batch", stated.micro_batch)
+        v = knobs.get("virtual", stated.virtual)
+        if run.batch % (stated.dp * mbs) or (run.model.layers + run.layer_slots) % (stated.pp * v):
+            continue  # equal chunks of layers (Llama 3 counts embedding and output as two)
+        try:
+            layout = replace(stated, **knobs, microbatches=run.batch // (stated.dp * mbs))
+            e = estimate(run.model, layout, hw)
+        except ValueError:
+            continue  # not a layout this model takes (virtual stages, micro-batch rounds)
+        if e.fits and (best is None or e.step_s < best.step_s):
+            best = e
+    return best
