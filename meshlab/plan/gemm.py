@@ -8,6 +8,8 @@ A GPU computes a GEMM in output tiles, one per streaming multiprocessor at a tim
 - **depth**: each tile loops over K; filling and draining its pipeline costs about as much
   as ``gemm_k0`` more of K, so efficiency grows as K / (K + k0) (a 128-deep head_dim
   matmul runs far below a 12,288-deep one);
+- **split-K**: a GEMM with fewer tiles than multiprocessors (a small weight's gradient over
+  many tokens) has its K shared out over the idle ones, in slices of at least SPLIT_K_MIN;
 - **bandwidth**: a GEMM cannot run faster than reading A and B and writing C once
   (a roofline at the memory bandwidth: skinny GEMMs are memory-bound);
 - and a large square GEMM's ceiling, ``matmul_efficiency``.
@@ -58,10 +60,14 @@ def shape_factor(m: int, n: int, k: int, count: int = 1, *, sms: int, tile: tupl
     # the tiles' useful share (edge tiles are partly empty), then the waves' filled share
     useful = m * n / (tiles * tm * tn)
     tiles *= count
+    if tiles < sms:  # split-K: too few tiles to fill the GPU share K out over the idle ones
+        splits = max(1, min(sms // tiles, k // SPLIT_K_MIN))
+        tiles, k = tiles * splits, k / splits
     waves = tiles / (math.ceil(tiles / sms) * sms)
     return useful * waves * k / (k + k0)
 
 
+SPLIT_K_MIN = 256  # the shallowest slice of K cuBLAS hands one multiprocessor when it splits
 K0_GRID = (0, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 

@@ -227,3 +227,11 @@ def test_the_gemm_depth_is_fitted_from_measured_shapes() -> None:
     assert (k0, ceiling) == (128.0, pytest.approx(50.0))
     with pytest.raises(ValueError, match="2 or more shapes"):
         gemm.fit_depth(points[:1], sms=1, tile=(1, 1))
+
+
+def test_a_gemm_with_few_tiles_splits_its_depth_over_idle_multiprocessors() -> None:
+    # one 128 x 64 tile, K = 4096, on 4 SMs: K split 4 ways (4096 / 4 >= 256), a full wave,
+    # each slice 1,024 deep: 0.8 x 1024 / (1024 + 64)
+    assert gemm.efficiency(GPU, 128, 64, 4096) == pytest.approx(0.8 * 1024 / 1088)
+    # too shallow to split (K < 2 x 256): one tile of four SMs busy
+    assert gemm.efficiency(GPU, 128, 64, 384) == pytest.approx(0.8 * 0.25 * 384 / 448)
