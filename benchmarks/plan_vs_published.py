@@ -10,7 +10,8 @@ runs were not looked at while it was. No GPU needed.
 
 $ python benchmarks/plan_vs_published.py            # every run, both groups, the errors
 $ python benchmarks/plan_vs_published.py --rank     # also where each published layout
-                                                    # ranks in the planner's own search
+                                                    # ranks in the planner's own search,
+                                                    # on the run's own software
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def table(runs: list[PublishedRun], title: str, rank: bool) -> list[float]:
     return errors
 
 
+# what a run's software could do, held for every layout of its search: a 2021 run had no
+# FlashAttention, no sequence parallelism, no overlapped gradient reduction
+SOFTWARE = ("flash_attention", "sequence_parallel", "overlap_grad_reduce", "shard_unit")
+
+
 def _rank(run: PublishedRun, tokens_per_s: float) -> str:
     """Where the published layout's prediction ranks among every layout the planner's
-    search tries for the same model, GPUs and batch (top = fastest)."""
+    search tries for the same model, GPUs and batch on the same software, recompute as
+    stated (top = fastest)."""
+    stated = run.stated()
+    pinned = "" if "recompute" in run.free else f"recompute={stated.recompute}"
     found = search(run.model, gpus=run.gpus, hardware=HARDWARE[run.hardware],
-                   global_batch=run.batch, top=None)
+                   global_batch=run.batch, top=None, constraints=pinned,
+                   settings={k: getattr(stated, k) for k in SOFTWARE})
     ahead = int((found["tokens_per_s"] > tokens_per_s * (1 + 1e-9)).sum())
     return f"{ahead + 1} of {len(found)} (top {(ahead + 1) / len(found):.1%})"
 

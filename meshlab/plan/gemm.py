@@ -60,11 +60,12 @@ def shape_factor(m: int, n: int, k: int, count: int = 1, *, sms: int, tile: tupl
     # the tiles' useful share (edge tiles are partly empty), then the waves' filled share
     useful = m * n / (tiles * tm * tn)
     tiles *= count
+    depth = float(k)
     if tiles < sms:  # split-K: too few tiles to fill the GPU share K out over the idle ones
         splits = max(1, min(sms // tiles, k // SPLIT_K_MIN))
-        tiles, k = tiles * splits, k / splits
+        tiles, depth = tiles * splits, depth / splits
     waves = tiles / (math.ceil(tiles / sms) * sms)
-    return useful * waves * k / (k + k0)
+    return useful * waves * depth / (depth + k0)
 
 
 SPLIT_K_MIN = 256  # the shallowest slice of K cuBLAS hands one multiprocessor when it splits

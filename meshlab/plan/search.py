@@ -58,9 +58,11 @@ def parse_constraints(text: str) -> dict[str, Any]:
 
 def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch: int,
                constraints: dict[str, Any] | None = None,
-               precision: str = "bf16") -> Iterator[Layout]:
+               precision: str = "bf16", settings: dict[str, Any] | None = None
+               ) -> Iterator[Layout]:
     """Every layout of ``gpus`` GPUs with ``global_batch`` sequences per step that the model
-    can take (divisibility) and that meets the constraints."""
+    can take (divisibility) and that meets the constraints; ``settings`` are Layout fields
+    every candidate keeps (the software a run has: ``flash_attention=False``, ...)."""
     cons = constraints or {}
 
     def allowed(name: str, values: Iterable[Any]) -> list[Any]:
@@ -119,21 +121,24 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
                 yield Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,
                              tp=tp, ep=ep, zero=zero, micro_batch=mbs,
                              microbatches=microbatches, recompute=recompute,
-                             schedule=schedule, virtual=virtual, precision=precision)
+                             schedule=schedule, virtual=virtual, precision=precision,
+                             **(settings or {}))
 
 
 def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: int,
            constraints: dict[str, Any] | str | None = None, precision: str = "bf16",
-           top: int | None = 20, include_unfit: bool = False) -> pd.DataFrame:
+           top: int | None = 20, include_unfit: bool = False,
+           settings: dict[str, Any] | None = None) -> pd.DataFrame:
     """Layouts that fit, fastest first: one row per layout (``Estimate.summary()``) with the
-    Estimate itself in column ``estimate``."""
+    Estimate itself in column ``estimate``. ``settings``: Layout fields every candidate keeps
+    (e.g. ``{"flash_attention": False}`` for a run without it)."""
     import pandas as pd
 
     if isinstance(constraints, str):
         constraints = parse_constraints(constraints)
     rows, smallest = [], None
     for layout in candidates(model, gpus, hardware, global_batch=global_batch,
-                             constraints=constraints, precision=precision):
+                             constraints=constraints, precision=precision, settings=settings):
         try:
             result: Estimate = estimate(model, layout, hardware)
         except ValueError:

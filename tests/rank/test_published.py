@@ -235,3 +235,12 @@ def test_a_gemm_with_few_tiles_splits_its_depth_over_idle_multiprocessors() -> N
     assert gemm.efficiency(GPU, 128, 64, 4096) == pytest.approx(0.8 * 1024 / 1088)
     # too shallow to split (K < 2 x 256): one tile of four SMs busy
     assert gemm.efficiency(GPU, 128, 64, 384) == pytest.approx(0.8 * 0.25 * 384 / 448)
+
+
+def test_a_search_can_hold_the_software_a_run_had() -> None:
+    m = ModelShape(layers=4, hidden=256, heads=4, ffn=512, vocab=1000, seq_len=256)
+    found = search(m, gpus=8, hardware=GPU, global_batch=16, top=None,
+                   settings={"flash_attention": False, "overlap_grad_reduce": False})
+    layouts = [e.layout for e in found["estimate"]]
+    assert layouts and not any(lay.flash_attention or lay.overlap_grad_reduce
+                               for lay in layouts)
