@@ -49,16 +49,18 @@ def table(runs: list[PublishedRun], title: str, rank: bool) -> list[float]:
 
 
 # what a run's software could do, held for every layout of its search: a 2021 run had no
-# FlashAttention, no sequence parallelism, no overlapped gradient reduction
+# FlashAttention, no sequence parallelism, no overlapped gradient reduction, no distributed
+# optimizer (its ZeRO stage is its framework's), and recomputed as its FLOP count says
 SOFTWARE = ("flash_attention", "sequence_parallel", "overlap_grad_reduce", "shard_unit")
 
 
 def _rank(run: PublishedRun, tokens_per_s: float) -> str:
     """Where the published layout's prediction ranks among every layout the planner's
-    search tries for the same model, GPUs and batch on the same software, recompute as
-    stated (top = fastest)."""
+    search tries for the same model, GPUs and batch on the same software (ZeRO stage and
+    recompute as stated): the parallel layout is what is searched (top = fastest)."""
     stated = run.stated()
-    pinned = "" if "recompute" in run.free else f"recompute={stated.recompute}"
+    pinned = f"zero={stated.zero}" + (
+        "" if "recompute" in run.free else f" recompute={stated.recompute}")
     found = search(run.model, gpus=run.gpus, hardware=HARDWARE[run.hardware],
                    global_batch=run.batch, top=None, constraints=pinned,
                    settings={k: getattr(stated, k) for k in SOFTWARE})
