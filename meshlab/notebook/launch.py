@@ -22,6 +22,7 @@ from meshlab.notebook.profiles import Profile
 # The hub counts an engine once it answers a heartbeat, within two periods: ipyparallel's
 # 3 s made every start wait 3-6 s for it; at 200 ms loaded engines never answered in time.
 CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=1000"]
+SHUTDOWN_WAIT = 10.0  # seconds engines get to leave cleanly before the launcher stops them
 _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
 
@@ -95,7 +96,13 @@ def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
     """Shut ``engines`` down cleanly, then stop the controller and whatever is left."""
     if client is not None:
         try:  # a clean exit first; the launcher's SIGTERM would dump every engine's log
-            client.shutdown(targets=engines or None, hub=False, block=True)
+            leaving = set(engines or client.ids)
+            client.shutdown(targets=engines or None, hub=False, block=False)
+            # not ipyparallel's blocking wait: an engine the hub no longer hears never
+            # replies, and that wait has no end; whatever is left is the launcher's to stop
+            deadline = time.monotonic() + SHUTDOWN_WAIT
+            while leaving & set(client.ids) and time.monotonic() < deadline:
+                time.sleep(0.05)
         except Exception as e:
             logging.getLogger("meshlab").debug("shutdown: %r", e)
         client.close()
