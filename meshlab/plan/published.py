@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
+from meshlab.plan.compute import flops_per_token
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware
 from meshlab.plan.layout import Layout
@@ -68,7 +69,8 @@ class PublishedRun:
         if self.unit == STEP:
             return self.figure
         flops = (megatron_flops(self.model, self.batch) if self.unit == HARDWARE_TFLOPS
-                 else palm_model_flops(self.model, self.batch))
+                 else flops_per_token(self.model, "none", self.model.layers)[0]
+                 * self.batch * self.model.seq_len)  # PaLM's 6N + attention: the MFU count
         return flops / (self.figure * 1e12 * self.gpus)
 
 
@@ -77,13 +79,6 @@ def megatron_flops(m: ModelShape, batch: int) -> float:
     GPT layer (4h MLP) with its forward recomputed; the logits are not recomputed."""
     s, h, ell, v = m.seq_len, m.hidden, m.layers, m.vocab
     return 96 * batch * s * ell * h**2 * (1 + s / (6 * h) + v / (16 * ell * h))
-
-
-def palm_model_flops(m: ModelShape, batch: int) -> float:
-    """Chowdhery et al. 2022 (PaLM), appendix B: 6N + 12 L H Q T per token, N the matmul
-    parameters (the output projection included), the MFU Llama 3 reports."""
-    per_token = 6 * m.active_matmul_params + 12 * m.layers * m.heads * m.head_dim * m.seq_len
-    return per_token * batch * m.seq_len
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape:
