@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from meshlab.mesh import crossing_hosts
 from meshlab.notebook import commands
 from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
@@ -95,7 +96,10 @@ class MeshMagics(Magics):
 
     def _init(self, args: Any) -> None:
         spec = self.session.init(" ".join(args.axes))
-        display(group_table(spec), MeshView(spec))
+        hosts = self.session.hosts()
+        display(group_table(spec, hosts), MeshView(spec))
+        for note in crossing_hosts(spec, hosts):
+            print(note)
 
     def _inspect(self, args: Any) -> ShardingView:
         return ShardingView(self.session.inspect(" ".join(args.expr), args.ranks))

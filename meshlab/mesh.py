@@ -164,6 +164,35 @@ def coordinates(spec: MeshSpec) -> dict[int, dict[str, int]]:
             for rank, coord in enumerate(_coords(list(axes.values())))}
 
 
+def hosts_spanned(spec: MeshSpec, host_of: list[str]) -> dict[str, int]:
+    """Axis (and ep) -> how many hosts its widest group spans, given each rank's host."""
+    groups = spec.groups()
+    named = [*spec.axes(), *(["ep"] if spec.ep > 1 else [])]
+    return {axis: max(len({host_of[r] for r in g}) for g in groups[axis])
+            for axis in named if axis in groups}
+
+
+def crossing_hosts(spec: MeshSpec, host_of: list[str]) -> list[str]:
+    """What a user should know of the axes whose groups leave a host: the network carries
+    their collectives. Empty on one host."""
+    if len(set(host_of)) < 2:
+        return []
+    per_host = max(host_of.count(h) for h in set(host_of))
+    notes = []
+    for axis, hosts in hosts_spanned(spec, host_of).items():
+        if hosts < 2:
+            continue
+        size = getattr(spec, axis)
+        note = f"{axis}={size} spans {hosts} hosts: its collectives cross the network"
+        if axis in ("tp", "ep", "cp"):  # a collective in every layer: keep it on the host
+            note += (f", in every layer; {axis} <= {per_host} (ranks per host) keeps it on one"
+                     if size > per_host else
+                     f", in every layer; tp x {axis} = {spec.tp * size} > {per_host} ranks per "
+                     f"host: a smaller tp or {axis} keeps both on one")
+        notes.append(note)
+    return notes
+
+
 def axis_size(mesh: DeviceMesh, name: str) -> int:
     """The size of axis or view ``name`` on ``mesh``: 1 when the mesh does not have it (a
     run without tp has tp=1); a name that is neither an axis nor a view raises."""

@@ -164,8 +164,10 @@ def setup(
     debug: bool = False,
     threads: int | None = None,
     env: dict[str, str] | None = None,
+    interface: str | None = None,
 ) -> dict[str, Any]:
-    """Bootstrap one cluster rank; returns the names a %%mesh cell sees."""
+    """Bootstrap one cluster rank; returns the names a %%mesh cell sees. ``interface`` is the
+    one facing the other hosts: gloo binds there, unless the profile's env names another."""
     global _store, _state
     os.environ.update(env or {})
     os.environ.update(
@@ -175,6 +177,9 @@ def setup(
     if is_loopback(master_addr):
         # every rank is on this machine: keep gloo off the address the hostname resolves to
         os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    elif interface:
+        # gloo would bind what the hostname resolves to: loopback, or a public interface
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     if debug:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()  # torch read the variable when it was imported
@@ -302,12 +307,35 @@ def namespace() -> dict[str, Any]:
             "torch": torch, "dist": dist}
 
 
-def host_info() -> dict[str, Any]:
-    """Where this process runs: used to assign LOCAL_RANK and the rendezvous address."""
+def host_info(reach: str = "127.0.0.1") -> dict[str, Any]:
+    """Where this process runs: its host, and the address and interface it reaches ``reach``
+    (the controller) from, which is the network its peers share with it."""
+    address = route_to(reach)
     return {
         "host": socket.gethostname(),
+        "addr": address,
+        "iface": interface_of(address),
         "pid": os.getpid(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count() or 1,
     }
+
+
+def route_to(host: str) -> str:
+    """This machine's address on the route to ``host`` (the kernel picks it; nothing is
+    sent: connecting a UDP socket only looks the route up)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds ``address``, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None

@@ -21,7 +21,7 @@ start_timeout = 120
 
 # Fixtures that hand a test running engines, and markers whose tests start their own.
 ENGINE_FIXTURES = {"cluster", "shell", "_shared_cluster"}
-ENGINE_MARKERS = {"notebook", "browser", "slurm"}
+ENGINE_MARKERS = {"notebook", "browser", "slurm", "hosts"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

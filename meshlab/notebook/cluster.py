@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,11 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
     def world_size(self) -> int:
         return len(self._engines)
 
+    @property
+    def host_of(self) -> list[str]:
+        """Each rank's host, by rank."""
+        return [h["host"] for h in self._hosts]
+
     def describe(self) -> str:
         """One line: backend, devices, profile."""
         devices = sorted({"cuda" if h["gpus"] else "cpu" for h in self._hosts}) or ["?"]
@@ -150,9 +156,20 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         return self.start()
 
     def _bootstrap(self, loopback: bool) -> None:
-        hosts = self._apply_each(runtime.host_info)
-        self._hosts = [hosts[r] for r in range(self.world_size)]
-        master = "127.0.0.1" if loopback else self._hosts[0]["host"]  # rank 0 serves the store
+        reach = self.profile.controller_ip
+        hosts = self._apply_each(runtime.host_info, lambda r: {"reach": reach})
+        # ranks fill one host before the next, hosts in the profile's order (else as their
+        # engines registered): the innermost mesh axis, tp, then stays on one host
+        named = {h: i for i, h in enumerate(self.profile.hosts)}
+        first: dict[str, int] = {}
+        for r in range(self.world_size):
+            first.setdefault(hosts[r]["host"], r)
+        order = sorted(range(self.world_size), key=lambda r: (
+            named.get(hosts[r]["host"], len(named)), first[hosts[r]["host"]], r))
+        self._engines = [self._engines[r] for r in order]
+        self._hosts = [hosts[r] for r in order]
+        # rank 0 serves the store, on its address facing the others
+        master = "127.0.0.1" if loopback else self._hosts[0]["addr"]
         port = self._client[self._engines[0]].apply_sync(
             runtime.serve_store, master, self.profile.pg_timeout)
         per_host: dict[str, list[int]] = {}
@@ -168,6 +185,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
                 master_addr=master, master_port=port, backend=self.backend,
                 timeout=self.profile.pg_timeout, debug=self.debug, threads=threads,
                 env=self.profile.env, cwd=os.getcwd(), cells=self.cell_channel.address,
+                interface=host["iface"],
             )
 
         self._apply_each(on_ranks.setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
@@ -368,10 +386,21 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
     def dead(self) -> dict[int, str]:
         """Ranks whose process has ended, with how: ``{2: "killed by SIGKILL"}``."""
         codes = self._processes.exit_codes() if self._hosts else {}
+        here = socket.gethostname()  # pids are this machine's: a remote rank's may coincide
         for r, h in enumerate(self._hosts):
-            if r not in self._dead and (codes.get(h["pid"]) is not None
+            if r not in self._dead and ((h["host"] == here and codes.get(h["pid"]) is not None)
                                         or self._engines[r] not in self._client.ids):
-                self._dead[r] = self._processes.cause_of_death(h["pid"])
+                self._dead[r] = self._processes.cause_of_death(h["pid"]) if h["host"] == here \
+                    else self._silent_host(h["host"])
         return dict(self._dead)
+
+    def _silent_host(self, host: str) -> str:
+        """Why a rank on another host is gone: the controller stopped hearing its engine
+        (its heartbeats), alone or with every rank of that host."""
+        on_host = [r for r, h in enumerate(self._hosts) if h["host"] == host]
+        if all(self._engines[r] not in self._client.ids for r in on_host):
+            return (f"its host {host} stopped answering: no heartbeat from any of its "
+                    f"{len(on_host)} ranks (a network link, or the machine)")
+        return f"its engine on {host} stopped responding"
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,6 +24,8 @@ from meshlab.notebook.profiles import Profile
 # The hub counts an engine once it answers a heartbeat, within two periods: ipyparallel's
 # 3 s made every start wait 3-6 s for it; at 200 ms loaded engines never answered in time.
 CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=1000"]
+SLURM_TRAITS = {"queue": "partition", "account": "account", "qos": "qos",
+                "timelimit": "time"}  # [launcher] keys -> the sbatch options they mean
 SHUTDOWN_WAIT = 10.0  # seconds engines get to leave cleanly before the launcher stops them
 _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was started from
 
@@ -72,7 +76,8 @@ def start(profile: Profile, n: int, progress: StartProgress
     cluster = ipp.Cluster(n=n, engines=profile.launcher, log_level=logging.ERROR,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     processes = EngineProcesses(cluster)
-    for key, value in profile.launcher_options.items():
+    for key, value in launcher_traits(profile, n, cluster.cluster_id,
+                                      cluster.profile_dir).items():
         setattr(cluster.config[cluster.engine_launcher_class.__name__], key, value)
     client = None
     try:
@@ -92,6 +97,49 @@ def start(profile: Profile, n: int, progress: StartProgress
     return cluster, client, processes
 
 
+def launcher_traits(profile: Profile, n: int, cluster_id: str = "",
+                    profile_dir: str = "") -> dict[str, Any]:
+    """The engine launcher's traits: where the profile's hosts put ``n`` ranks, then the
+    profile's own [launcher] table (its lists extend meshlab's, its other values win)."""
+    per_host = profile.per_host(n)
+    traits: dict[str, Any] = {}
+    if profile.launcher == "ssh":
+        # the same interpreter on every host, as on a cluster with a shared software tree;
+        # ipyparallel's default `python3` is the system's, without meshlab
+        traits = {"engines": {host: per_host for host in profile.hosts},
+                  "remote_python": sys.executable}
+    elif profile.launcher == "mpi":
+        # mpiexec does not pass ipyparallel's IPP_* environment to other hosts (Open MPI
+        # needs -x, MPICH does it): the engines are told their cluster on the command line
+        traits = {"mpi_args": ["--host", ",".join(f"{h}:{per_host}" for h in profile.hosts)],
+                  "engine_cmd": [sys.executable, "-m", "meshlab.notebook.mpi_engine"],
+                  "engine_args": [f"--cluster-id={cluster_id}", f"--profile-dir={profile_dir}"]}
+    elif profile.launcher == "slurm":
+        traits = {"batch_template": slurm_engine_script(profile, per_host)}
+    for key, value in profile.launcher_options.items():
+        if isinstance(value, list) and isinstance(traits.get(key), list):
+            traits[key] = traits[key] + value
+        elif profile.launcher != "slurm" or key not in ("options", *SLURM_TRAITS):
+            traits[key] = value  # (slurm's are in its script)
+    return traits
+
+
+def slurm_engine_script(profile: Profile, per_host: int) -> str:
+    """ipyparallel's engine job script, with the profile's nodes and its [launcher] queue,
+    account, qos, timelimit and ``options`` as #SBATCH lines. ipyparallel adds the first
+    four only to its own template, and ``options`` to none: they were silently dropped."""
+    given = profile.launcher_options
+    options = ([f"--nodes={len(profile.hosts)}", f"--ntasks-per-node={per_host}",
+                f"--nodelist={','.join(profile.hosts)}"] if profile.hosts else [])
+    options += [f"--{flag}={given[key]}" for key, flag in SLURM_TRAITS.items() if given.get(key)]
+    options += shlex.split(str(given.get("options", "")))
+    return "\n".join(["#!/bin/sh", "#SBATCH --export=ALL",
+                      "#SBATCH --job-name=ipengine-{cluster_id}", "#SBATCH --ntasks={n}",
+                      "#SBATCH --output={output_file}",
+                      *(f"#SBATCH {o}".replace("{", "{{").replace("}", "}}") for o in options),
+                      "srun {program_and_args}", ""])
+
+
 def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
     """Shut ``engines`` down cleanly, then stop the controller and whatever is left."""
     if client is not None:
@@ -108,7 +156,8 @@ def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
         client.close()
     if cluster is not None:
         try:
-            cluster.stop_cluster_sync()
+            with _stderr_to_log(cluster.engine_launcher_class.__name__.startswith("SSH")):
+                cluster.stop_cluster_sync()
         except Exception as e:  # a half-started cluster: nothing more to stop
             logging.getLogger("meshlab").debug("stop: %r", e)
         watchdog.release(cluster)
@@ -140,6 +189,28 @@ def _wait_for_engines(client: Any, processes: EngineProcesses, n: int, timeout: 
             raise ClusterError(f"{why}. Engine log tail:\n{processes.log_tail()}")
         time.sleep(0.1)
     progress.registered(n)
+
+
+@contextlib.contextmanager
+def _stderr_to_log(active: bool) -> Iterator[None]:
+    """While active, what child processes write to stderr goes to meshlab's debug log: the
+    SSH launcher kills each engine over ssh even when it has left, and the remote side
+    prints a traceback for the missing process, which a notebook would show."""
+    if not active:
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        saved = os.dup(2)
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            text = caught.read().decode(errors="replace").strip()
+            if text:
+                logging.getLogger("meshlab").debug("stopping the engines: %s", text)
 
 
 @contextlib.contextmanager

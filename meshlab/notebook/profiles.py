@@ -43,6 +43,11 @@ class Profile:
     allow_all_interfaces: bool = False
     """Let ``controller_ip`` be a wildcard ("*", "0.0.0.0", "::"): off unless written out,
     since every host that can reach the machine could then knock on the controller."""
+    hosts: list[str] = field(default_factory=list)
+    """Machines the engines start on: required by the ssh and mpi launchers, a node list for
+    slurm. Ranks fill one host before the next, so ``tp`` (the innermost axis) stays on one."""
+    ranks_per_host: int | None = None
+    """Ranks on each host (one per GPU); None: the ranks asked for, split evenly."""
     launcher_options: dict[str, Any] = field(default_factory=dict)
     """Traits for the ipyparallel engine launcher class, e.g. {"timelimit": "1:00:00"}."""
 
@@ -66,6 +71,50 @@ class Profile:
         for key in ("pg_timeout", "start_timeout"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be > 0 seconds")
+        self._check_hosts()
+
+    def _check_hosts(self) -> None:
+        where = f"profile {self.name!r}"
+        if self.launcher in ("ssh", "mpi") and not self.hosts:
+            raise ValueError(f"{where}: the {self.launcher} launcher needs the machines to start "
+                             "engines on: add hosts = [\"node1\", \"node2\"] to [cluster]")
+        if self.launcher == "local" and self.hosts:
+            raise ValueError(f"{where}: the local launcher starts every rank on this machine; "
+                             f"hosts = {self.hosts} needs launcher = \"ssh\", \"mpi\" or "
+                             "\"slurm\"")
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"{where}: hosts = {self.hosts} names a host twice; give each once "
+                             "and set ranks_per_host")
+        if self.ranks_per_host is not None:
+            if self.ranks_per_host < 1:
+                raise ValueError(f"{where}: ranks_per_host must be >= 1, got "
+                                 f"{self.ranks_per_host}")
+            if not self.hosts:
+                raise ValueError(f"{where}: ranks_per_host needs hosts = [...] to say which "
+                                 "machines")
+            if self.ranks is None:
+                self.ranks = len(self.hosts) * self.ranks_per_host
+        remote = [h for h in self.hosts if not is_loopback_host(h)]
+        if remote and is_loopback_host(self.controller_ip):
+            raise ValueError(f"{where}: controller_ip {self.controller_ip!r} is loopback, which "
+                             f"engines on {remote[0]} cannot reach: set controller_ip to this "
+                             "machine's address on the network the hosts share")
+
+    def per_host(self, n: int) -> int:
+        """Ranks on each host when ``n`` ranks start; ValueError names a count that does not
+        split evenly over the hosts."""
+        if not self.hosts:
+            return n
+        if self.ranks_per_host is not None and n != self.ranks_per_host * len(self.hosts):
+            raise ValueError(
+                f"profile {self.name!r}: {n} ranks, but {len(self.hosts)} hosts x "
+                f"ranks_per_host={self.ranks_per_host} make "
+                f"{self.ranks_per_host * len(self.hosts)}: start that many (or no count)")
+        if n % len(self.hosts):
+            raise ValueError(
+                f"profile {self.name!r}: {n} ranks do not split evenly over {len(self.hosts)} "
+                f"hosts ({', '.join(self.hosts)}): start a multiple of {len(self.hosts)}")
+        return n // len(self.hosts)
 
 
 def _is_wildcard(address: str) -> bool:
@@ -76,6 +125,16 @@ def _is_wildcard(address: str) -> bool:
         return ipaddress.ip_address(address.strip("[] ")).is_unspecified
     except ValueError:
         return False  # a host name
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback."""
+    if host.strip() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[] ")).is_loopback
+    except ValueError:
+        return False
 
 
 def available() -> dict[str, Path]:
@@ -115,7 +174,7 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
         )
     cluster = dict(data.get("cluster", {}))
     known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug",
-             "controller_ip", "allow_all_interfaces"}
+             "controller_ip", "allow_all_interfaces", "hosts", "ranks_per_host"}
     unknown = set(cluster) - known
     if unknown:
         raise ValueError(
@@ -124,6 +183,9 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
         )
     if cluster.get("ranks") == "auto":
         cluster["ranks"] = None
+    if not isinstance(cluster.get("hosts", []), list):
+        raise ValueError(f"profile {name!r}: hosts must be a list of names, e.g. "
+                         f"hosts = [\"node1\", \"node2\"], got {cluster['hosts']!r}")
     if not cluster.get("cell_timeout"):
         cluster["cell_timeout"] = None
     env = {str(k): str(v) for k, v in data.get("env", {}).items()}

@@ -174,6 +174,10 @@ class Session:
                                "world size)")
         return cluster.mesh_spec
 
+    def hosts(self) -> list[str]:
+        """Each rank's host, by rank."""
+        return self.need_cluster().host_of
+
     def push(self, values: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
         """Copy values to the ranks' namespaces (and into the journal, as literals)."""
         cluster = self.need_cluster()
@@ -318,12 +322,17 @@ class Session:
     def plan(self, model: Any, *, gpus: int | None = None, **options: Any) -> Plan:
         """Memory, communication and step time of ``model`` on ``gpus`` GPUs (default: this
         cluster's ranks); options as meshlab.plan.report.plan takes them."""
+        from meshlab.plan.hardware import with_nodes_of
         from meshlab.plan.report import plan
 
-        gpus = gpus or (self.cluster.world_size if self.running and self.cluster else None)
+        live = self.cluster if self.running and self.cluster and not gpus else None
+        gpus = gpus or (live.world_size if live else None)
         if gpus is None:
             raise SessionError("how many GPUs? pass --gpus N (or start a cluster to plan for "
                                "it)")
+        if live is not None:  # this cluster's nodes: as many GPUs on one as it has ranks there
+            options["hardware_profile"] = with_nodes_of(
+                options.get("hardware_profile") or "h100-sxm", live.host_of)
         return plan(model, gpus=gpus, **options)
 
     def export(self, path: str | Path, *, sbatch: bool = False, nodes: int = 1,

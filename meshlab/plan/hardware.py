@@ -9,7 +9,7 @@ nccl-tests calls busBw: one rank's share of a ring), not the marketing bidirecti
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,16 @@ def hardware(name_or_path: str | Path | Hardware) -> Hardware:
         return load(path)
     raise ValueError(f"unknown hardware {name_or_path!r}: choose one of "
                      f"{', '.join(HARDWARE)} or give a .toml file (%mesh calibrate writes one)")
+
+
+def with_nodes_of(name_or_path: str | Path | Hardware, host_of: list[str]) -> Hardware:
+    """A profile whose nodes hold as many GPUs as a live cluster's hosts hold ranks."""
+    hw = hardware(name_or_path)
+    per_node = max(host_of.count(h) for h in set(host_of))
+    if per_node == hw.gpus_per_node:
+        return hw
+    return replace(hw, name=f"{hw.name}, {per_node}/node as this cluster",
+                   gpus_per_node=per_node)
 
 
 def load(path: str | Path) -> Hardware:

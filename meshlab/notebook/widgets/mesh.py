@@ -13,19 +13,24 @@ from meshlab.notebook.ranks import format_ranks
 _PALETTE = ["#e8f1fb", "#fdf1e3", "#eaf7ea", "#f6e9f7", "#fbf8dd", "#e6f6f7", "#f9e6e6"]
 
 
-def group_table(spec: MeshSpec) -> pd.DataFrame:
-    """One row per axis or view: its size, how many groups, and each group's ranks."""
+def group_table(spec: MeshSpec, host_of: list[str] | None = None) -> pd.DataFrame:
+    """One row per axis or view: its size, how many groups, and each group's ranks; on
+    several hosts, how many hosts a group spans."""
     dims = spec.mesh_axes()
+    several = host_of is not None and len(set(host_of)) > 1
     rows = []
     for name, groups in spec.groups().items():
         spans = spec.views().get(name, (name,))
-        rows.append({
+        row = {
             "axis": name,
             "size": len(groups[0]),
             "spans": " x ".join(spans) if name not in dims else "",
             "groups": len(groups),
             "ranks": "  ".join(f"[{format_ranks(g)}]" for g in groups),
-        })
+        }
+        if several and host_of is not None:
+            row["hosts"] = max(len({host_of[r] for r in g}) for g in groups)
+        rows.append(row)
     return pd.DataFrame(rows).set_index("axis")
 
 
