@@ -2,7 +2,7 @@
 # Bring up a real single-node Slurm cluster on this machine (loopback only), idempotently.
 #
 #   .ci/slurm-up.sh          # install if needed, (re)write config, start munged/slurmctld/slurmd
-#   .ci/slurm-up.sh --down   # stop slurmd, slurmctld and munged
+#   .ci/slurm-up.sh --down   # stop slurmd (every one), slurmctld and munged
 #
 # Safe to run twice: when the daemons are already running with the same config it only
 # checks `sinfo` and exits. No systemd needed; works in containers without cgroups
@@ -10,6 +10,14 @@
 #
 # Env knobs: SLURM_UP_CPUS (CPUs declared for the node; default max(nproc, 8) so small
 # CI machines can run e.g. 4 single-CPU tasks on 2 cores), SLURM_UP_TIMEOUT (s, default 60).
+#
+# Multi-host (.ci/hosts-up.sh sets these; unset, the cluster is exactly the single-node one):
+#   SLURM_UP_NODES="node1=10.231.0.11 node2=10.231.0.12"   more nodes, in a non-default
+#       partition `hosts` (`debug` with this machine's node stays the default). Their slurmd
+#       are not started here: hosts-up.sh starts each inside its host (`slurmd -N node1`).
+#   SLURM_UP_CTLD_ADDR=10.231.0.1   where slurmctld is reached (default 127.0.0.1, which
+#       the other hosts cannot reach).
+# Running this again without them puts the single-node cluster back.
 set -euo pipefail
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -25,6 +33,16 @@ CTLD_PID=/run/slurmctld.pid
 SLURMD_PID=/run/slurmd.pid
 TIMEOUT=${SLURM_UP_TIMEOUT:-60}
 NODE=$(hostname -s)
+EXTRA_NODES=${SLURM_UP_NODES:-}
+CTLD_ADDR=${SLURM_UP_CTLD_ADDR:-127.0.0.1}
+SLURMD_LOG=$LOG_DIR/slurmd.log
+SPOOL_CONF=$SLURMD_SPOOL PID_CONF=$SLURMD_PID LOG_CONF=$SLURMD_LOG
+if [ -n "$EXTRA_NODES" ]; then
+  # Several slurmd on one filesystem: each expands %n to its own node name.
+  SPOOL_CONF=$SLURMD_SPOOL/%n PID_CONF=/run/slurmd-%n.pid LOG_CONF=$LOG_DIR/slurmd-%n.log
+  SLURMD_PID=/run/slurmd-${NODE}.pid
+  SLURMD_LOG=$LOG_DIR/slurmd-${NODE}.log
+fi
 
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -38,8 +56,13 @@ stop_pidfile() {  # stop the daemon whose pid is in $1 (only that pid), wait up 
   rm -f "$1"
 }
 
+stop_slurmds() {  # this machine's slurmd, and those of the test hosts (.ci/hosts-up.sh), if any
+  local f
+  for f in /run/slurmd.pid /run/slurmd-*.pid; do stop_pidfile "$f"; done
+}
+
 if [ "${1:-}" = "--down" ]; then
-  stop_pidfile "$SLURMD_PID"
+  stop_slurmds
   stop_pidfile "$CTLD_PID"
   stop_pidfile /run/munge/munged.pid
   echo "slurm down"
@@ -85,12 +108,30 @@ CPUS=${SLURM_UP_CPUS:-$(( NPROC > 8 ? NPROC : 8 ))}
 MEM_MB=$(awk '/^MemTotal:/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
 install -d -m 0755 "$CONF_DIR" "$LOG_DIR" "$CTLD_SPOOL" "$SLURMD_SPOOL"
 
+HEADER="single-node test cluster on loopback"
+EXTRA_NODE_LINES="" EXTRA_PARTITION=""
+if [ -n "$EXTRA_NODES" ]; then
+  HEADER="this machine's node plus the test hosts' (.ci/hosts-up.sh)"
+  names=""
+  for entry in $EXTRA_NODES; do
+    name=${entry%%=*} addr=${entry#*=}
+    if [ -z "$name" ] || [ -z "$addr" ] || [ "$name" = "$entry" ]; then
+      echo "slurm-up: SLURM_UP_NODES wants name=address entries, got '$entry'" >&2; exit 1
+    fi
+    install -d -m 0755 "$SLURMD_SPOOL/$name"
+    EXTRA_NODE_LINES+="NodeName=${name} NodeAddr=${addr} NodeHostname=${name} CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN"$'\n'
+    names+=${names:+,}$name
+  done
+  install -d -m 0755 "$SLURMD_SPOOL/$NODE"
+  EXTRA_PARTITION="PartitionName=hosts Nodes=${names} MaxTime=INFINITE State=UP"$'\n'
+fi
+
 NEW_CONF=$(mktemp)
 trap 'rm -f "$NEW_CONF"' EXIT
 cat >"$NEW_CONF" <<EOF
-# Written by .ci/slurm-up.sh: single-node test cluster on loopback. Do not edit by hand.
+# Written by .ci/slurm-up.sh: ${HEADER}. Do not edit by hand.
 ClusterName=meshlab
-SlurmctldHost=${NODE}(127.0.0.1)
+SlurmctldHost=${NODE}(${CTLD_ADDR})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -98,11 +139,11 @@ CredType=cred/munge
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=${CTLD_SPOOL}
-SlurmdSpoolDir=${SLURMD_SPOOL}
+SlurmdSpoolDir=${SPOOL_CONF}
 SlurmctldPidFile=${CTLD_PID}
-SlurmdPidFile=${SLURMD_PID}
+SlurmdPidFile=${PID_CONF}
 SlurmctldLogFile=${LOG_DIR}/slurmctld.log
-SlurmdLogFile=${LOG_DIR}/slurmd.log
+SlurmdLogFile=${LOG_CONF}
 # No cgroups in containers: track processes via /proc, no task binding.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -122,8 +163,9 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=60
 NodeName=${NODE} NodeAddr=127.0.0.1 NodeHostname=${NODE} CPUs=${CPUS} RealMemory=${MEM_MB} State=UNKNOWN
-PartitionName=debug Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP
+${EXTRA_NODE_LINES}PartitionName=debug Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP
 EOF
+printf '%s' "$EXTRA_PARTITION" >>"$NEW_CONF"
 
 CHANGED=0
 if ! cmp -s "$NEW_CONF" "$CONF"; then
@@ -133,7 +175,7 @@ fi
 
 # --- 4. daemons -----------------------------------------------------------------------------
 if [ "$CHANGED" = 1 ]; then  # config changed: restart whatever runs with the old one
-  stop_pidfile "$SLURMD_PID"
+  stop_slurmds  # the test hosts' too: hosts-up.sh starts them again
   stop_pidfile "$CTLD_PID"
 fi
 alive "$CTLD_PID" || slurmctld
@@ -142,7 +184,7 @@ alive "$SLURMD_PID" || slurmd
 # --- 5. wait for the node -------------------------------------------------------------------
 fail() {
   echo "slurm-up: $*" >&2
-  for f in "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log"; do
+  for f in "$LOG_DIR/slurmctld.log" "$SLURMD_LOG"; do
     echo "--- tail $f" >&2; tail -n 40 "$f" >&2 || true
   done
   exit 1
@@ -162,4 +204,8 @@ while :; do
   sleep 0.5
 done
 
-echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}"
+if [ -n "$EXTRA_NODES" ]; then
+  echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}; partition hosts: ${names} (their slurmd: .ci/hosts-up.sh); slurmctld at ${CTLD_ADDR}"
+else
+  echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}"
+fi

@@ -1,0 +1,325 @@
+"""Multi-host clusters for real: 2 hosts x 2 ranks through the ssh, mpi and slurm profiles.
+
+The hosts are the network namespaces `.ci/hosts-up.sh` makes (CI runs it): node1 and node2,
+each with its own hostname and address on a bridge to this machine (10.231.0.1, the "login
+node" where the notebook and the controller run), with sshd, Open MPI and a slurmd of a
+two-node Slurm partition `hosts`. Nothing is routed beyond the bridge. When the hosts are
+not there the tests fail and say so: they do not skip.
+"""
+
+from __future__ import annotations
+
+import ast
+import ipaddress
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from meshlab import Cluster
+from meshlab.mesh import MeshSpec, crossing_hosts
+from meshlab.notebook import profiles
+from meshlab.notebook.calibrate import calibrate_profile
+from meshlab.notebook.session import Session
+
+pytestmark = [pytest.mark.hosts, pytest.mark.cluster]
+
+HOSTS = ["node1", "node2"]
+ADDRESS = {"node1": "10.231.0.11", "node2": "10.231.0.12"}
+LOGIN = "10.231.0.1"  # this machine on the hosts' bridge: the controller listens here
+STATE = Path("/var/lib/meshlab-hosts")  # the test hosts' keys, ssh_config, mpirun options
+SSH = ["ssh", "-F", str(STATE / "ssh_config")]
+
+# what the test hosts need beside the built-in profiles: their ssh client settings, Open
+# MPI kept on the bridge (this machine has other interfaces), Slurm's two-node partition
+EXTRA = {
+    "ssh": f'ssh_args = ["-F", "{STATE}/ssh_config"]\nscp_args = ["-F", "{STATE}/ssh_config"]\n',
+    "mpi": "mpi_args = {mpi_args}\n",
+    "slurm": 'queue = "hosts"\n',
+}
+
+
+def host_pid(host: str) -> int:
+    """The process holding ``host``'s namespaces (.ci/hosts-up.sh records it)."""
+    return int(Path(f"/run/meshlab-hosts/{host}.pid").read_text())
+
+
+@pytest.fixture(scope="module")
+def test_hosts() -> list[str]:
+    for host in HOSTS:
+        done = subprocess.run([*SSH, host, "hostname"], capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode or done.stdout.strip() != host:
+            pytest.fail(f"test host {host} does not answer ssh ({done.stderr.strip()}): run "
+                        ".ci/hosts-up.sh (as root), which makes the namespaces node1, node2 "
+                        "with sshd, Open MPI and slurmd")
+    return HOSTS
+
+
+def profile_file(launcher: str, folder: Path) -> Path:
+    """The built-in profile, on the test hosts."""
+    text = profiles.available()[launcher].read_text()
+    extra = EXTRA[launcher]
+    if launcher == "mpi":
+        extra = extra.format(mpi_args=(STATE / "mpi_args.toml").read_text().strip())
+    if launcher == "slurm":
+        text = text.replace('ranks = 4', 'hosts = ["node1", "node2"]\nranks_per_host = 2')
+        text = text.replace('controller_ip = "127.0.0.1"', f'controller_ip = "{LOGIN}"')
+    path = folder / f"{launcher}.toml"
+    path.write_text(text.replace("[launcher]\n", "[launcher]\n" + extra))
+    return path
+
+
+@pytest.fixture(scope="module", params=["ssh", "mpi", "slurm"])
+def hosts_cluster(request: pytest.FixtureRequest, test_hosts: list[str],
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A 2 x 2 cluster on the test hosts through one profile."""
+    launcher = request.param
+    folder = tmp_path_factory.mktemp(launcher)
+    with pytest.MonkeyPatch.context() as env:
+        # Open MPI refuses root unless told; CI runs as root
+        env.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        cluster = Cluster(profile=profile_file(launcher, folder))
+        cluster.start(progress=False)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+RANK_FACTS = """
+import os, socket
+socket.gethostname(), os.environ["MASTER_ADDR"], os.environ["GLOO_SOCKET_IFNAME"]
+"""
+
+
+def test_ranks_fill_one_host_then_the_next(hosts_cluster: Cluster) -> None:
+    result = hosts_cluster.run(RANK_FACTS, keep_values=True)
+    facts = [result.values[r] for r in range(4)]
+    assert [f[0] for f in facts] == ["node1", "node1", "node2", "node2"], facts
+    # rank 0's store, on the address node1 reaches the controller from; gloo on that link
+    assert {f[1] for f in facts} == {ADDRESS["node1"]}, facts
+    assert {f[2] for f in facts} == {"eth0"}, facts
+    status = hosts_cluster.status()
+    assert list(status["host"]) == ["node1", "node1", "node2", "node2"]
+    assert status["alive"].all()
+
+
+TRAIN_CHECK = """
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.verify import compare_with_single_process
+x = torch.ones(1) * (rank + 1)
+dist.all_reduce(x)
+result = compare_with_single_process(ModelConfig(), mesh, ParallelPlan(
+    data_parallel="zero3", sequence_parallel=True), steps=3)
+x.item(), result.ok, result.max_loss_error, result.max_param_error
+"""
+
+
+def test_tp_stays_on_a_host_and_training_across_hosts_matches_one_process(
+        hosts_cluster: Cluster) -> None:
+    spec = hosts_cluster.init_mesh("dp=2 tp=2")
+    # tp's groups are [0, 1] and [2, 3]: each on one host; dp crosses, and is said to
+    assert crossing_hosts(spec, hosts_cluster.host_of) == [
+        "dp_shard=2 spans 2 hosts: its collectives cross the network"]
+    result = hosts_cluster.run(TRAIN_CHECK, keep_values=True, timeout=300)
+    for r in range(4):
+        reduced, ok, loss_error, param_error = result.values[r]
+        assert reduced == 10.0  # 1 + 2 + 3 + 4, from both hosts
+        # fp32 within meshlab.parallel.verify's tolerances (loss 1e-5, parameters 2e-4)
+        assert ok, (r, loss_error, param_error)
+
+
+def test_an_axis_across_hosts_is_named() -> None:
+    host_of = ["node1", "node1", "node2", "node2"]
+    notes = crossing_hosts(MeshSpec.parse("tp=4"), host_of)
+    assert notes == ["tp=4 spans 2 hosts: its collectives cross the network, in every layer; "
+                     "tp <= 2 (ranks per host) keeps it on one"]
+    assert crossing_hosts(MeshSpec.parse("dp=2 tp=2"), ["a"] * 4) == []
+
+
+# one profile is enough: the links are the hosts', not the launcher's
+@pytest.mark.parametrize("hosts_cluster", ["mpi"], indirect=True)
+def test_calibration_fits_the_links_inside_and_between_hosts_and_the_plan_takes_the_nodes(
+        hosts_cluster: Cluster, tmp_path: Path) -> None:
+    hosts_cluster.init_mesh("dp=2 tp=2")
+    report = calibrate_profile(hosts_cluster, tmp_path / "two-hosts.toml", quick=True)
+    c = report.calibration
+    assert c.hosts == {"node1": [0, 1], "node2": [2, 3]}
+    # tp's groups stay on a host; the widest group that spans both hosts fits the other link
+    assert c.intra_axis == "tp" and c.inter_axis in ("dp_shard", "world"), c.inter_axis
+    crossing = c.fit(str(c.inter_axis), "all_reduce")
+    assert all({r // 2 for r in g} == {0, 1} for g in crossing.groups), crossing.groups
+    hw = report.hardware
+    assert hw.gpus_per_node == 2
+    assert hw.intra == c.fit("tp", "all_reduce").link()
+    assert hw.inter == crossing.link() and hw.inter != hw.intra
+    session = Session()
+    session.cluster = hosts_cluster  # a session over this live cluster, for %mesh plan
+    planned = session.plan("llama3-8b", layout="dp=2 tp=2 zero=1")
+    assert planned.hardware.gpus_per_node == 2, planned.hardware.name
+
+
+# -- security off loopback ---------------------------------------------------------------
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """Addresses ``pid`` listens on, read in its own network namespace (psutil reads the
+    caller's): TCP sockets in LISTEN state whose inode the process holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = str(fd.readlink()) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(decode_address(fields[1]))
+    return found
+
+
+def decode_address(text: str) -> tuple[str, int]:
+    """/proc/net/tcp's ``0100007F:1F90`` -> ("127.0.0.1", 8080)."""
+    address, port = text.split(":")
+    raw = bytes.fromhex(address)
+    if len(raw) == 4:
+        ip = ".".join(str(b) for b in reversed(raw))
+    else:  # four little-endian 32-bit words
+        words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+        ip = str(ipaddress.IPv6Address(b"".join(words)))
+    return ip, int(port, 16)
+
+
+def test_nothing_listens_where_the_profile_did_not_say(hosts_cluster: Cluster) -> None:
+    hosts_cluster.run("dist.all_reduce(torch.ones(1))")  # gloo has connected every pair
+    controller = psutil.Process(hosts_cluster._ipp.controller.process.pid)
+    seen: dict[str, set[tuple[str, int]]] = {}
+    for process in [controller, *controller.children(recursive=True)]:
+        seen[f"controller pid {process.pid}"] = listening_sockets(process.pid)
+    seen["notebook"] = listening_sockets(psutil.Process().pid)
+    for r, h in enumerate(hosts_cluster._hosts):
+        seen[f"rank {r} on {h['host']}"] = listening_sockets(h["pid"])
+    # the profile names the login node's address; each host's own is where its ranks reach
+    # the login node from. Loopback reaches only the same host: ipyparallel's processes
+    # talk to their helpers there
+    allowed = {"controller": LOGIN, "notebook": LOGIN}
+    wrong = [f"{who} listens on {ip}:{port}"
+             for who, sockets in seen.items() for ip, port in sockets
+             if ip != allowed.get(who.split()[0], ADDRESS.get(who.split()[-1], ""))
+             and not ipaddress.ip_address(ip).is_loopback]
+    assert not wrong, "\n".join(wrong)
+    # not vacuous: the store on rank 0, gloo on every rank, the controller, the cell channel
+    assert all({ip for ip, _ in seen[f"rank {r} on {h}"]} >= {ADDRESS[h]}
+               for r, h in enumerate(hosts_cluster.host_of)), seen
+    assert any(LOGIN in {ip for ip, _ in seen[k]} for k in seen if k.startswith("controller"))
+    assert LOGIN in {ip for ip, _ in seen["notebook"]}
+
+
+def test_the_connection_key_is_in_no_command_line(hosts_cluster: Cluster) -> None:
+    key = hosts_cluster._client.session.key.decode()
+    assert len(key) >= 16
+    carrying = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if key in " ".join(process.info["cmdline"] or []):
+            carrying.append(f"{process.pid}: {' '.join(process.info['cmdline'])[:200]}")
+    assert not carrying, "\n".join(carrying)
+
+
+# -- a host that goes away ---------------------------------------------------------------
+
+
+def set_link(host: str, state: str) -> None:
+    """``ip link set eth0 up|down`` inside ``host``: its cable, pulled or put back."""
+    subprocess.run(["nsenter", "-t", str(host_pid(host)), "--net", "ip", "link", "set",
+                    "eth0", state], check=True, timeout=30)
+
+
+@pytest.mark.parametrize("launcher", ["ssh"])
+def test_a_host_whose_link_goes_down_is_reported_and_restart_brings_the_session_back(
+        launcher: str, test_hosts: list[str], tmp_path: Path) -> None:
+    session = Session()
+    session.start(profile=str(profile_file(launcher, tmp_path)), progress=False)
+    try:
+        session.init("dp=4")
+        session.run("w = torch.full((1,), float(rank))\ndist.all_reduce(w)")
+        set_link("node2", "down")
+        try:
+            deadline = time.monotonic() + 60  # a hang would fail here, not wait forever
+            while not session.cluster.dead() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            dead = session.cluster.dead()
+            assert sorted(dead) == [2, 3], dead
+            assert all("node2" in why for why in dead.values()), dead
+            with pytest.raises(Exception, match="rank 2 died"):
+                session.run("1")
+        finally:
+            set_link("node2", "up")
+        session.restart()
+        assert session.cluster.host_of == ["node1", "node1", "node2", "node2"]
+        # the replayed cells made w again on every rank, across both hosts
+        values = session.pull("w")
+        assert [float(values[r][0]) for r in range(4)] == [6.0] * 4
+    finally:
+        session.stop()
+
+
+# -- the exported job on two Slurm nodes ---------------------------------------------------
+
+TRAIN = """%%mesh
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.verify import data_rank, train
+
+torch.manual_seed(0)
+cfg = ModelConfig()
+plan = ParallelPlan(data_parallel="zero2")
+model = parallelize(Transformer(cfg), mesh, plan)
+optimizer = build_optimizer(model, mesh, plan, lr=0.01)
+dp_rank, dp_ranks = data_rank(mesh)
+batches = [local_batch(step=s, batch=8, seq=16, vocab=cfg.vocab_size, rank=dp_rank,
+                       ranks=dp_ranks) for s in range(3)]
+losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group())
+if rank == 0:
+    print("losses", losses)
+"""
+
+
+def test_the_exported_two_node_job_reproduces_the_notebooks_losses(
+        test_hosts: list[str], shell: Any, tmp_path: Path) -> None:
+    session = shell.magics_manager.registry["MeshMagics"].session
+    shared, journal = session.cluster, session.journal
+    session.cluster = None  # the shared local cluster steps aside, untouched
+    try:
+        profile = profile_file("slurm", tmp_path)
+        for cell in [f"%mesh start --profile {profile}", "%mesh init dp=4", TRAIN,
+                     f"%mesh export {tmp_path / 'train.py'} --sbatch --nodes 2"]:
+            assert shell.run_cell(cell, store_history=True).success, cell
+        interactive = shell.run_line_magic("mesh", "pull losses")[0]
+        shell.run_line_magic("mesh", "stop")
+    finally:
+        if session.cluster is not None:
+            session.cluster.stop()
+        session.cluster, session.journal = shared, journal
+    job = tmp_path / "job.sbatch"
+    assert "#SBATCH --nodes=2" in job.read_text()
+    done = subprocess.run(["sbatch", "--wait", "--parsable", "--partition", "hosts", str(job)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    job_id = done.stdout.strip().split(";")[0]
+    out = tmp_path / f"train-{job_id}.out"
+    log = out.read_text() if out.exists() else "(no output file)"
+    assert done.returncode == 0, f"sbatch: {done.stderr}\n{log[-4000:]}"
+    printed = [ast.literal_eval(line.removeprefix("losses ")) for line in log.splitlines()
+               if line.startswith("losses ")]
+    assert printed == [interactive], log[-4000:]
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                           text=True).stdout  # kept MinJobAge (60 s) after the job ends
+    assert re.search(r"\bNodeList=node\[1-2\]", shown), shown
