@@ -11,6 +11,8 @@ rank 0, interleaved (meshlab, torchrun, meshlab, ...) so drift hits both alike:
 
 $ python benchmarks/startup.py                  # 4 ranks, 3 rounds
 $ python benchmarks/startup.py --ranks 8 --rounds 5
+$ python benchmarks/startup.py --ranks 4 --profile two-hosts.toml   # meshlab on a profile's
+                                                                    # hosts; torchrun local
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ dist.destroy_process_group()
 """
 
 
-def meshlab_start(n: int) -> tuple[float, str]:
+def meshlab_start(n: int, profile: str = "local") -> tuple[float, str]:
     """Seconds from nothing to a finished all_reduce; the start's phases."""
     started = time.perf_counter()
-    cluster = Cluster(n).start(progress=False)
+    cluster = Cluster(n, profile=profile).start(progress=False)
     try:
         cluster.run("t = torch.ones(1)\ndist.all_reduce(t)")
         return time.perf_counter() - started, cluster.start_phases
@@ -65,17 +67,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", default="local",
+                        help="meshlab's cluster profile (a name or a .toml path)")
     args = parser.parse_args()
     times: dict[str, list[float]] = {"meshlab": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.rounds):
-            seconds, phases = meshlab_start(args.ranks)
+            seconds, phases = meshlab_start(args.ranks, args.profile)
             times["meshlab"].append(seconds)
             times["torchrun"].append(torchrun_start(args.ranks, Path(folder)))
             print(f"round {i + 1}: meshlab {seconds:.2f} s ({phases}), "
                   f"torchrun {times['torchrun'][-1]:.2f} s", flush=True)
     mesh, torchrun = (statistics.median(times[k]) for k in ("meshlab", "torchrun"))
-    print(f"{args.ranks} ranks to a finished all_reduce, median of {args.rounds}: "
+    print(f"{args.ranks} ranks ({args.profile}) to a finished all_reduce, median of "
+          f"{args.rounds}: "
           f"meshlab {mesh:.2f} s, torchrun {torchrun:.2f} s, ratio {mesh / torchrun:.2f}")
 
 
