@@ -96,7 +96,8 @@ class MeshMagics(Magics):
 
     def _init(self, args: Any) -> None:
         spec = self.session.init(" ".join(args.axes))
-        hosts = self.session.hosts()
+        cluster = self.session.cluster  # where the ranks are, for the table and notes
+        hosts = cluster.host_of if cluster is not None else []
         display(group_table(spec, hosts), MeshView(spec))
         for note in crossing_hosts(spec, hosts):
             print(note)

@@ -174,10 +174,6 @@ class Session:
                                "world size)")
         return cluster.mesh_spec
 
-    def hosts(self) -> list[str]:
-        """Each rank's host, by rank."""
-        return self.need_cluster().host_of
-
     def push(self, values: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
         """Copy values to the ranks' namespaces (and into the journal, as literals)."""
         cluster = self.need_cluster()
