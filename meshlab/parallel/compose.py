@@ -68,6 +68,10 @@ class ParallelPlan:
     context_parallel: str = "auto"
     """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
     CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step, gradients reduced over dp once, in the last
+    (meshlab.parallel.accumulate): k micro-steps on 1/k of the batch each equal one step on
+    it, with the memory of the smaller one."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -83,6 +87,9 @@ class ParallelPlan:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
         if self.virtual < 1:
             raise ValueError(f"virtual={self.virtual} must be >= 1 (stages per rank)")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum!r} must be an integer >= 1 "
+                             "(micro-steps per optimizer step)")
         if isinstance(self.pipeline_schedule, Schedule):
             self._check_own_schedule(self.pipeline_schedule)
         else:
@@ -123,6 +130,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
         raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
                          "all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
+    if axis_size(mesh, "pp") > 1 and plan.grad_accum > 1:
+        raise ValueError(f"grad_accum={plan.grad_accum} with pp={axis_size(mesh, 'pp')}: the "
+                         "pipeline already accumulates over its micro-batches; raise "
+                         f"microbatches instead (microbatches={plan.microbatches * plan.grad_accum}"
+                         ", grad_accum=1)")
     if axis_size(mesh, "cp") > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
         raise ValueError(f"data_parallel='none' with cp={axis_size(mesh, 'cp')}: each cp rank "
                          "computes gradients from its slice of the sequence, and they must be "

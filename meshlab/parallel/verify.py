@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
+from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
 
 if TYPE_CHECKING:
@@ -92,21 +93,24 @@ def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
           average_over: Any | None = None,
           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-          loss: LossFn = next_token_loss) -> list[float]:
+          loss: LossFn = next_token_loss, grad_accum: int = 1) -> list[float]:
     """Training steps; each returns its loss averaged over ``average_over`` (a process group).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
     through the model's pipeline (a model ``parallelize`` split over a pp axis), or
-    ``loss(model, (inputs, targets))`` then backward.
+    ``loss(model, (inputs, targets))`` then backward, in ``grad_accum`` micro-steps.
     """
     pipeline = getattr(model, "pipeline", None)
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if pipeline is not None:  # every pp rank gets the step's mean loss
             return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64)
-        value = loss(model, (inputs, targets))
-        value.backward()
-        return value
+        total = torch.zeros((), dtype=torch.float64)
+        for micro_inputs, micro_targets in micro_batches(model, (inputs, targets), grad_accum):
+            value = loss(model, (micro_inputs, micro_targets)) / grad_accum  # the batch's mean
+            value.backward()
+            total += value.detach().double()
+        return total
 
     losses = []
     for inputs, targets in batches:
@@ -167,7 +171,8 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     # with a pp axis the model is this rank's stages and train() steps its pipeline
     parallel = parallelize(build(), mesh, plan)
     optimizer = build_optimizer(parallel, mesh, plan, lr=lr)
-    losses = train(parallel, optimizer, batches, average_over=group, loss=loss)
+    losses = train(parallel, optimizer, batches, average_over=group, loss=loss,
+                   grad_accum=plan.grad_accum)
 
     expected = dict(reference.named_parameters())  # a pipeline stage checks only its own
     worst, worst_error = "", 0.0

@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 
 import pytest
+import torch
 
 from meshlab import Cluster
 from meshlab.models import ModelConfig
+from meshlab.notebook.output import MeshError
 from meshlab.parallel import ParallelPlan, parallelize
 from meshlab.parallel.tensor import check_tp
 
@@ -39,6 +41,11 @@ CONFIGS = [
     ("dp=2 cp=2", "data_parallel='zero3'"),
     ("dp=2 cp=2", "data_parallel='ddp'"),  # DDP averages over dp and cp
     ("cp=4", "data_parallel='zero2', context_parallel='meshlab'"),
+    # gradient accumulation: k micro-steps against one step on the whole batch
+    ("dp=4", "data_parallel='ddp', grad_accum=2"),
+    ("dp=4", "data_parallel='zero1', grad_accum=2"),
+    ("dp=4", "data_parallel='zero3', grad_accum=2"),
+    ("dp=2 tp=2", "data_parallel='zero2', grad_accum=4"),
 ]
 
 
@@ -59,8 +66,9 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6],
-                                        CONFIGS[9], CONFIGS[11]],
-                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp"])
+                                        CONFIGS[9], CONFIGS[11], CONFIGS[14], CONFIGS[16]],
+                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp", "ddp accum",
+                              "zero3 accum"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
 
@@ -111,6 +119,59 @@ def test_plans_refuse_what_cannot_work() -> None:
         ParallelPlan(activation_checkpoint="some")
     with pytest.raises(ValueError, match="context_parallel='ring' is not one of"):
         ParallelPlan(context_parallel="ring")
+    with pytest.raises(ValueError, match=r"grad_accum=0 must be an integer >= 1"):
+        ParallelPlan(grad_accum=0)
+
+
+def test_micro_batches_must_divide_the_batch() -> None:
+    from meshlab.parallel.accumulate import micro_batches
+
+    x = torch.zeros(6, 4)
+    assert [c[0].shape[0] for c in micro_batches(torch.nn.Linear(4, 4), (x, x), 3)] == [2] * 3
+    with pytest.raises(ValueError, match=r"grad_accum=4 must divide the local batch of 6 rows"):
+        list(micro_batches(torch.nn.Linear(4, 4), (x, x), 4))
+
+
+ACCUMULATE = """
+import meshlab.comms
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.models.llama import loss_fn
+from meshlab.parallel import ParallelPlan, parallelize
+from meshlab.parallel.accumulate import micro_batches
+counts = {}
+for k in (1, 4):
+    torch.manual_seed(0)
+    model = parallelize(Transformer(ModelConfig()), mesh, ParallelPlan(data_parallel="zero2"))
+    x, y = local_batch(step=0, batch=16, seq=16, vocab=256, rank=rank, ranks=4)
+    meshlab.comms.start()
+    for xs, ys in micro_batches(model, (x, y), k):
+        (loss_fn(model(xs), ys) / k).backward()
+    ops = [r.op for r in meshlab.comms.stop()]
+    counts[k] = (ops.count("reduce_scatter"), ops.count("all_gather"))
+counts
+"""
+
+
+@pytest.mark.cluster
+def test_accumulated_micro_steps_reduce_gradients_once(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4")
+    result = cluster.run(ACCUMULATE, keep_values=True, timeout=120)
+    for r, counts in result.values.items():
+        (scatters_1, gathers_1), (scatters_4, gathers_4) = counts[1], counts[4]
+        assert scatters_1 > 0  # one reduce-scatter per FSDP unit, in the last backward only
+        assert scatters_4 == scatters_1, (r, counts)
+        assert gathers_4 > gathers_1, (r, counts)  # while each micro-step gathers again
+
+
+@pytest.mark.cluster
+def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    with pytest.raises(MeshError, match=r"raise microbatches instead \(microbatches=4, "
+                                        r"grad_accum=1\)"):
+        cluster.run("from meshlab.models import ModelConfig, Transformer\n"
+                    "from meshlab.parallel import ParallelPlan, parallelize\n"
+                    "parallelize(Transformer(ModelConfig()), mesh, "
+                    "ParallelPlan(grad_accum=2, microbatches=2))")
 
 
 @pytest.mark.cluster
