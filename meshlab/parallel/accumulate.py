@@ -9,6 +9,8 @@ unreduced, and with FSDP unsharded, until then).
 >>> for inputs, targets in micro_batches(model, (x, y), plan.grad_accum):
 ...     (loss_fn(model(inputs), targets) / plan.grad_accum).backward()
 >>> optimizer.step()
+
+A batch-size warm-up (``warmup``) is then a number of micro-steps that grows with the step.
 """
 
 from __future__ import annotations
@@ -47,3 +49,16 @@ def synchronised(model: nn.Module, sync: bool) -> Iterator[None]:
     no_sync: Any = getattr(model, "no_sync", None)  # DDP (and ZeRO-1, which is DDP)
     with no_sync() if no_sync is not None and not sync else contextlib.nullcontext():
         yield
+
+
+def warmup(step: int, *, start: int, end: int, steps: int, unit: int) -> int:
+    """The global batch at ``step`` of a linear warm-up from ``start`` to ``end`` rows over
+    ``steps`` steps, rounded down to a multiple of ``unit`` (the rows one micro-step takes
+    across the data ranks), as GPT-3 ramped its batch (Brown et al. 2020, appendix B)."""
+    if not 0 < start <= end or start % unit or end % unit:
+        raise ValueError(f"warm-up from {start} to {end} rows: both must be multiples of "
+                         f"unit={unit} with 0 < start <= end")
+    if step >= steps:
+        return end
+    rows = start + (end - start) * step // max(1, steps)
+    return max(start, rows - rows % unit)

@@ -352,3 +352,41 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     svg = chart.data["image/svg+xml"]  # drawn offline: the formula's bar beside the ranks'
     assert svg.startswith("<svg") and "ZeRO-3 formula" in svg and "optimizer" in svg
     assert "activations" in table.data["text/plain"]
+
+
+WARMUP = """
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.accumulate import warmup
+from meshlab.parallel.verify import compare_with_single_process
+result = compare_with_single_process(
+    ModelConfig(), mesh, ParallelPlan({plan}), steps=4, batch=8, dtype=torch.float64,
+    batch_schedule=lambda s: warmup(s, start=8, end=32, steps=3, unit=8))
+(result.ok, result.max_loss_error, result.max_param_error)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("spec, plan", [
+    ("dp=4", "data_parallel='ddp'"),
+    ("dp=4", "data_parallel='zero3'"),
+    ("dp_replicate=2 dp=2", "data_parallel='zero3', replica_sync='diloco', sync_every=2"),
+])
+def test_a_batch_size_warmup_trains_like_the_same_schedule_in_one_process(
+        cluster: Cluster, spec: str, plan: str) -> None:
+    # global batches of 8, 16, 24, 32 rows: 1 to 4 micro-steps of 2 rows on each rank, against
+    # one step on the whole batch in one process, in float64
+    cluster.init_mesh(spec)
+    result = cluster.run(WARMUP.format(plan=plan), keep_values=True, timeout=180)
+    for r, (ok, loss_error, param_error) in result.values.items():
+        assert ok, (r, spec, plan, loss_error, param_error)
+
+
+def test_a_warmup_ramps_in_whole_micro_steps() -> None:
+    from meshlab.parallel.accumulate import warmup
+
+    assert [warmup(s, start=8, end=32, steps=3, unit=8) for s in range(5)] == [8, 16, 24, 32, 32]
+    assert [warmup(s, start=4, end=16, steps=8, unit=4) for s in range(9)] == \
+        [4, 4, 4, 8, 8, 8, 12, 12, 16]
+    with pytest.raises(ValueError, match=r"both must be multiples of unit=8"):
+        warmup(0, start=4, end=32, steps=3, unit=8)
