@@ -18,7 +18,13 @@ STRATEGIES = [  # (name, mesh, plan, model config)
     ("ZeRO-1", "dp=4", "data_parallel='zero1'", ""),
     ("ZeRO-2 (FSDP2)", "dp=4", "data_parallel='zero2'", ""),
     ("ZeRO-3 (FSDP2)", "dp=4", "data_parallel='zero3'", ""),
+    ("DDP, accum 2", "dp=4", "data_parallel='ddp', grad_accum=2", ""),
+    ("ZeRO-3, accum 2", "dp=4", "data_parallel='zero3', grad_accum=2", ""),
     ("HSDP 2x2", "dp_replicate=2 dp=2", "data_parallel='zero3'", ""),
+    ("local SGD 2x2, H=4", "dp_replicate=2 dp=2",
+     "data_parallel='zero3', replica_sync='local_sgd', sync_every=4", ""),
+    ("DiLoCo 2x2, H=4", "dp_replicate=2 dp=2",
+     "data_parallel='zero3', replica_sync='diloco', sync_every=4", ""),
     ("TP2 x DP2", "dp=2 tp=2", "data_parallel='zero3', sequence_parallel=False", ""),
     ("TP2+SP x DP2", "dp=2 tp=2", "data_parallel='zero3'", ""),
     ("PP2 x DP2 (1F1B)", "pp=2 dp=2", "data_parallel='zero3', microbatches=2", ""),
@@ -35,6 +41,7 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.context import sequence_slice
 from meshlab.parallel.verify import data_rank
 from meshlab.timing import step_times
@@ -56,8 +63,9 @@ def train_step():
     opt.zero_grad()
     if pp:
         model.pipeline.step(x, y)
-    else:
-        loss_fn(model(x), y).backward()
+    else:  # grad_accum micro-steps, the gradients reduced in the last
+        for xs, ys in micro_batches(model, (x, y), plan.grad_accum):
+            (loss_fn(model(xs), ys) / plan.grad_accum).backward()
     opt.step()
 
 statistics.median(step_times(train_step, {steps}, warmup=2, before=dist.barrier,

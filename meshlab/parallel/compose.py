@@ -20,6 +20,8 @@ from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
+from meshlab.parallel.local_sgd import MODES as REPLICA_SYNC
+from meshlab.parallel.local_sgd import ReplicaSync
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import apply_zero1
@@ -68,6 +70,20 @@ class ParallelPlan:
     context_parallel: str = "auto"
     """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
     CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
+    replica_sync: str = "every_step"
+    """How the dp_replicate replicas agree: every_step (their gradients reduced each step:
+    DDP, HSDP), local_sgd (parameters averaged every sync_every steps) or diloco (an outer
+    Nesterov step on the averaged pseudo-gradient every sync_every steps)."""
+    sync_every: int = 1
+    """H: optimizer steps between synchronisations, with local_sgd or diloco."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step, gradients reduced over dp once, in the last
+    (meshlab.parallel.accumulate): k micro-steps on 1/k of the batch each equal one step on
+    it, with the memory of the smaller one."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -83,6 +99,17 @@ class ParallelPlan:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
         if self.virtual < 1:
             raise ValueError(f"virtual={self.virtual} must be >= 1 (stages per rank)")
+        if self.replica_sync not in REPLICA_SYNC:
+            raise ValueError(f"replica_sync={self.replica_sync!r} is not one of {REPLICA_SYNC}")
+        if not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise ValueError(f"sync_every={self.sync_every!r} must be an integer >= 1 "
+                             "(optimizer steps between synchronisations)")
+        if self.sync_every > 1 and self.replica_sync == "every_step":
+            raise ValueError(f"sync_every={self.sync_every} needs replica_sync='local_sgd' or "
+                             "'diloco': every_step synchronises every step")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum={self.grad_accum!r} must be an integer >= 1 "
+                             "(micro-steps per optimizer step)")
         if isinstance(self.pipeline_schedule, Schedule):
             self._check_own_schedule(self.pipeline_schedule)
         else:
@@ -123,6 +150,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
         raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
                          "all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
+    if plan.replica_sync != "every_step" and axis_size(mesh, "dp_replicate") < 2:
+        raise ValueError(f"replica_sync={plan.replica_sync!r} synchronises the replicas of a "
+                         "dp_replicate axis, and this mesh has none: build one, e.g. "
+                         "%mesh init dp_replicate=2 dp=2")
+    if plan.replica_sync != "every_step" and (axis_size(mesh, "pp") > 1
+                                              or axis_size(mesh, "ep") > 1):
+        raise ValueError(f"replica_sync={plan.replica_sync!r} with pp or ep is not verified "
+                         "yet: build the mesh without them (dp_replicate x dp_shard x tp x cp)")
+    if axis_size(mesh, "pp") > 1 and plan.grad_accum > 1:
+        raise ValueError(f"grad_accum={plan.grad_accum} with pp={axis_size(mesh, 'pp')}: the "
+                         "pipeline already accumulates over its micro-batches; raise "
+                         f"microbatches instead (microbatches={plan.microbatches * plan.grad_accum}"
+                         ", grad_accum=1)")
     if axis_size(mesh, "cp") > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
         raise ValueError(f"data_parallel='none' with cp={axis_size(mesh, 'cp')}: each cp rank "
                          "computes gradients from its slice of the sequence, and they must be "
@@ -182,10 +222,13 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
-    if plan.data_parallel != "none" and axis_size(mesh, "dp_cp") > 1:
+    alone = plan.replica_sync != "every_step"  # the replicas reduce nothing between syncs
+    within = "dp_shard_cp" if axis_size(mesh, "cp") > 1 else "dp_shard"
+    if plan.data_parallel != "none" and axis_size(mesh, within if alone else "dp_cp") > 1:
         if plan.data_parallel in ("ddp", "zero1"):
             # cp ranks hold replicas too, trained on other parts of the same sequences
-            model = apply_ddp(model, mesh, axis="dp_cp" if axis_size(mesh, "cp") > 1 else "dp")
+            axis = within if alone else "dp_cp" if axis_size(mesh, "cp") > 1 else "dp"
+            model = apply_ddp(model, mesh, axis=axis)
         elif plan.data_parallel in ("zero2", "zero3"):
             # mixed precision: bf16 compute, fp32 gradient reduction (the usual recipe)
             mixed = plan.mixed_precision
@@ -194,13 +237,27 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
             model = apply_fsdp(model, mesh, reshard_after_forward=reshard,
                                param_dtype=torch.bfloat16 if mixed else None,
                                reduce_dtype=torch.float32 if mixed else None,
-                               blocks=plan.blocks)
+                               blocks=plan.blocks, replicate=not alone)
     return model
 
 
 def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, lr: float = 1e-2,
-                    weight_decay: float = 0.1) -> torch.optim.Optimizer:
-    """AdamW, with its states sharded over dp for ZeRO-1."""
-    if plan.data_parallel == "zero1" and axis_size(mesh, "dp") > 1:
-        return apply_zero1(model, mesh, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+                    weight_decay: float = 0.1, kind: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW (or ``kind="sgd"``: SGD with momentum 0.9), its states sharded over dp for
+    ZeRO-1; with local SGD or DiLoCo, it synchronises the replicas after its steps."""
+    if kind not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer kind={kind!r} is not one of ('adamw', 'sgd')")
+    cls: Any = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
+    args = {"lr": lr, "weight_decay": weight_decay} | ({"momentum": 0.9} if kind == "sgd" else {})
+    alone = plan.replica_sync != "every_step"
+    if plan.data_parallel == "zero1" and axis_size(mesh, "dp_shard" if alone else "dp") > 1:
+        optimizer = apply_zero1(model, mesh, axis="dp_shard" if alone else "dp",
+                                optimizer_class=cls, **args)
+    else:
+        optimizer = cls(model.parameters(), **args)
+    if alone:
+        sync = ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
+                           outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)
+        optimizer.register_step_post_hook(sync.after_step)
+        optimizer.replica_sync = sync  # type: ignore[attr-defined]  # for a look at its count
+    return optimizer

@@ -19,22 +19,24 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp_replicate,) dp_shard_cp part of the mesh that FSDP shards over."""
+def fsdp_mesh(mesh: DeviceMesh, replicate: bool = True) -> DeviceMesh:
+    """The (dp_replicate,) dp_shard_cp part of the mesh that FSDP shards over; without
+    ``replicate`` only dp_shard_cp (replicas that synchronise on their own: local SGD)."""
     dims = mesh.mesh_dim_names or ()
     shard = "dp_shard_cp"
-    return mesh[("dp_replicate", shard)] if "dp_replicate" in dims else mesh[shard]
+    return mesh[("dp_replicate", shard)] if "dp_replicate" in dims and replicate \
+        else mesh[shard]
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None, blocks: str | None = None
-               ) -> nn.Module:
+               reduce_dtype: torch.dtype | None = None, blocks: str | None = None,
+               replicate: bool = True) -> nn.Module:
     """Shard every block (found, or at the path ``blocks``), then the rest, as torchtitan
     does: one FSDP unit per block, gathered only while it runs."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp = fsdp_mesh(mesh)
+    dp = fsdp_mesh(mesh, replicate)
     # None keeps the parameters' own dtype; mixed precision passes bf16 and fp32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for _, block in items(find_blocks(model, blocks)[1]):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
+from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
 
 if TYPE_CHECKING:
@@ -92,23 +93,29 @@ def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
           average_over: Any | None = None,
           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-          loss: LossFn = next_token_loss) -> list[float]:
+          loss: LossFn = next_token_loss, grad_accum: int | list[int] = 1) -> list[float]:
     """Training steps; each returns its loss averaged over ``average_over`` (a process group).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
     through the model's pipeline (a model ``parallelize`` split over a pp axis), or
-    ``loss(model, (inputs, targets))`` then backward.
+    ``loss(model, (inputs, targets))`` then backward, in ``grad_accum`` micro-steps (one
+    count, or one per step).
     """
     pipeline = getattr(model, "pipeline", None)
+    counts = grad_accum if isinstance(grad_accum, list) else [grad_accum] * len(batches)
+    losses: list[float] = []
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if pipeline is not None:  # every pp rank gets the step's mean loss
             return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64)
-        value = loss(model, (inputs, targets))
-        value.backward()
-        return value
+        k = counts[len(losses)]
+        total = torch.zeros((), dtype=torch.float64)
+        for micro_inputs, micro_targets in micro_batches(model, (inputs, targets), k):
+            value = loss(model, (micro_inputs, micro_targets)) / k  # the batch's mean
+            value.backward()
+            total += value.detach().double()
+        return total
 
-    losses = []
     for inputs, targets in batches:
         optimizer.zero_grad()
         value = (step or forward_backward)(inputs, targets).detach().clone()
@@ -127,14 +134,22 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
                                 mesh: DeviceMesh, plan: ParallelPlan, *, steps: int = 5,
                                 batch: int = 8, seq: int = 16, lr: float = 1e-2,
                                 dtype: torch.dtype = torch.float32, loss: LossFn = next_token_loss,
-                                vocab: int | None = None, seed: int = 0) -> Comparison:
+                                vocab: int | None = None, seed: int = 0,
+                                optimizer: str = "adamw",
+                                batch_schedule: Callable[[int], int] | None = None
+                                ) -> Comparison:
     """Train ``steps`` AdamW steps both ways (on every rank) and compare.
 
     ``model`` is a meshlab ModelConfig or a factory of any model (a transformers model from
     its config, one written in a cell): it is called under the same seed for the reference
     and the parallel run, so both start from the same weights. ``loss(model, batch)`` gives
     a batch's loss (default: cross-entropy of the logits against the next tokens);
-    ``vocab`` sizes the synthetic batches (default: the model's config)."""
+    ``vocab`` sizes the synthetic batches (default: the model's config); ``optimizer`` is
+    adamw or sgd (with momentum). With local SGD or DiLoCo the reference is the same
+    algorithm in one process: one model per replica, each on its replica's rows.
+    ``batch_schedule(step)`` is the global batch at each step (a multiple of ``batch``, e.g.
+    meshlab.parallel.accumulate.warmup): the parallel run takes more micro-steps of
+    ``batch`` rows where it grows, the reference one step on the whole batch."""
     if isinstance(model, ModelConfig):
         cfg = model
         seed, vocab = cfg.seed, cfg.vocab_size
@@ -150,14 +165,26 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
 
     reference = build()
     vocab = vocab or _vocab_size(reference)
-    shape = {"batch": batch, "seq": seq, "vocab": vocab, "seed": seed}
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, weight_decay=0.1)
-    ref_losses = train(reference, ref_opt, [global_batch(step=s, **shape) for s in range(steps)],
-                       loss=loss)
+    shape = {"seq": seq, "vocab": vocab, "seed": seed}
+    sizes = [batch_schedule(s) if batch_schedule else batch for s in range(steps)]
+    for s, size in enumerate(sizes):
+        if size % batch:
+            raise ValueError(f"batch_schedule gives {size} rows at step {s}: each step's batch "
+                             f"must be a multiple of batch={batch}, the rows one micro-step "
+                             "takes across the data ranks")
+    replicas = [reference]
+    if plan.replica_sync == "every_step":
+        ref_losses = train(reference, _optimizer(reference, lr, optimizer),
+                           [global_batch(step=s, batch=size, **shape)
+                            for s, size in enumerate(sizes)], loss=loss)
+    else:  # each replica trains alone on its rows; the algorithm syncs them, in one process
+        replicas = [reference] + [build() for _ in range(axis_size(mesh, "dp_replicate") - 1)]
+        ref_losses = _train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss)
 
     plan = replace(plan, seq_len=seq)
     rank, ranks = data_rank(mesh)
-    batches = [local_batch(step=s, rank=rank, ranks=ranks, **shape) for s in range(steps)]
+    batches = [local_batch(step=s, batch=size, rank=rank, ranks=ranks, **shape)
+               for s, size in enumerate(sizes)]
     group = mesh["dp"].get_group() if ranks > 1 else None
     if axis_size(mesh, "cp") > 1:  # each cp rank trains on its slice of every sequence
         from meshlab.parallel.context import sequence_slice
@@ -166,10 +193,13 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         group = mesh["dp_cp"].get_group()
     # with a pp axis the model is this rank's stages and train() steps its pipeline
     parallel = parallelize(build(), mesh, plan)
-    optimizer = build_optimizer(parallel, mesh, plan, lr=lr)
-    losses = train(parallel, optimizer, batches, average_over=group, loss=loss)
+    opt = build_optimizer(parallel, mesh, plan, lr=lr, kind=optimizer)
+    # a larger batch is more micro-steps of the same size, as a batch-size warm-up runs
+    losses = train(parallel, opt, batches, average_over=group, loss=loss,
+                   grad_accum=[plan.grad_accum * size // batch for size in sizes])
 
-    expected = dict(reference.named_parameters())  # a pipeline stage checks only its own
+    replica = mesh["dp_replicate"].get_local_rank() if len(replicas) > 1 else 0
+    expected = dict(replicas[replica].named_parameters())  # a pipeline stage: only its own
     worst, worst_error = "", 0.0
     for name, value in full_parameters(parallel).items():
         ref = expected[name].detach()
@@ -181,6 +211,48 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     return Comparison(losses, ref_losses, loss_error, worst_error, worst, *TOLERANCES[dtype])
+
+
+def _optimizer(model: torch.nn.Module, lr: float, kind: str) -> torch.optim.Optimizer:
+    """What build_optimizer makes, for one process."""
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],
+                    sizes: list[int], lr: float, kind: str, loss: LossFn) -> list[float]:
+    """Local SGD or DiLoCo in one process: replica r trains on the r-th block of rows of each
+    global batch (the rows its data ranks get), and every ``plan.sync_every`` steps the
+    replicas are averaged, or take DiLoCo's outer step; returns the mean loss per step."""
+    optimizers = [_optimizer(m, lr, kind) for m in models]
+    params = [list(m.parameters()) for m in models]
+    backup = [p.detach().clone() for p in params[0]]
+    outer = torch.optim.SGD(backup, lr=plan.outer_lr, momentum=plan.outer_momentum,
+                            nesterov=plan.outer_momentum > 0)
+    losses = []
+    for step, size in enumerate(sizes):
+        inputs, targets = global_batch(step=step, batch=size, **shape)
+        rows = inputs.shape[0] // len(models)
+        per_replica = [train(m, o, [(inputs[r * rows:][:rows], targets[r * rows:][:rows])],
+                             loss=loss)[0]
+                       for r, (m, o) in enumerate(zip(models, optimizers, strict=True))]
+        losses.append(sum(per_replica) / len(per_replica))
+        if (step + 1) % plan.sync_every:
+            continue
+        with torch.no_grad():
+            for i, saved in enumerate(backup):
+                mean = torch.stack([ps[i] for ps in params]).mean(dim=0)
+                if plan.replica_sync == "diloco":
+                    saved.grad = saved - mean  # the pseudo-gradient, averaged
+                else:
+                    saved.copy_(mean)
+            if plan.replica_sync == "diloco":
+                outer.step()
+            for ps in params:
+                for p, saved in zip(ps, backup, strict=True):
+                    p.copy_(saved)
+    return losses
 
 
 def _vocab_size(model: torch.nn.Module) -> int:

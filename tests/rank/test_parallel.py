@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 
 import pytest
+import torch
 
 from meshlab import Cluster
 from meshlab.models import ModelConfig
+from meshlab.notebook.output import MeshError
 from meshlab.parallel import ParallelPlan, parallelize
 from meshlab.parallel.tensor import check_tp
 
@@ -39,6 +41,11 @@ CONFIGS = [
     ("dp=2 cp=2", "data_parallel='zero3'"),
     ("dp=2 cp=2", "data_parallel='ddp'"),  # DDP averages over dp and cp
     ("cp=4", "data_parallel='zero2', context_parallel='meshlab'"),
+    # gradient accumulation: k micro-steps against one step on the whole batch
+    ("dp=4", "data_parallel='ddp', grad_accum=2"),
+    ("dp=4", "data_parallel='zero1', grad_accum=2"),
+    ("dp=4", "data_parallel='zero3', grad_accum=2"),
+    ("dp=2 tp=2", "data_parallel='zero2', grad_accum=4"),
 ]
 
 
@@ -59,8 +66,9 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6],
-                                        CONFIGS[9], CONFIGS[11]],
-                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp"])
+                                        CONFIGS[9], CONFIGS[11], CONFIGS[14], CONFIGS[16]],
+                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp", "ddp accum",
+                              "zero3 accum"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
 
@@ -111,6 +119,59 @@ def test_plans_refuse_what_cannot_work() -> None:
         ParallelPlan(activation_checkpoint="some")
     with pytest.raises(ValueError, match="context_parallel='ring' is not one of"):
         ParallelPlan(context_parallel="ring")
+    with pytest.raises(ValueError, match=r"grad_accum=0 must be an integer >= 1"):
+        ParallelPlan(grad_accum=0)
+
+
+def test_micro_batches_must_divide_the_batch() -> None:
+    from meshlab.parallel.accumulate import micro_batches
+
+    x = torch.zeros(6, 4)
+    assert [c[0].shape[0] for c in micro_batches(torch.nn.Linear(4, 4), (x, x), 3)] == [2] * 3
+    with pytest.raises(ValueError, match=r"grad_accum=4 must divide the local batch of 6 rows"):
+        list(micro_batches(torch.nn.Linear(4, 4), (x, x), 4))
+
+
+ACCUMULATE = """
+import meshlab.comms
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.models.llama import loss_fn
+from meshlab.parallel import ParallelPlan, parallelize
+from meshlab.parallel.accumulate import micro_batches
+counts = {}
+for k in (1, 4):
+    torch.manual_seed(0)
+    model = parallelize(Transformer(ModelConfig()), mesh, ParallelPlan(data_parallel="zero2"))
+    x, y = local_batch(step=0, batch=16, seq=16, vocab=256, rank=rank, ranks=4)
+    meshlab.comms.start()
+    for xs, ys in micro_batches(model, (x, y), k):
+        (loss_fn(model(xs), ys) / k).backward()
+    ops = [r.op for r in meshlab.comms.stop()]
+    counts[k] = (ops.count("reduce_scatter"), ops.count("all_gather"))
+counts
+"""
+
+
+@pytest.mark.cluster
+def test_accumulated_micro_steps_reduce_gradients_once(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4")
+    result = cluster.run(ACCUMULATE, keep_values=True, timeout=120)
+    for r, counts in result.values.items():
+        (scatters_1, gathers_1), (scatters_4, gathers_4) = counts[1], counts[4]
+        assert scatters_1 > 0  # one reduce-scatter per FSDP unit, in the last backward only
+        assert scatters_4 == scatters_1, (r, counts)
+        assert gathers_4 > gathers_1, (r, counts)  # while each micro-step gathers again
+
+
+@pytest.mark.cluster
+def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
+    cluster.init_mesh("pp=2 dp=2")
+    with pytest.raises(MeshError, match=r"raise microbatches instead \(microbatches=4, "
+                                        r"grad_accum=1\)"):
+        cluster.run("from meshlab.models import ModelConfig, Transformer\n"
+                    "from meshlab.parallel import ParallelPlan, parallelize\n"
+                    "parallelize(Transformer(ModelConfig()), mesh, "
+                    "ParallelPlan(grad_accum=2, microbatches=2))")
 
 
 @pytest.mark.cluster
@@ -291,3 +352,41 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     svg = chart.data["image/svg+xml"]  # drawn offline: the formula's bar beside the ranks'
     assert svg.startswith("<svg") and "ZeRO-3 formula" in svg and "optimizer" in svg
     assert "activations" in table.data["text/plain"]
+
+
+WARMUP = """
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.accumulate import warmup
+from meshlab.parallel.verify import compare_with_single_process
+result = compare_with_single_process(
+    ModelConfig(), mesh, ParallelPlan({plan}), steps=4, batch=8, dtype=torch.float64,
+    batch_schedule=lambda s: warmup(s, start=8, end=32, steps=3, unit=8))
+(result.ok, result.max_loss_error, result.max_param_error)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("spec, plan", [
+    ("dp=4", "data_parallel='ddp'"),
+    ("dp=4", "data_parallel='zero3'"),
+    ("dp_replicate=2 dp=2", "data_parallel='zero3', replica_sync='diloco', sync_every=2"),
+])
+def test_a_batch_size_warmup_trains_like_the_same_schedule_in_one_process(
+        cluster: Cluster, spec: str, plan: str) -> None:
+    # global batches of 8, 16, 24, 32 rows: 1 to 4 micro-steps of 2 rows on each rank, against
+    # one step on the whole batch in one process, in float64
+    cluster.init_mesh(spec)
+    result = cluster.run(WARMUP.format(plan=plan), keep_values=True, timeout=180)
+    for r, (ok, loss_error, param_error) in result.values.items():
+        assert ok, (r, spec, plan, loss_error, param_error)
+
+
+def test_a_warmup_ramps_in_whole_micro_steps() -> None:
+    from meshlab.parallel.accumulate import warmup
+
+    assert [warmup(s, start=8, end=32, steps=3, unit=8) for s in range(5)] == [8, 16, 24, 32, 32]
+    assert [warmup(s, start=4, end=16, steps=8, unit=4) for s in range(9)] == \
+        [4, 4, 4, 8, 8, 8, 12, 12, 16]
+    with pytest.raises(ValueError, match=r"both must be multiples of unit=8"):
+        warmup(0, start=4, end=32, steps=3, unit=8)
