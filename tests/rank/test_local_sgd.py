@@ -14,6 +14,7 @@ from meshlab.notebook.output import MeshError
 from meshlab.parallel import ParallelPlan
 
 CHECK = """
+from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.verify import compare_with_single_process
 result = compare_with_single_process(ModelConfig(), mesh, ParallelPlan({plan}), steps=5,
@@ -30,9 +31,15 @@ CONFIGS = [  # 5 steps with H=2: synchronised after steps 2 and 4, then one step
 ]
 
 
+# fp32 holds to verify's 2e-4 except DiLoCo over TP: 1.2e-3 measured. The outer Nesterov
+# step (lr 0.7, momentum 0.9) multiplies the replicas' fp32 rounding differences, and TP
+# sums in another order again; float64 (1e-9) is the strict check there
+RUNS = [(spec, plan, dtype) for spec, plan in CONFIGS for dtype in ("float32", "float64")
+        if not (dtype == "float32" and "tp=2" in spec)]
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("spec, plan", CONFIGS, ids=[f"{s} {p}" for s, p in CONFIGS])
+@pytest.mark.parametrize("spec, plan, dtype", RUNS, ids=[" ".join(r) for r in RUNS])
 def test_replicas_train_like_the_same_algorithm_in_one_process(
         cluster: Cluster, spec: str, plan: str, dtype: str) -> None:
     cluster.init_mesh(spec)
@@ -114,10 +121,10 @@ def test_plans_refuse_replica_sync_that_cannot_work() -> None:
 @pytest.mark.cluster
 def test_replica_sync_without_replicas_names_the_mesh_to_build(cluster: Cluster) -> None:
     cluster.init_mesh("dp=4")
-    with pytest.raises(MeshError, match=r"this mesh has none: build one, e\\.g\\. %mesh init "
+    with pytest.raises(MeshError, match=r"this mesh has none: build one, e\.g\. %mesh init "
                                         r"dp_replicate=2 dp=2"):
-        cluster.run("from meshlab.models import ModelConfig, Transformer\\n"
-                    "from meshlab.parallel import ParallelPlan, parallelize\\n"
+        cluster.run("from meshlab.models import ModelConfig, Transformer\n"
+                    "from meshlab.parallel import ParallelPlan, parallelize\n"
                     "parallelize(Transformer(ModelConfig()), mesh, "
                     "ParallelPlan(replica_sync='diloco', sync_every=8))")
 
