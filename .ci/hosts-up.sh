@@ -51,17 +51,8 @@ if [ "$N" -lt 1 ] || [ "$N" -gt 200 ]; then
   echo "hosts-up: MESHLAB_HOSTS must be 1..200, got $N" >&2; exit 1
 fi
 
-alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-stop_pidfile() {  # stop the daemon whose pid is in $1 (only that pid), wait up to 10 s
-  local pid
-  alive "$1" || { rm -f "$1"; return 0; }
-  pid=$(cat "$1")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
-  rm -f "$1"
-}
+# shellcheck source=.ci/pidfiles.sh
+source "$HERE/pidfiles.sh"
 
 addr() { echo "$NET.$((10 + $1))"; }
 

@@ -44,17 +44,8 @@ if [ -n "$EXTRA_NODES" ]; then
   SLURMD_LOG=$LOG_DIR/slurmd-${NODE}.log
 fi
 
-alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-stop_pidfile() {  # stop the daemon whose pid is in $1 (only that pid), wait up to 10 s
-  local pid
-  alive "$1" || { rm -f "$1"; return 0; }
-  pid=$(cat "$1")
-  kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
-  rm -f "$1"
-}
+# shellcheck source=.ci/pidfiles.sh
+source "$(dirname "$0")/pidfiles.sh"
 
 stop_slurmds() {  # this machine's slurmd, and those of the test hosts (.ci/hosts-up.sh), if any
   local f

@@ -27,7 +27,7 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
 from meshlab.notebook.probes import RankProbes
-from meshlab.notebook.ranks import label, parse_ranks, ranks_are
+from meshlab.notebook.ranks import host_by_host, label, parse_ranks, ranks_are
 from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery
 from meshlab.notebook.transfers import PULL_WARN_BYTES, Transfers
 from meshlab.sharding import ModuleReport, ShardingReport, merge
@@ -158,14 +158,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
     def _bootstrap(self, loopback: bool) -> None:
         reach = self.profile.controller_ip
         hosts = self._apply_each(runtime.host_info, lambda r: {"reach": reach})
-        # ranks fill one host before the next, hosts in the profile's order (else as their
-        # engines registered): the innermost mesh axis, tp, then stays on one host
-        named = {h: i for i, h in enumerate(self.profile.hosts)}
-        first: dict[str, int] = {}
-        for r in range(self.world_size):
-            first.setdefault(hosts[r]["host"], r)
-        order = sorted(range(self.world_size), key=lambda r: (
-            named.get(hosts[r]["host"], len(named)), first[hosts[r]["host"]], r))
+        order = host_by_host([hosts[r]["host"] for r in range(self.world_size)],
+                             self.profile.hosts)
         self._engines = [self._engines[r] for r in order]
         self._hosts = [hosts[r] for r in order]
         # rank 0 serves the store, on its address facing the others

@@ -1,4 +1,4 @@
-"""Rank sets written the way people type them: ``0,2-3``."""
+"""Rank sets written the way people type them (``0,2-3``), and ranks laid out host by host."""
 
 from __future__ import annotations
 
@@ -58,3 +58,15 @@ def ranks_are(ranks: Iterable[int]) -> str:
     """``rank 0 is`` / ``ranks 0,2 are``: the subject of a sentence about some ranks."""
     ranks = sorted(ranks)
     return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {format_ranks(ranks)} are"
+
+
+def host_by_host(host_of: list[str], order: list[str]) -> list[int]:
+    """Engines (by index, each on ``host_of[i]``) in rank order: one host's before the next,
+    hosts in ``order`` (the profile's; others as their engines came). The innermost mesh
+    axis, tp, then stays on one host."""
+    named = {h: i for i, h in enumerate(order)}
+    first: dict[str, int] = {}
+    for i, host in enumerate(host_of):
+        first.setdefault(host, i)
+    return sorted(range(len(host_of)), key=lambda i: (
+        named.get(host_of[i], len(named)), first[host_of[i]], i))

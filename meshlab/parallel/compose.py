@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
+OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
+"""build_optimizer's kinds: the class and what it takes besides lr and weight decay."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -245,10 +248,10 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
                     weight_decay: float = 0.1, kind: str = "adamw") -> torch.optim.Optimizer:
     """AdamW (or ``kind="sgd"``: SGD with momentum 0.9), its states sharded over dp for
     ZeRO-1; with local SGD or DiLoCo, it synchronises the replicas after its steps."""
-    if kind not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer kind={kind!r} is not one of ('adamw', 'sgd')")
-    cls: Any = torch.optim.AdamW if kind == "adamw" else torch.optim.SGD
-    args = {"lr": lr, "weight_decay": weight_decay} | ({"momentum": 0.9} if kind == "sgd" else {})
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer kind={kind!r} is not one of {tuple(OPTIMIZERS)}")
+    cls, extra = OPTIMIZERS[kind]
+    args = {"lr": lr, "weight_decay": weight_decay, **extra}
     alone = plan.replica_sync != "every_step"
     if plan.data_parallel == "zero1" and axis_size(mesh, "dp_shard" if alone else "dp") > 1:
         optimizer = apply_zero1(model, mesh, axis="dp_shard" if alone else "dp",

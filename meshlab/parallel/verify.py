@@ -26,7 +26,7 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
-from meshlab.parallel.compose import ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.compose import OPTIMIZERS, ParallelPlan, build_optimizer, parallelize
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -215,9 +215,8 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
 
 def _optimizer(model: torch.nn.Module, lr: float, kind: str) -> torch.optim.Optimizer:
     """What build_optimizer makes, for one process."""
-    if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, weight_decay=0.1, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    cls, extra = OPTIMIZERS[kind]
+    return cls(model.parameters(), lr=lr, weight_decay=0.1, **extra)
 
 
 def _train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],

@@ -9,7 +9,6 @@ not there the tests fail and say so: they do not skip.
 
 from __future__ import annotations
 
-import ast
 import ipaddress
 import re
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 from IPython.utils.capture import capture_output
+from sbatch_job import TRAIN, submit
 
 from meshlab import Cluster
 from meshlab.mesh import MeshSpec, crossing_hosts
@@ -285,25 +285,6 @@ def test_a_host_whose_link_goes_down_is_reported_and_restart_brings_the_session_
 
 # -- the exported job on two Slurm nodes ---------------------------------------------------
 
-TRAIN = """%%mesh
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
-
-torch.manual_seed(0)
-cfg = ModelConfig()
-plan = ParallelPlan(data_parallel="zero2")
-model = parallelize(Transformer(cfg), mesh, plan)
-optimizer = build_optimizer(model, mesh, plan, lr=0.01)
-dp_rank, dp_ranks = data_rank(mesh)
-batches = [local_batch(step=s, batch=8, seq=16, vocab=cfg.vocab_size, rank=dp_rank,
-                       ranks=dp_ranks) for s in range(3)]
-losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group())
-if rank == 0:
-    print("losses", losses)
-"""
-
-
 def test_the_exported_two_node_job_reproduces_the_notebooks_losses(
         test_hosts: list[str], shell: Any, tmp_path: Path) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session
@@ -328,14 +309,7 @@ def test_the_exported_two_node_job_reproduces_the_notebooks_losses(
         session.cluster, session.journal = shared, journal
     job = tmp_path / "job.sbatch"
     assert "#SBATCH --nodes=2" in job.read_text()
-    done = subprocess.run(["sbatch", "--wait", "--parsable", "--partition", "hosts", str(job)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    job_id = done.stdout.strip().split(";")[0]
-    out = tmp_path / f"train-{job_id}.out"
-    log = out.read_text() if out.exists() else "(no output file)"
-    assert done.returncode == 0, f"sbatch: {done.stderr}\n{log[-4000:]}"
-    printed = [ast.literal_eval(line.removeprefix("losses ")) for line in log.splitlines()
-               if line.startswith("losses ")]
+    job_id, printed, log = submit(job, "--partition", "hosts")
     assert printed == [interactive], log[-4000:]
     shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
                            text=True).stdout  # kept MinJobAge (60 s) after the job ends

@@ -6,7 +6,6 @@ Slurm is not there the tests fail and say so: they do not skip.
 
 from __future__ import annotations
 
-import ast
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,29 +13,11 @@ from typing import Any
 
 import pytest
 from IPython.utils.capture import capture_output
+from sbatch_job import TRAIN, submit
 
 from meshlab.notebook.export import Journal
 
 pytestmark = pytest.mark.slurm
-
-TRAIN = """%%mesh
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
-
-torch.manual_seed(0)
-cfg = ModelConfig()
-plan = ParallelPlan(data_parallel="zero2")
-model = parallelize(Transformer(cfg), mesh, plan)
-optimizer = build_optimizer(model, mesh, plan, lr=0.01)
-dp_rank, dp_ranks = data_rank(mesh)
-batches = [local_batch(step=s, batch=8, seq=16, vocab=cfg.vocab_size, rank=dp_rank,
-                       ranks=dp_ranks) for s in range(3)]
-losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group())
-if rank == 0:
-    print("losses", losses)
-"""
-
 
 @pytest.fixture(scope="module")
 def slurm() -> str:
@@ -62,14 +43,7 @@ def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
     interactive = shell.run_line_magic("mesh", "pull losses")[0]
     job = tmp_path / "job.sbatch"
     assert "#SBATCH --nodes=1" in job.read_text()
-    done = subprocess.run(["sbatch", "--wait", "--parsable", str(job)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    job_id = done.stdout.strip().split(";")[0]
-    out = tmp_path / f"train-{job_id}.out"
-    log = out.read_text() if out.exists() else "(no output file)"
-    assert done.returncode == 0, f"sbatch: {done.stderr}\n{log[-4000:]}"
-    printed = [ast.literal_eval(line.removeprefix("losses ")) for line in log.splitlines()
-               if line.startswith("losses ")]
+    _, printed, log = submit(job)
     assert printed == [interactive], log[-4000:]
 
 
