@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -20,7 +21,7 @@ from meshlab.plan.formulas import (  # the closed forms live with the planner: n
 )
 
 __all__ = ["RECOMPUTE_MODES", "ZERO_STAGES", "MemoryReport", "activation_bytes",
-           "activation_bytes_per_layer", "measure", "reshard", "zero_bytes"]
+           "activation_bytes_per_layer", "activation_placement", "measure", "reshard", "zero_bytes"]
 
 @dataclass(slots=True)
 class MemoryReport:
@@ -29,6 +30,8 @@ class MemoryReport:
     params: int
     grads: int
     optimizer: int
+    host: int = 0
+    """Of these, the bytes offloading keeps in host memory (the rest is on the device)."""
 
     @property
     def total(self) -> int:
@@ -46,7 +49,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]]) -> int:
+def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]],
+           host: list[int] | None = None) -> int:
+    """Bytes of ``tensors`` not yet ``seen``; those in host memory are also added to
+    ``host[0]``."""
     total = 0
     for tensor in tensors:
         t = _local(tensor)
@@ -61,6 +67,8 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]]) -> 
             continue
         seen.add(key)
         total += nbytes
+        if host is not None and t.device.type == "cpu":
+            host[0] += nbytes
     return total
 
 
@@ -73,17 +81,25 @@ def measure(model: torch.nn.Module,
     which the optimizer updates, are what this process keeps between steps."""
     reshard(model)
     seen: set[tuple[int, int, int]] = set()  # shared, so no tensor counts in two categories
+    # host memory is memory apart from the device's: on a CPU rank, where FSDP2 offloads
+    host = [0] if torch.accelerator.is_available() or _params_on_host(model) else None
     params = list(model.parameters())  # already deduplicates tied parameters
-    n_params = _count(params, seen)
-    n_grads = _count((p.grad for p in params if p.grad is not None), seen)
+    n_params = _count(params, seen, host)
+    n_grads = _count((p.grad for p in params if p.grad is not None), seen, host)
     n_optim = 0
     if optimizer is not None:
         # ZeroRedundancyOptimizer (and similar wrappers) keep this rank's shard in `.optim`.
         inner = getattr(optimizer, "optim", None)
         opt = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
         n_optim = _count((v for state in opt.state.values() for v in state.values()
-                          if isinstance(v, torch.Tensor)), seen)
-    return MemoryReport(params=n_params, grads=n_grads, optimizer=n_optim)
+                          if isinstance(v, torch.Tensor)), seen, host)
+    return MemoryReport(params=n_params, grads=n_grads, optimizer=n_optim,
+                        host=host[0] if host else 0)
+
+
+def _params_on_host(model: torch.nn.Module) -> bool:
+    """Whether meshlab's FSDP2 keeps this model's shards in host memory (any stage of it)."""
+    return any(getattr(m, "params_on_host", False) for m in model.modules())
 
 
 def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
@@ -93,6 +109,16 @@ def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
     twice counts once. Compare plans (checkpointing, sequence parallel) by this number;
     it is not Korthikanti's per-layer formula, which also counts dropout masks.
     """
+    return sum(activation_placement(model, *inputs))
+
+
+def activation_placement(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple[int, int]:
+    """``(device, host)``: the bytes one forward saves for backward on the device, and those
+    activation offloading (meshlab.parallel.offload) moves to host memory, as it moves them."""
+    offloads: list[Any] = [cast(Any, m).activation_offload for m in model.modules()
+                           if hasattr(m, "activation_offload")]
+    for hooks in offloads:
+        hooks.moved = 0
     params = {_data_ptr(_local(p)) for p in model.parameters()}
     seen: set[tuple[int, int, int]] = set()
     total = 0
@@ -112,7 +138,7 @@ def activation_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
             model(*inputs)
     finally:  # a forward without backward leaves FSDP2's root gathered: undo it
         reshard(model)
-    return total
+    return total, sum(hooks.moved for hooks in offloads)
 
 
 def reshard(model: torch.nn.Module) -> None:

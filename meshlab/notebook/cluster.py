@@ -306,9 +306,10 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         return merge(dict(zip(ranks, reports, strict=True)))
 
     def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
-               ) -> tuple[dict[int, Any], int, dict[int, int]]:
+               ) -> tuple[dict[int, Any], int, dict[int, tuple[int, int]]]:
         """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and the
-        activation bytes one forward on ``inputs`` saves for backward (if given)."""
+        activation bytes one forward on ``inputs`` saves for backward (if given), on the
+        device and offloaded to host memory."""
         self._ranks(None)
         out = self._apply_each(on_ranks.measure_memory, lambda r: {
             "model": model, "optimizer": optimizer, "inputs": inputs})

@@ -107,7 +107,8 @@ def inspect(line: str) -> None:
 @argument("--inputs", help="a batch on the ranks: also measure the activations one forward "
           "saves for backward")
 def memory(line: str) -> None:
-    """%mesh memory MODEL [OPTIMIZER]: bytes of params, grads, optimizer states per rank."""
+    """%mesh memory MODEL [OPTIMIZER]: bytes of params, grads, optimizer states per rank, on
+    the device and offloaded to host memory."""
 
 
 @magic_arguments()

@@ -43,7 +43,8 @@ def measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any
 
     module = eval(model, globals())
     opt = eval(optimizer, globals()) if optimizer else None
-    acts = meshlab.memory.activation_bytes(module, eval(inputs, globals())) if inputs else None
+    acts = (meshlab.memory.activation_placement(module, eval(inputs, globals())) if inputs
+            else None)
     return (meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters()),
             acts)
 

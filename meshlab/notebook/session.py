@@ -212,7 +212,8 @@ class Session:
     def memory(self, model: str, optimizer: str | None = None, *, stage: int | None = None,
                dp: int | None = None, inputs: str | None = None) -> pd.DataFrame:
         """Bytes of parameters, gradients and optimizer states per rank (activations one
-        forward on ``inputs`` saves), beside the ZeRO formula for ``stage`` if given."""
+        forward on ``inputs`` saves), on the device and offloaded to host memory, beside the
+        ZeRO formula for ``stage`` if given."""
         from meshlab.notebook.tables.memory import memory_frame
 
         cluster = self.need_cluster()

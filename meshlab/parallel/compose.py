@@ -22,6 +22,7 @@ from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.local_sgd import MODES as REPLICA_SYNC
 from meshlab.parallel.local_sgd import ReplicaSync
+from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import apply_zero1
@@ -87,6 +88,13 @@ class ParallelPlan:
     """Micro-steps per optimizer step, gradients reduced over dp once, in the last
     (meshlab.parallel.accumulate): k micro-steps on 1/k of the batch each equal one step on
     it, with the memory of the smaller one."""
+    offload_params: bool = False
+    """Each rank's parameter shards, their gradients and optimizer states in host memory,
+    copied to the device for every gather, the optimizer stepping on the CPU (FSDP2's
+    CPUOffloadPolicy; zero2 or zero3)."""
+    offload_activations: bool = False
+    """What every block saves for backward kept in host memory until backward needs it
+    (meshlab.parallel.offload)."""
 
     def __post_init__(self) -> None:
         if self.data_parallel not in DATA_PARALLEL:
@@ -113,6 +121,10 @@ class ParallelPlan:
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum={self.grad_accum!r} must be an integer >= 1 "
                              "(micro-steps per optimizer step)")
+        if self.offload_params and self.data_parallel not in ("zero2", "zero3"):
+            raise ValueError(f"offload_params=True with data_parallel={self.data_parallel!r}: "
+                             "parameters are offloaded by FSDP2 (CPUOffloadPolicy); use "
+                             "data_parallel='zero2' or 'zero3'")
         if isinstance(self.pipeline_schedule, Schedule):
             self._check_own_schedule(self.pipeline_schedule)
         else:
@@ -173,6 +185,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
     if axis_size(mesh, "ep") > 1 and plan.data_parallel != "none":
         raise ValueError("with ep, expert parallelism averages gradients over the data ranks "
                          "itself: use data_parallel='none'")
+    if plan.offload_params and data_parallel_ranks(mesh, plan) < 2:
+        raise ValueError("offload_params=True offloads FSDP2's shards, and this mesh has no "
+                         "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
+                         "%mesh init dp=2 tp=2")
     _check_model_supports(model, mesh, plan)
     if axis_size(mesh, "pp") > 1:
         return apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
@@ -225,9 +241,11 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
+    if plan.offload_activations:
+        model = apply_activation_offload(model, blocks=plan.blocks)
     alone = plan.replica_sync != "every_step"  # the replicas reduce nothing between syncs
     within = "dp_shard_cp" if axis_size(mesh, "cp") > 1 else "dp_shard"
-    if plan.data_parallel != "none" and axis_size(mesh, within if alone else "dp_cp") > 1:
+    if plan.data_parallel != "none" and data_parallel_ranks(mesh, plan) > 1:
         if plan.data_parallel in ("ddp", "zero1"):
             # cp ranks hold replicas too, trained on other parts of the same sequences
             axis = within if alone else "dp_cp" if axis_size(mesh, "cp") > 1 else "dp"
@@ -240,8 +258,16 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
             model = apply_fsdp(model, mesh, reshard_after_forward=reshard,
                                param_dtype=torch.bfloat16 if mixed else None,
                                reduce_dtype=torch.float32 if mixed else None,
-                               blocks=plan.blocks, replicate=not alone)
+                               blocks=plan.blocks, replicate=not alone,
+                               offload=plan.offload_params)
     return model
+
+
+def data_parallel_ranks(mesh: DeviceMesh, plan: ParallelPlan) -> int:
+    """Ranks the data-parallel wrapper reduces gradients over: dp and cp, or with local SGD
+    or DiLoCo only those inside a replica."""
+    within = "dp_shard_cp" if axis_size(mesh, "cp") > 1 else "dp_shard"
+    return axis_size(mesh, within if plan.replica_sync != "every_step" else "dp_cp")
 
 
 def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, lr: float = 1e-2,

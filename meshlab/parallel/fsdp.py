@@ -8,7 +8,7 @@ dp_shard and replicates across dp_replicate (HSDP).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,18 +31,23 @@ def fsdp_mesh(mesh: DeviceMesh, replicate: bool = True) -> DeviceMesh:
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, blocks: str | None = None,
-               replicate: bool = True) -> nn.Module:
+               replicate: bool = True, offload: bool = False) -> nn.Module:
     """Shard every block (found, or at the path ``blocks``), then the rest, as torchtitan
-    does: one FSDP unit per block, gathered only while it runs."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    does: one FSDP unit per block, gathered only while it runs; ``offload``: the shards in
+    host memory (meshlab.parallel.offload)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from meshlab.parallel.offload import offload_policy
 
     dp = fsdp_mesh(mesh, replicate)
     # None keeps the parameters' own dtype; mixed precision passes bf16 and fp32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kw: dict[str, Any] = dict(mesh=dp, mp_policy=policy,
+                              offload_policy=offload_policy() if offload else OffloadPolicy())
     for _, block in items(find_blocks(model, blocks)[1]):
-        fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root's parameters (embedding, norm, output) are used last in backward: no point
     # resharding them after forward.
-    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=False, **kw)
+    cast(Any, model).params_on_host = offload  # what meshlab.memory.measure counts as host
     return model

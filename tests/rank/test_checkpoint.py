@@ -165,7 +165,7 @@ def test_a_forward_only_cell_changes_neither_memory_nor_save(cluster: Cluster,
     before, _, _ = cluster.memory("model", "optimizer")
     measured, _, acts = cluster.memory("model", "optimizer", "x")
     after, _, _ = cluster.memory("model", "optimizer")
-    assert measured == before and after == before and all(a > 0 for a in acts.values())
+    assert measured == before and after == before and all(d > 0 for d, _ in acts.values())
     cluster.run("model(x)")  # a forward without backward, then a save
     cluster.run(f"checkpoint.save({path!r}, {OBJECTS})")
     assert cluster.memory("model", "optimizer")[0] == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -199,6 +200,44 @@ def test_activation_bytes_shrink_with_checkpointing() -> None:
              for mode in ("none", "selective", "full")}
     assert sizes["full"] < sizes["selective"] < sizes["none"]
     assert sizes["none"] >= 4 * 16 * 64 * 4  # the output projection saves its input, at least
+
+
+def test_offloaded_activations_are_counted_on_the_host_and_train_alike() -> None:
+    from meshlab.memory import activation_placement
+    from meshlab.models import ModelConfig, Transformer, global_batch
+    from meshlab.parallel.offload import apply_activation_offload
+
+    inputs, targets = global_batch(step=0, batch=4, seq=16, vocab=256)
+    torch.manual_seed(0)
+    plain = Transformer(ModelConfig())
+    offloaded = apply_activation_offload(copy.deepcopy(plain))
+    device, host = activation_placement(plain, inputs)
+    off_device, off_host = activation_placement(offloaded, inputs)
+    assert host == 0 and off_host > 0
+    # what the blocks save moves; the embedding's and the output's stay on the device
+    assert 0 < off_device < device <= off_device + off_host
+    grads = []
+    for model in (plain, offloaded):
+        loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    # the same ops on the same values: bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_offloaded_fsdp_shards_count_as_host_memory(fake_world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlab.parallel.fsdp import apply_fsdp
+
+    mesh = init_device_mesh("cpu", (fake_world,), mesh_dim_names=("dp_shard_cp",))
+    torch.manual_seed(0)
+    kept, offloaded = (apply_fsdp(nn.Sequential(nn.ModuleList([nn.Linear(16, 16)])),
+                                  mesh, blocks="0", offload=offload)
+                       for offload in (False, True))
+    assert measure(kept).host == 0
+    report = measure(offloaded)
+    assert report.params == measure(kept).params and report.host == report.total
 
 
 def _fsdp_root_with_params(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 
+import pandas as pd
 import pytest
 import torch
 
@@ -46,6 +47,12 @@ CONFIGS = [
     ("dp=4", "data_parallel='zero1', grad_accum=2"),
     ("dp=4", "data_parallel='zero3', grad_accum=2"),
     ("dp=2 tp=2", "data_parallel='zero2', grad_accum=4"),
+    # offloading: against the same one-process run, which offloads nothing
+    ("dp=4", "data_parallel='zero3', offload_params=True"),
+    ("dp_replicate=2 dp=2", "data_parallel='zero2', offload_params=True"),
+    ("dp=2 tp=2", "data_parallel='zero3', offload_params=True, offload_activations=True"),
+    ("dp=4", "data_parallel='ddp', offload_activations=True, activation_checkpoint='full'"),
+    ("pp=2 dp=2", "data_parallel='zero2', offload_activations=True"),
 ]
 
 
@@ -121,6 +128,9 @@ def test_plans_refuse_what_cannot_work() -> None:
         ParallelPlan(context_parallel="ring")
     with pytest.raises(ValueError, match=r"grad_accum=0 must be an integer >= 1"):
         ParallelPlan(grad_accum=0)
+    with pytest.raises(ValueError, match=r"offload_params=True with data_parallel='ddp': .* "
+                                         r"use data_parallel='zero2' or 'zero3'"):
+        ParallelPlan(data_parallel="ddp", offload_params=True)
 
 
 def test_micro_batches_must_divide_the_batch() -> None:
@@ -185,7 +195,10 @@ def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
      r"8 pipeline stages need at least 8 layers, the model has 2"),
     ("cp=4", "data_parallel='none'",
      r"data_parallel='none' with cp=4: .* use data_parallel='ddp', 'zero2' or 'zero3'"),
-], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers", "cp-unsummed"])
+    ("tp=4", "offload_params=True",
+     r"offload_params=True offloads FSDP2's shards.* give it dp_shard >= 2"),
+], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers", "cp-unsummed",
+        "offload-unsharded"])
 def test_plans_the_mesh_cannot_run_say_the_fix(cluster: Cluster, spec: str, plan: str,
                                                why: str) -> None:
     from meshlab import MeshError
@@ -340,18 +353,42 @@ def test_measured_bytes_per_rank_agree_with_the_zero_formula(cluster: Cluster, k
 
 
 @pytest.mark.cluster
+def test_memory_shows_what_offloading_keeps_in_host_memory(cluster: Cluster) -> None:
+    from meshlab.notebook.tables.memory import memory_frame
+
+    cluster.init_mesh("dp=4")
+    frames = {}
+    for offload in (False, True):
+        cluster.run(TRAIN_ONE_STEP.format(kind="zero3").replace(
+            "data_parallel='zero3'", f"data_parallel='zero3', offload_params={offload}, "
+            f"offload_activations={offload}") + "x = batches[0][0]")
+        reports, params, acts = cluster.memory("model", "opt", "x")
+        frames[offload] = memory_frame(reports, params=params, dp=4, stage=3, activations=acts)
+    kept, moved = frames[False], frames[True]
+    assert (kept.loc["0", "host"], kept.loc["ZeRO-3 formula", "host"]) == (0, 0)
+    states = ["params", "grads", "optimizer"]
+    for rank in "0123":  # the same bytes, now the shards and what the blocks save on the host
+        assert (moved.loc[rank, states] == kept.loc[rank, states]).all()
+        assert moved.loc[rank, "host"] > moved.loc[rank, states].sum()
+        assert moved.loc[rank, "device"] < kept.loc[rank, "activations"]
+        assert moved.loc[rank, "device"] + moved.loc[rank, "host"] == moved.loc[rank, "total"]
+
+
+@pytest.mark.cluster
 def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[no-untyped-def]
     from IPython.utils.capture import capture_output
 
     shell.run_line_magic("mesh", "init dp=4")
     assert shell.run_cell("%%mesh\n" + TRAIN_ONE_STEP.format(kind="zero3")).success
-    with capture_output() as cap:
+    with capture_output() as cap, pd.option_context("display.width", 200,
+                                                  "display.max_columns", None):
         shell.run_line_magic("mesh", "memory model opt --stage 3 --inputs batches[0][0]")
     table, chart = cap.outputs[-2:]
     assert "ZeRO-3 formula" in table.data["text/plain"]
     svg = chart.data["image/svg+xml"]  # drawn offline: the formula's bar beside the ranks'
     assert svg.startswith("<svg") and "ZeRO-3 formula" in svg and "optimizer" in svg
-    assert "activations" in table.data["text/plain"]
+    header = table.data["text/plain"].splitlines()[0].split()
+    assert header[-4:] == ["activations", "total", "device", "host"]
 
 
 WARMUP = """

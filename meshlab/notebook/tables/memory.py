@@ -12,9 +12,12 @@ PARTS = ("params", "grads", "optimizer")
 
 
 def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | None,
-                 tp: int = 1, activations: dict[int, int] | None = None, param_bytes: int = 4,
-                 grad_bytes: int = 4, optimizer_bytes: int = 8) -> pd.DataFrame:
-    """One row per rank (measured) and, with a stage, one row of the formula.
+                 tp: int = 1, activations: dict[int, tuple[int, int]] | None = None,
+                 param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8
+                 ) -> pd.DataFrame:
+    """One row per rank (measured) and, with a stage, one row of the formula; ``host``: the
+    bytes offloading keeps in host memory, ``device`` the rest (the formula offloads none).
+    ``activations``: ``{rank: (device, host)}`` bytes one forward saves for backward.
 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
     optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy).
@@ -25,18 +28,23 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     """
     if tp < 1:
         raise ValueError(f"tp (tensor-parallel degree) must be >= 1, got {tp}")
-    rows = [{"rank": str(r), **{p: getattr(m, p) for p in PARTS}, "source": "measured"}
+    activations = activations or {}
+    rows = [{"rank": str(r), **{p: getattr(m, p) for p in PARTS}, "source": "measured",
+             "host": m.host + activations.get(r, (0, 0))[1]}
             for r, m in sorted(reports.items())]
     if stage is not None:
         formula = zero_bytes(params // tp, dp=dp, stage=stage, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
         rows.append({"rank": f"ZeRO-{stage} formula", **{p: formula[p] for p in PARTS},
-                     "source": "formula"})
+                     "source": "formula", "host": 0})
     frame = pd.DataFrame(rows)
     parts = list(PARTS)
     if activations:  # measured only: bytes saved for backward by one forward
-        frame["activations"] = [activations.get(int(r), 0) if r.isdigit() else 0
+        frame["activations"] = [sum(activations.get(int(r), (0, 0))) if r.isdigit() else 0
                                 for r in frame["rank"]]
         parts.append("activations")
     frame["total"] = frame[parts].sum(axis=1)
+    frame["device"] = frame["total"] - frame["host"]
+    host = frame.pop("host")
+    frame["host"] = host  # after device: total = device + host
     return frame.set_index("rank")
