@@ -91,6 +91,12 @@ class Calibration:
                       gemm_k0=self.gemm_k0,
                       memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
                       memory_bandwidth_gbs=self.memory_bandwidth_gbs,
+                      # CPU ranks: the host is the device; a GPU keeps the class defaults
+                      # (copies over PCIe are not measured yet)
+                      **({} if self.device == "cuda" else {
+                          "host_memory_gib": self.memory_gib,
+                          "host_memory_bandwidth_gbs": self.memory_bandwidth_gbs,
+                          "pcie_gbs": self.memory_bandwidth_gbs}),
                       # a GPU computes while its host queues work and NCCL runs beside it;
                       # CPU ranks share their cores among dispatch, gloo and the math
                       asynchronous=self.device == "cuda",

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlab.plan.formulas import REPLICA_SYNC
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MODES = ("every_step", "local_sgd", "diloco")
+MODES = REPLICA_SYNC  # the planner's vocabulary too (meshlab.plan.formulas)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

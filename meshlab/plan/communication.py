@@ -2,14 +2,15 @@
 it runs on (inside a node or across nodes, from the mesh's axis order and the GPUs per node)
 and its alpha-beta time. TP, CP and EP collectives sit on the critical path; FSDP/ZeRO and
 data-parallel ones overlap with compute up to the compute they can hide behind; pipeline
-sends overlap with other micro-batches."""
+sends overlap with other micro-batches. Local SGD and DiLoCo replicas synchronise once every
+H steps (a step pays 1/H of it); offloading copies over PCIe beside the compute."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from meshlab.plan.formulas import collective_seconds
-from meshlab.plan.memory import DDP_BUCKET_BYTES
+from meshlab.plan.memory import DDP_BUCKET_BYTES, layer_bytes, sharded_params
 from meshlab.plan.stage import Stage
 
 
@@ -25,8 +26,8 @@ class Collective:
     ranks: int
     nbytes: float
     """Bytes of one call (the convention of formulas.collective_seconds)."""
-    calls: int
-    """Calls per step on one GPU."""
+    calls: float
+    """Calls per step on one GPU (1/H for a synchronisation every H steps)."""
     inter_node: bool
     seconds: float
     """All calls of the step together."""
@@ -42,7 +43,7 @@ class Communication:
         self.collectives: list[Collective] = []
 
     def add(self, axis: str, what: str, collective: str, ranks: int, stride: int,
-            nbytes: float, calls: int, *, overlapped: bool) -> float:
+            nbytes: float, calls: float, *, overlapped: bool) -> float:
         """Record ``calls`` calls among ``ranks`` ranks ``stride`` apart; their seconds."""
         if (ranks <= 1 and collective != "send_recv") or calls == 0:
             return 0.0
@@ -174,9 +175,11 @@ class Communication:
         dense, expert = s.params
         params = dense + expert
         exposed = 0.0
-        dp_all = lay.dp * lay.cp  # every rank holding a copy of these weights
+        alone = lay.replica_sync != "every_step"  # replicas reduce nothing between syncs
+        # every rank holding a copy of these weights (inside its replica, with local SGD)
+        dp_all = (lay.dp_shard if alone else lay.dp) * lay.cp
         if lay.zero <= 1 and dp_all > 1:
-            axis = "dp" + ("+cp" if lay.cp > 1 else "")
+            axis = ("dp_shard" if alone else "dp") + ("+cp" if lay.cp > 1 else "")
             ar = self.add(axis, "gradient all-reduce", "all_reduce", dp_all, lay.tp,
                           params * dt.grads, 1, overlapped=True)
             # overlaps the last micro-batch's backward, bucket by bucket; the last bucket
@@ -192,10 +195,56 @@ class Communication:
                 exposed += self.add(shard_axis, "ZeRO-1 all-gather of updated parameters",
                                     "all_gather", lay.shard_group, lay.tp,
                                     params * dt.params, 1, overlapped=False)
-        elif lay.dp_replicate > 1:  # HSDP: the shards' gradients across replicas
+        elif lay.dp_replicate > 1 and not alone:  # HSDP: the shards' gradients across replicas
             shard = params * dt.grads / lay.shard_group
             ar = self.add("dp_replicate", "HSDP all-reduce of gradient shards", "all_reduce",
                           lay.dp_replicate, lay.stride("dp_replicate"), shard, 1,
                           overlapped=True)
             exposed += s.not_hidden(ar, last_backward_s) if lay.overlap_grad_reduce else ar
+        if alone:
+            exposed += self.replica_sync()
         return exposed
+
+    def replica_sync(self) -> float:
+        """Local SGD's parameter average or DiLoCo's pseudo-gradient all-reduce over the
+        replicas, of this rank's (fp32) parameters, once every H steps: its share per step.
+        The replicas wait for it, between steps."""
+        s = self.stage
+        lay = s.layout
+        shard = sum(s.params) * 4 / (lay.shard_group if lay.zero >= 2 else 1)
+        what = ("DiLoCo all-reduce of pseudo-gradients" if lay.replica_sync == "diloco"
+                else "local SGD all-reduce of parameters") + f" (every {lay.sync_every} steps)"
+        return self.add("dp_replicate", what, "all_reduce", lay.dp_replicate,
+                        lay.stride("dp_replicate"), shard, 1 / lay.sync_every, overlapped=False)
+
+    def host_copies(self) -> float:
+        """Seconds of one step's copies between device and host memory (offloading), the
+        busier direction's: copies each way run at once, on their own engines."""
+        s = self.stage
+        lay, dt = s.layout, s.dtypes
+        to_device = to_host = 0.0
+        if lay.offload_params:
+            dense, expert = s.params
+            grads = (dense / lay.shard_group + expert / (lay.shard_group // lay.ep)) * dt.grads
+            units = len(s.shard_units) * s.layers
+            # ZeRO-3 copies a shard up for every gather (forward and backward of each
+            # micro-batch); ZeRO-2 once a step. Gradient shards go down after each
+            # reduce-scatter.
+            gathers = 2 * lay.microbatches if lay.zero == 3 else 1
+            to_device += self._copy("offload: parameter shards to the device",
+                                    sharded_params(s) / units, units * gathers)
+            to_host += self._copy("offload: gradient shards to the host", grads / units,
+                                  units * lay.microbatches)
+        if lay.offload_activations:
+            saved = layer_bytes(s, lay.recompute) * s.layers
+            to_host += self._copy("offload: saved activations to the host", saved,
+                                  lay.microbatches)
+            to_device += self._copy("offload: saved activations back for the backward", saved,
+                                    lay.microbatches)
+        return max(to_device, to_host)
+
+    def _copy(self, what: str, nbytes: float, calls: float) -> float:
+        seconds = nbytes * calls / (self.stage.hardware.pcie_gbs * 1e9)
+        self.collectives.append(Collective("host", what, "copy", 1, nbytes, calls, False,
+                                           seconds, True))
+        return seconds

@@ -140,10 +140,14 @@ def memory_bound_bytes(stage: Stage) -> float:
 def optimizer_seconds(stage: Stage) -> float:
     """AdamW on the local shard: memory-bound. torch's default (foreach) AdamW passes
     over its four fp32 tensors (parameter, gradient, two moments) about 20 times a step:
-    ~80 bytes per parameter (measured: 3.5M parameters in 25 ms at 13 GB/s)."""
+    ~80 bytes per parameter (measured: 3.5M parameters in 25 ms at 13 GB/s); on the CPU
+    where the states are offloaded."""
     dense, expert = stage.params
     shard = stage.layout.shard_group if stage.layout.zero >= 1 else 1
-    return (dense + expert) / shard * ADAMW_BYTES / (stage.hardware.memory_bandwidth_gbs * 1e9)
+    hw = stage.hardware  # offloaded states step on the CPU, at the host's memory bandwidth
+    bandwidth = hw.host_memory_bandwidth_gbs if stage.layout.offload_params \
+        else hw.memory_bandwidth_gbs
+    return (dense + expert) / shard * ADAMW_BYTES / (bandwidth * 1e9)
 
 
 def _layer_matmul_params(model: ModelShape) -> int:

@@ -51,7 +51,8 @@ class Estimate:
     layout: Layout
     hardware: Hardware
     memory: dict[str, float]
-    """Bytes per GPU: params, grads, optimizer, activations, buffers, total."""
+    """Bytes per GPU: params, grads, optimizer, activations, buffers, their total on the
+    device, and host (what offloading keeps in host memory)."""
     collectives: list[Collective]
     compute_s: float
     """Compute of one step on one GPU, pipeline idle time excluded."""
@@ -70,7 +71,9 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory["total"] <= self.hardware.usable_bytes
+        """In the device's usable memory, and what is offloaded in the host's."""
+        return (self.memory["total"] <= self.hardware.usable_bytes
+                and self.memory["host"] <= self.hardware.host_memory_gib * GIB)
 
     @property
     def tokens_per_step(self) -> int:
@@ -124,6 +127,7 @@ class Estimate:
                 "params_gib": m["params"] / GIB, "grads_gib": m["grads"] / GIB,
                 "optimizer_gib": m["optimizer"] / GIB,
                 "activations_gib": m["activations"] / GIB, "buffers_gib": m["buffers"] / GIB,
+                "host_gib": m["host"] / GIB,
                 "step_s": self.step_s, "bubble": self.bubble_fraction,
                 "exposed_comm_s": self.exposed_comm_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
@@ -147,17 +151,26 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
     exposed = comm.gradient_sync(last_backward_s=t_b) + comm.fsdp_edges()
+    compute_s = lay.microbatches * compute_mb
+    copies = comm.host_copies()  # copy engines: beside the math, not slowing it
+    exposed += max(0.0, copies - compute_s) if hardware.asynchronous else copies
     optimizer_s = optimizer_seconds(stage)
     memory = memory_per_gpu(stage, inflight)
     notes: list[str] = []
     if memory["total"] > hardware.usable_bytes:
         notes.append(f"needs {memory['total'] / GIB:.1f} GiB of "
                      f"{hardware.usable_bytes / GIB:.1f} GiB usable")
+    if memory["host"] > hardware.host_memory_gib * GIB:
+        notes.append(f"offloading needs {memory['host'] / GIB:.1f} GiB of host memory per GPU, "
+                     f"{hardware.host_memory_gib:.0f} GiB there")
+    if copies > compute_s:
+        notes.append(f"offloading's PCIe copies take {copies:.3g} s a step, more than its "
+                     f"{compute_s:.3g} s of compute: the PCIe link is the bottleneck")
     step = pipeline_s + exposed + optimizer_s
     tokens = lay.global_batch * model.seq_len
     model_per_token, hardware_per_token = flops_per_token(model, lay.recompute, model.layers)
     return Estimate(model=model, layout=lay, hardware=hardware, memory=memory,
-                    collectives=comm.collectives, compute_s=lay.microbatches * compute_mb,
+                    collectives=comm.collectives, compute_s=compute_s,
                     pipeline_s=pipeline_s, bubble_fraction=bubble, exposed_comm_s=exposed,
                     optimizer_s=optimizer_s, step_s=step,
                     model_flops=model_per_token * tokens,

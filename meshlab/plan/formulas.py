@@ -8,6 +8,9 @@ from __future__ import annotations
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_MODES = ("none", "selective", "full")
+REPLICA_SYNC = ("every_step", "local_sgd", "diloco")
+"""How dp_replicate replicas agree: gradients reduced every step (DDP, HSDP), parameters
+averaged every H steps (local SGD), or DiLoCo's outer step every H steps."""
 
 
 def zero_bytes(params: int, *, dp: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,

@@ -63,6 +63,12 @@ class Hardware:
     """Memory the planner does not hand out: CUDA context, NCCL buffers, fragmentation."""
     memory_bandwidth_gbs: float
     """Device memory bandwidth, GB/s: the speed of the memory-bound (non-matmul) work."""
+    host_memory_gib: float = 256.0
+    """Host (CPU) memory per GPU, GiB: the node's RAM shared out; what offloading fills."""
+    host_memory_bandwidth_gbs: float = 75.0
+    """Host memory bandwidth per GPU, GB/s: the speed of an optimizer stepping on the CPU."""
+    pcie_gbs: float = 50.0
+    """Copies between device and host memory per GPU, GB/s, each way (PCIe)."""
     gpus_per_node: int
     """Ranks that share the fast link."""
     intra: Link
@@ -95,9 +101,12 @@ class Hardware:
         if unknown or not self.tflops:
             raise ValueError(f"{self.name}: tflops takes {', '.join(DTYPES)}, got "
                              f"{sorted(self.tflops)}")
-        if self.gpus_per_node < 1 or self.memory_gib <= 0 or self.memory_bandwidth_gbs <= 0:
-            raise ValueError(f"{self.name}: gpus_per_node, memory_gib and "
-                             "memory_bandwidth_gbs must be positive")
+        if self.gpus_per_node < 1 or min(self.memory_gib, self.memory_bandwidth_gbs,
+                                         self.host_memory_gib, self.host_memory_bandwidth_gbs,
+                                         self.pcie_gbs) <= 0:
+            raise ValueError(f"{self.name}: gpus_per_node, memory_gib, memory_bandwidth_gbs, "
+                             "host_memory_gib, host_memory_bandwidth_gbs and pcie_gbs must be "
+                             "positive")
         if min(self.layer_overhead_us, self.fsdp_overhead_us, self.tp_overhead_us) < 0:
             raise ValueError(f"{self.name}: host overheads cannot be negative")
         if not 0 < self.matmul_efficiency <= 1:
@@ -135,7 +144,8 @@ class Hardware:
 
 
 def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
-         nvlink_gbs: float, nic_gbs: float, efficiency: float, sms: int) -> Hardware:
+         nvlink_gbs: float, nic_gbs: float, efficiency: float, sms: int, host_gib: float,
+         host_gbs: float, pcie_gbs: float) -> Hardware:
     # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
     # an eager layer's forward and backward launch ~100 kernels at ~4 us each
     # cuBLAS's large bf16 tiles are 256 x 128; a tile's main loop steps 64 deep in K with a
@@ -144,7 +154,8 @@ def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: 
     return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency, sms=sms,
                     gemm_tile=(256, 128), gemm_k0=128.0, overlap_cost=16 / sms,
                     memory_gib=memory_gib, reserved_gib=4.0, layer_overhead_us=400.0,
-                    memory_bandwidth_gbs=memory_tbs * 1000, gpus_per_node=8,
+                    memory_bandwidth_gbs=memory_tbs * 1000, host_memory_gib=host_gib,
+                    host_memory_bandwidth_gbs=host_gbs, pcie_gbs=pcie_gbs, gpus_per_node=8,
                     intra=Link(bandwidth_gbs=nvlink_gbs, latency_us=5.0),
                     inter=Link(bandwidth_gbs=nic_gbs, latency_us=10.0))
 
@@ -154,23 +165,28 @@ def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: 
 # (~230 GB/s A100 NVLink3, ~370 GB/s H100/H200 NVLink4, ~700 GB/s B200 NVLink5). Between nodes:
 # one 200 Gb/s (A100) or 400 Gb/s (H100, H200, B200) NIC per GPU, ~90% of line rate.
 # Efficiency: large bf16 GEMMs reach ~80% of peak on A100 and ~70-75% on H100/H200/B200.
+# The host: DGX A100 and DGX H100/H200 hold 2 TB of RAM for 8 GPUs, DGX B200 4 TB; their two
+# CPUs' memory channels (8 x DDR4-3200 each on A100's EPYC 7742, 8 x DDR5-4800 on H100's
+# Xeon 8480C, DDR5-5600 on B200's 8570) shared by 8 GPUs: ~50, ~75 and ~90 GB/s each. PCIe
+# Gen4 x16 (A100) moves ~25 GB/s each way in practice, Gen5 (H100 on) ~50.
 HARDWARE: dict[str, Hardware] = {
     "a100-80gb": _gpu("a100-80gb", tflops={"fp32": 19.5, "tf32": 156, "bf16": 312},
                       memory_gib=80, memory_tbs=2.039, nvlink_gbs=230, nic_gbs=22.5,
-                      efficiency=0.8, sms=108),
+                      efficiency=0.8, sms=108, host_gib=232, host_gbs=50, pcie_gbs=25),
     "h100-sxm": _gpu("h100-sxm", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                      memory_gib=80, memory_tbs=3.35, nvlink_gbs=370, nic_gbs=45,
-                     efficiency=0.75, sms=132),
+                     efficiency=0.75, sms=132, host_gib=232, host_gbs=75, pcie_gbs=50),
     "h200": _gpu("h200", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                  memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45, efficiency=0.75,
-                 sms=132),
+                 sms=132, host_gib=232, host_gbs=75, pcie_gbs=50),
     "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7,
-                 sms=148),
+                 sms=148, host_gib=465, host_gbs=90, pcie_gbs=50),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
     "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,
-                    memory_gib=5.9, memory_bandwidth_gbs=9, gpus_per_node=4,
+                    memory_gib=5.9, memory_bandwidth_gbs=9, host_memory_gib=5.9,
+                    host_memory_bandwidth_gbs=9, pcie_gbs=9, gpus_per_node=4,
                     layer_overhead_us=1400.0, fsdp_overhead_us=7000.0,
                     tp_overhead_us=24000.0, asynchronous=False,
                     intra=Link(bandwidth_gbs=0.8, latency_us=600.0),

@@ -15,7 +15,7 @@ from typing import Any
 
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
-from meshlab.plan.formulas import RECOMPUTE_MODES, ZERO_STAGES
+from meshlab.plan.formulas import RECOMPUTE_MODES, REPLICA_SYNC, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
 
@@ -45,9 +45,10 @@ SHARD_UNITS = ("layer", "weight")
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule of a layout that names none: the only one a layout without a pipeline has."""
 ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
-           "sp": "sequence_parallel", "v": "virtual"}
-"""Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's."""
-_COUNTS = ("virtual", "micro_batch", "microbatches")  # the planner's own whole numbers >= 1
+           "sp": "sequence_parallel", "v": "virtual", "grad_accum": "microbatches"}
+"""Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's
+(without a pipeline, the micro-batches are gradient accumulation's micro-steps)."""
+_COUNTS = ("virtual", "micro_batch", "microbatches", "sync_every")  # whole numbers >= 1
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
@@ -92,6 +93,19 @@ class Layout:
     overlap_grad_reduce: bool = True
     """Gradients reduced during the backward, bucket by bucket (torch DDP, FSDP, Megatron's
     --overlap-grad-reduce); off: after it (Megatron-LM before 2023)."""
+    offload_params: bool = False
+    """With zero 2 or 3: the shards of parameters, gradients and optimizer states in host
+    memory, copied over PCIe for every gather and reduce-scatter, the optimizer stepping on
+    the CPU (FSDP2's CPUOffloadPolicy; ZeRO-Offload's placement of the states)."""
+    offload_activations: bool = False
+    """What each layer saves for backward copied to host memory in the forward and back in
+    the backward; the device holds the layers being computed only."""
+    replica_sync: str = "every_step"
+    """How the dp_replicate replicas agree: every_step (gradients reduced each step: DDP,
+    HSDP), local_sgd (parameters averaged every sync_every steps) or diloco (an outer step on
+    the averaged pseudo-gradient every sync_every steps)."""
+    sync_every: int = 1
+    """H: optimizer steps between the replicas' synchronisations (local_sgd, diloco)."""
 
     def __post_init__(self) -> None:
         # the degrees are checked again, in full, by MeshSpec below: this names the fix first
@@ -113,12 +127,31 @@ class Layout:
         if self.schedule not in BUILDERS:
             raise ValueError(f"schedule must be one of {', '.join(BUILDERS)}, "
                              f"got {self.schedule!r}")
+        self._check_offload_and_replicas()
         if self.schedule in TAKES_VIRTUAL and self.virtual == 1:
             raise ValueError(f"schedule={self.schedule} with v=1 would run plain 1F1B: give "
                              "v=2 or more stages per rank, or schedule=1f1b")
         # MeshSpec's own checks (ep divides dp_shard x cp and is a multiple of cp, ...): a
         # layout is refused exactly where %mesh init would refuse its mesh
         _ = self.mesh_spec
+
+    def _check_offload_and_replicas(self) -> None:
+        """The rules meshlab.parallel's ParallelPlan keeps, so a plan is one it can run."""
+        if self.offload_params and self.zero < 2:
+            raise ValueError(f"offload_params with zero={self.zero}: the shards FSDP keeps are "
+                             "what is offloaded; use zero=2 or zero=3")
+        if self.replica_sync not in REPLICA_SYNC:
+            raise ValueError(f"replica_sync must be one of {', '.join(REPLICA_SYNC)}, got "
+                             f"{self.replica_sync!r}")
+        if self.sync_every > 1 and self.replica_sync == "every_step":
+            raise ValueError(f"sync_every={self.sync_every} needs replica_sync=local_sgd or "
+                             "replica_sync=diloco: every_step synchronises every step")
+        if self.replica_sync != "every_step" and self.dp_replicate < 2:
+            raise ValueError(f"replica_sync={self.replica_sync} synchronises dp_replicate "
+                             "replicas, and this layout has none: give dp_replicate=2 or more")
+        if self.replica_sync != "every_step" and (self.pp > 1 or self.ep > 1):
+            raise ValueError(f"replica_sync={self.replica_sync} with pp or ep is not verified "
+                             "in meshlab.parallel: use pp=1 ep=1")
 
     @cached_property
     def mesh_spec(self) -> MeshSpec:
@@ -177,6 +210,9 @@ class Layout:
             parts.append(f"shard_unit={self.shard_unit}")
         if not self.overlap_grad_reduce:
             parts.append("overlap_grad_reduce=0")
+        parts += [f"{k}=1" for k in ("offload_params", "offload_activations") if getattr(self, k)]
+        if self.replica_sync != "every_step":
+            parts.append(f"replica_sync={self.replica_sync} sync_every={self.sync_every}")
         return " ".join(parts)
 
     @classmethod

@@ -1,6 +1,7 @@
 """Memory per GPU: ZeRO's parameter, gradient and optimizer bytes, Korthikanti's activations
 (counted for the model's own attention, MLP and dropout) times the micro-batches the schedule
-keeps in flight, the logits, and communication buffers."""
+keeps in flight, the logits, and communication buffers; and what offloading moves to the
+host's memory."""
 
 from __future__ import annotations
 
@@ -10,9 +11,28 @@ from meshlab.plan.stage import Stage
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 
 
+def layer_bytes(stage: Stage, recompute: str) -> float:
+    """Activations one layer saves for backward, per micro-batch on one GPU."""
+    lay, m = stage.layout, stage.model
+    return layer_activation_bytes(  # counted for 2-byte activations
+        seq=stage.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
+        q_width=m.heads * m.head_dim, kv_width=m.n_kv_heads * m.head_dim,
+        ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
+        tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
+        scores=not lay.flash_attention) * stage.dtypes.activations / 2
+
+
+def sharded_params(stage: Stage) -> float:
+    """Parameter bytes of this GPU's ZeRO shards (experts sharded outside their ep group)."""
+    lay = stage.layout
+    dense, expert = stage.params
+    return (dense / lay.shard_group + expert / (lay.shard_group // lay.ep)) * stage.dtypes.params
+
+
 def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
-    """Bytes per GPU: params, grads, optimizer, activations, buffers, total; ``inflight`` is
-    the peak of micro-batch chunks in flight (from the pipeline simulation)."""
+    """Bytes per GPU: params, grads, optimizer, activations, buffers and their total on the
+    device, and what offloading keeps in host memory (``host``); ``inflight`` is the peak of
+    micro-batch chunks in flight (from the pipeline simulation)."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
     dense, expert = stage.params
     kw = dict(stage=lay.zero, param_bytes=dt.params, grad_bytes=dt.grads,
@@ -21,19 +41,23 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     if expert:  # experts are sharded over the data ranks outside their ep group
         experts = zero_bytes(round(expert), dp=lay.shard_group // lay.ep, **kw)
         states = {k: states[k] + experts[k] for k in states}
-
-    def layer_bytes(recompute: str) -> float:  # counted for 2-byte activations
-        return layer_activation_bytes(
-            seq=stage.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
-            q_width=m.heads * m.head_dim, kv_width=m.n_kv_heads * m.head_dim,
-            ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
-            tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
-            scores=not lay.flash_attention) * dt.activations / 2
+    if lay.replica_sync == "diloco":  # the last synchronised fp32 parameters, the outer momentum
+        states["optimizer"] += 2 * 4 * (dense + expert) / (lay.shard_group if lay.zero >= 2
+                                                            else 1)
+    host = 0.0
+    if lay.offload_params:  # the shards on the host; ZeRO-2 keeps its gathered copy
+        host = sharded_params(stage) + states["grads"] + states["optimizer"]
+        states = {"params": states["params"] if lay.zero == 2 else 0.0, "grads": 0.0,
+                  "optimizer": 0.0}
 
     chunk_layers = stage.layers / lay.stages_per_rank
-    activations = layer_bytes(lay.recompute) * chunk_layers * inflight
+    activations = layer_bytes(stage, lay.recompute) * chunk_layers * inflight
+    if lay.offload_activations:  # the device keeps the layer computed and the one copied
+        kept = min(activations, 2 * layer_bytes(stage, lay.recompute))
+        host += activations - kept
+        activations = kept
     if lay.recompute == "full":  # one layer's activations exist while it is recomputed
-        activations += layer_bytes("none")
+        activations += layer_bytes(stage, "none")
     # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
     activations += 2 * 4 * stage.tokens * m.vocab / lay.tp
     if lay.zero == 3:  # a unit gathered, the next prefetched, its gradients unsharded
@@ -46,4 +70,5 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
            "optimizer": states["optimizer"], "activations": activations,
            "buffers": buffers}
     out["total"] = sum(out.values())
+    out["host"] = host
     return out

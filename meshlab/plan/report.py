@@ -44,9 +44,12 @@ class Plan:
     def rows(self) -> list[dict[str, Any]]:
         """One dict per layout, as ``table`` shows them (plain Python values)."""
         rows = []
+        offloads = any(e.memory["host"] for e in self.estimates)
         for e in self.estimates:
             row = {"layout": e.layout.describe(), "fits": e.fits,
-                   "memory_gib": _sig(e.memory["total"] / GIB), "step_s": _sig(e.step_s),
+                   "memory_gib": _sig(e.memory["total"] / GIB),
+                   **({"host_gib": _sig(e.memory["host"] / GIB)} if offloads else {}),
+                   "step_s": _sig(e.step_s),
                    "bubble": round(e.bubble_fraction, 3),
                    "exposed_comm_s": _sig(e.exposed_comm_s),
                    "tokens_per_s": _whole(e.tokens_per_s),
@@ -76,7 +79,8 @@ class Plan:
     def comm_rows(self, index: int = 0) -> list[dict[str, Any]]:
         """The collectives of one layout (the best by default), slowest first, as dicts."""
         rows = [{"axis": c.axis, "what": c.what, "collective": c.collective, "ranks": c.ranks,
-                 "link": "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
+                 "link": "PCIe" if c.collective == "copy" else
+                 "inter-node" if c.inter_node else "intra-node", "calls": c.calls,
                  "mib_each": round(c.nbytes / 2**20, 2), "seconds": c.seconds,
                  "overlapped": c.overlapped} for c in self.estimates[index].collectives]
         return sorted(rows, key=lambda row: -row["seconds"])
@@ -94,7 +98,8 @@ class Plan:
         e = self.best
         best = {"layout": e.layout.describe(), "settings": dataclasses.asdict(e.layout),
                 "fits": e.fits,
-                "memory_gib": {part: e.memory[part] / GIB for part in (*MEMORY_PARTS, "total")},
+                "memory_gib": {part: e.memory[part] / GIB
+                               for part in (*MEMORY_PARTS, "total", "host")},
                 "step_s": e.step_s, "compute_s": e.compute_s, "pipeline_s": e.pipeline_s,
                 "bubble": e.bubble_fraction, "exposed_comm_s": e.exposed_comm_s,
                 "optimizer_s": e.optimizer_s, "tokens_per_step": e.tokens_per_step,
@@ -114,12 +119,16 @@ class Plan:
     def text(self) -> str:
         """A few lines on the best layout."""
         e = self.best
+        host = e.memory["host"]
         lines = [f"{self.model.name} ({_count(self.model.params)} parameters) on "
                  f"{self.gpus} x {self.hardware.name}, global batch {e.layout.global_batch} "
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
-                 f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU "
-                 f"({'fits' if e.fits else 'does NOT fit'} in "
-                 f"{self.hardware.usable_bytes / GIB:.0f} GiB), step {e.step_s:.3g} s, "
+                 f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU"
+                 + (f" + {e.memory['host'] / GIB:.3g} GiB of host memory" if host else "")
+                 + f" ({'fits' if e.fits else 'does NOT fit'} in "
+                 f"{self.hardware.usable_bytes / GIB:.0f} GiB"
+                 + (f" + {self.hardware.host_memory_gib:.0f} GiB" if host else "")
+                 + f"), step {e.step_s:.3g} s, "
                  f"{e.tokens_per_s:,.0f} tokens/s, per GPU {e.tflops_per_gpu:.3g} model / "
                  f"{e.hw_tflops_per_gpu:.3g} hardware TFLOP/s (recompute counted), MFU "
                  f"{e.mfu:.2g}, HFU {e.hfu:.2g}, bubble {e.bubble_fraction:.0%}"]

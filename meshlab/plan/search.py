@@ -24,6 +24,9 @@ SEARCHED = (*(a for a in AXES if a != "dp_shard"), "ep", "zero", "micro_batch", 
 # the schedules production trainers run by default (Megatron, torchtitan); any other is
 # tried when pinned (schedule=zbv)
 SEARCHED_SCHEDULES = (DEFAULT_SCHEDULE, "interleaved_1f1b")
+KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every")
+"""Options a search does not try on its own (offloading trades speed for memory; local SGD
+and DiLoCo change the training), kept for every candidate when a constraint names them."""
 _OPS = {"=": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
         "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
@@ -42,10 +45,16 @@ def parse_constraints(text: str) -> dict[str, Any]:
                              f"NAME>=VALUE, NAME one of {', '.join(SEARCHED)}")
         name, op, value = match.groups()
         name = ALIASES.get(name, name)
+        if name in KEPT:
+            if op != "=":
+                raise ValueError(f"constraint {token!r}: {name} takes = only")
+            out[name] = ("=", Layout.stated(f"{name}={value}")[name])
+            continue
         # candidates() reads only these: any other name would be silently ignored
         if name not in (*SEARCHED, "dp_shard"):
             raise ValueError(f"constraint {token!r}: {name} is not searched; choose from "
-                             f"{', '.join(SEARCHED)} (precision is search's own option)")
+                             f"{', '.join((*SEARCHED, *KEPT))} (precision is search's own "
+                             "option)")
         number = value.lstrip("-").isdigit()
         if name in ("recompute", "schedule"):
             if op != "=":
@@ -63,7 +72,10 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
     """Every layout of ``gpus`` GPUs with ``global_batch`` sequences per step that the model
     can take (divisibility) and that meets the constraints; ``settings`` are Layout fields
     every candidate keeps (the software a run has: ``flash_attention=False``, ...)."""
-    cons = constraints or {}
+    cons = dict(constraints or {})
+    # the options every candidate keeps: a setting, and where the layout needs them
+    kept = {**(settings or {}), **{k: cons.pop(k)[1] for k in KEPT if k in cons}}
+    replicas = kept.get("replica_sync", "every_step") != "every_step"
 
     def allowed(name: str, values: Iterable[Any]) -> list[Any]:
         if name not in cons:
@@ -76,12 +88,13 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
     tps = allowed("tp", [t for t in _powers_of_two(hardware.gpus_per_node)
                          if model.n_kv_heads % t == 0 and model.ffn % t == 0])
     # any pipeline depth that divides the GPUs (12 and 35 ran at scale, not only powers of 2)
-    pps = allowed("pp", [p for p in range(1, min(gpus, model.layers) + 1) if gpus % p == 0])
+    pps = allowed("pp", [p for p in range(1, min(gpus, model.layers) + 1) if gpus % p == 0]
+                  if not replicas else [1])
     cps = allowed("cp", [c for c in _powers_of_two(16) if model.seq_len % (2 * c) == 0]
                   if model.seq_len >= 16384 else [1])
     eps = allowed("ep", [e for e in _powers_of_two(model.experts) if model.experts % e == 0]
-                  if model.experts else [1])
-    zeros = allowed("zero", [0, 1, 2, 3])
+                  if model.experts and not replicas else [1])
+    zeros = allowed("zero", [2, 3] if kept.get("offload_params") else [0, 1, 2, 3])
     mbss = allowed("micro_batch", list(range(1, 9)))
     recomputes = allowed("recompute", ["none", "selective", "full"])
     schedules = allowed("schedule", SEARCHED_SCHEDULES)
@@ -104,7 +117,7 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
         # HSDP: shard inside a node's worth of data ranks, replicate across
         reps = {1, max(1, dp // max(1, hardware.gpus_per_node // (tp * cp)))}
         for dp_replicate in allowed("dp_replicate", sorted(reps)):
-            if dp % dp_replicate:
+            if dp % dp_replicate or (replicas and dp_replicate == 1):
                 continue
             dp_shard = dp // dp_replicate
             if "dp_shard" in cons and not _OPS[cons["dp_shard"][0]](dp_shard,
@@ -122,7 +135,7 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
                              tp=tp, ep=ep, zero=zero, micro_batch=mbs,
                              microbatches=microbatches, recompute=recompute,
                              schedule=schedule, virtual=virtual, precision=precision,
-                             **(settings or {}))
+                             **kept)
 
 
 def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: int,

@@ -533,7 +533,8 @@ def test_load_and_hardware_report_a_missing_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("change, match", [
     ({"tflops": {"fp16": 1.0}}, r"tflops takes fp32, tf32, bf16, fp8, got \['fp16'\]"),
     ({"matmul_efficiency": 1.5}, r"matmul_efficiency must be in \(0, 1\]"),
-    ({"gpus_per_node": 0}, r"gpus_per_node, memory_gib and memory_bandwidth_gbs must be"),
+    ({"gpus_per_node": 0}, r"gpus_per_node, memory_gib, memory_bandwidth_gbs, .* must be"),
+    ({"pcie_gbs": 0}, r"host_memory_bandwidth_gbs and pcie_gbs must be positive"),
     ({"collectives": {"broadcast": Link(bandwidth_gbs=1, latency_us=1)}},
      r"unknown collectives \['broadcast'\]"),
 ])
