@@ -128,7 +128,8 @@ def activation_placement(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple
         local = _local(t)
         ptr = _data_ptr(local)
         key = (ptr, int(local.storage_offset()), local.numel())
-        if ptr not in params and key not in seen and local.device.type != "meta":
+        # FSDP2's gathered parameters are not the shards in ``params``: known by their type
+        if not (is_parameter(t) or ptr in params or key in seen or local.device.type == "meta"):
             seen.add(key)
             total += local.numel() * local.element_size()
         return t
@@ -139,6 +140,13 @@ def activation_placement(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple
     finally:  # a forward without backward leaves FSDP2's root gathered: undo it
         reshard(model)
     return total, sum(hooks.moved for hooks in offloads)
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a parameter or a view of one (the transposed weight a linear layer
+    saves for backward), FSDP2's gathered parameters included: no activation, and resident
+    anyway, so not worth offloading."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from meshlab.memory import is_parameter
 from meshlab.parallel.blocks import find_blocks, items
 
 
@@ -41,7 +42,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self.pack, self.unpack)
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if isinstance(tensor, nn.Parameter):  # resident anyway: copying it saves nothing
+        if is_parameter(tensor):  # resident anyway: copying it saves nothing
             return tensor
         shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         self.moved += shard.numel() * shard.element_size()

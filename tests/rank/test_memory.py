@@ -240,6 +240,47 @@ def test_offloaded_fsdp_shards_count_as_host_memory(fake_world: int) -> None:
     assert report.params == measure(kept).params and report.host == report.total
 
 
+class _TwoLinears(nn.Module):
+    """Blocks that save their inputs and one transposed weight, nothing twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))
+
+
+def test_offloading_copies_activations_not_the_weights_linears_save() -> None:
+    from meshlab.memory import activation_placement
+    from meshlab.parallel.offload import apply_activation_offload
+
+    torch.manual_seed(0)
+    plain, x = _TwoLinears(), torch.randn(3, 16)
+    offloaded = apply_activation_offload(copy.deepcopy(plain))
+    # the two inputs, 3 x 16 floats each; the second layer's weight.t() is the weight
+    assert activation_placement(plain, x) == (2 * 3 * 16 * 4, 0)
+    assert activation_placement(offloaded, x) == (0, 2 * 3 * 16 * 4)
+
+
+def test_activations_leave_out_the_weights_fsdp_gathers(fake_world: int) -> None:
+    # FSDP2 swaps in gathered parameters for the forward, in storage apart from its shards
+    # (and freed after each block, so addresses repeat): they are no activations either
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshlab.memory import activation_placement
+    from meshlab.models import ModelConfig, Transformer, global_batch
+    from meshlab.parallel.fsdp import apply_fsdp
+
+    inputs, _ = global_batch(step=0, batch=2, seq=16, vocab=256)
+    mesh = init_device_mesh("cpu", (fake_world,), mesh_dim_names=("dp_shard_cp",))
+    torch.manual_seed(0)
+    plain = Transformer(ModelConfig())
+    for reshard in (True, False):  # ZeRO-3, ZeRO-2
+        sharded = apply_fsdp(copy.deepcopy(plain), mesh, reshard_after_forward=reshard)
+        assert activation_placement(sharded, inputs) == activation_placement(plain, inputs)
+
+
 def _fsdp_root_with_params(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     # The root holds parameters of its own: FSDP2 keeps those gathered after a forward.
     from torch.distributed.device_mesh import init_device_mesh

@@ -9,6 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from meshlab.notebook.charts import VEGALITE
 from meshlab.notebook.output import strip_ansi
 
 pytestmark = pytest.mark.notebook
@@ -253,3 +254,88 @@ def test_bring_your_own_model_notebook_matches_one_process_for_each_strategy(
     assert "Out[ranks 0-3]: True" in everything  # every check, on every rank
     assert "reduce_scatter" in everything and "all_gather" in everything  # the traced step
     assert scratch_files(nb) == ["launch.sh", "train.py"]
+
+
+def frame_rows(shown: str) -> dict[str, dict[str, str]]:
+    """A DataFrame's text (pandas wraps wide ones into blocks of columns) as
+    ``{row label: {column: value}}``; values without spaces."""
+    rows: dict[str, dict[str, str]] = {}
+    for block in re.split(r"\n\s*\n", shown.strip()):
+        lines = [line for line in block.splitlines() if line.strip()]
+        columns = lines[0].replace("\\", " ").split()
+        for line in lines[2:]:  # under the header and the index's name
+            label, *values = line.replace("\\", " ").split()
+            if len(values) == len(columns):
+                rows.setdefault(label, {}).update(zip(columns, values, strict=True))
+    return rows
+
+
+def test_playbook_notebook_checks_each_technique_against_its_reference(tmp_path: Path) -> None:
+    nb = execute("13-the-rest-of-the-playbook.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = {c.source.splitlines()[-1]: texts(c) for c in code}
+    everything = "\n".join(shown.values())
+    for name in ("ZeRO-2, grad_accum=4", "ZeRO-3, grad_accum=4",
+                 "ZeRO-3, batch warm-up 8 -> 32 rows", "ZeRO-3, params + activations offloaded",
+                 "HSDP (every step)", "local SGD, H=2", "DiLoCo, H=2"):
+        assert re.search(rf"{re.escape(name)}\s+matches one process: True", everything), name
+    assert "Out[ranks 0-3]: True" in everything  # every check, on every rank
+    assert "global batch per step: [8, 8, 16, 24, 32, 32]" in everything
+
+    # accumulation: the gradients reduced once per 4 micro-steps, 4 times without holding back
+    def traced(way: str) -> tuple[int, int, int]:
+        row = re.search(rf"^{re.escape(way)}\s+(\d+)\s+([\d,]+)\s+(\d+)$", everything, re.M)
+        assert row, way
+        calls, nbytes, gathers = row.groups()
+        return int(calls), int(nbytes.replace(",", "")), int(gathers)
+
+    one = traced("one step on 16 rows")
+    held = traced("grad_accum=4, held back")
+    each = traced("4 micro-steps, reduced each time")
+    assert one[0] > 0 and held[:2] == one[:2], (one, held)
+    assert each[:2] == (4 * held[0], 4 * held[1]), (held, each)
+    assert held[2] == 4 * one[2]  # while each micro-step gathers the parameters again
+    comms = next(texts(c) for c in code if c.source.startswith("%%mesh --comms"))
+    for op, count in (("reduce_scatter", one[0]), ("all_gather", held[2])):
+        assert re.search(rf"0-3\s+{op}\s+dp_shard\s+\[0-3\]\s+{count}\s", comms), comms
+
+    # offloading: the states and the blocks' activations counted in host memory
+    kept = frame_rows(shown["%mesh memory kept kept_opt --inputs batch[0]"])
+    moved = frame_rows(shown["%mesh memory offloaded offloaded_opt --inputs batch[0]"])
+    assert sorted(kept) == sorted(moved) == ["0", "1", "2", "3"], (kept, moved)
+    for rank in "0123":
+        k, m = ({c: int(v) for c, v in r[rank].items() if v.isdigit()} for r in (kept, moved))
+        states = sum(m[c] for c in ("params", "grads", "optimizer"))
+        assert k["host"] == 0 and k["device"] == k["total"], k
+        assert m["host"] > states > 0 and m["device"] + m["host"] == m["total"], m
+        assert 0 < m["device"] < k["activations"], (k, m)
+
+    # local SGD and DiLoCo: the bytes between replicas fall by H=4, those within do not
+    def per_step(method: str) -> tuple[int, int]:
+        row = re.search(rf"^\s*{re.escape(method)}\s+([\d,]+)\s+([\d,]+)\s+[\d.]+$", everything,
+                        re.M)
+        assert row, method
+        between, within = row.groups()
+        return int(between.replace(",", "")), int(within.replace(",", ""))
+
+    hsdp = per_step("HSDP")
+    assert hsdp[0] > 0
+    assert per_step("HSDP, grad_accum=2")[0] == hsdp[0]
+    for method in ("local SGD, H=4", "DiLoCo, H=4"):
+        assert per_step(method) == (hsdp[0] // 4, hsdp[1]) and hsdp[0] % 4 == 0, method
+        assert f"HSDP sends 4.00x the bytes per step of {method}" in everything
+
+    # the charts: offline (Vega-Lite spec with its data inline, and an SVG), none from a CDN
+    charts = [o["data"] for c in code for o in c.outputs if "image/svg+xml" in o.get("data", {})]
+    assert len(charts) == 5  # --comms, 2 x %mesh memory, the loss curves, the bytes per step
+    assert all(VEGALITE in d and "application/javascript" not in d for d in charts)
+    lines = next(d[VEGALITE] for d in charts if d[VEGALITE].get("mark", {}).get("type") == "line")
+    points = next(iter(lines["datasets"].values()))
+    curves: dict[str, list[float]] = {}
+    for point in points:
+        curves.setdefault(point["method"], []).append(point["loss"])
+    assert list(curves) == ["HSDP", "HSDP, grad_accum=2", "local SGD, H=4", "DiLoCo, H=4"]
+    assert all(len(c) == 24 and c[-1] < c[0] - 1 for c in curves.values()), curves
+    # accumulated micro-steps train like whole steps, for all 24 of them
+    assert max(abs(a - b) for a, b in zip(curves["HSDP"], curves["HSDP, grad_accum=2"],
+                                          strict=True)) < 1e-4
