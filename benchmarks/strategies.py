@@ -20,6 +20,9 @@ STRATEGIES = [  # (name, mesh, plan, model config)
     ("ZeRO-3 (FSDP2)", "dp=4", "data_parallel='zero3'", ""),
     ("DDP, accum 2", "dp=4", "data_parallel='ddp', grad_accum=2", ""),
     ("ZeRO-3, accum 2", "dp=4", "data_parallel='zero3', grad_accum=2", ""),
+    ("ZeRO-3, offload params", "dp=4", "data_parallel='zero3', offload_params=True", ""),
+    ("ZeRO-3, offload activations", "dp=4", "data_parallel='zero3', offload_activations=True",
+     ""),
     ("HSDP 2x2", "dp_replicate=2 dp=2", "data_parallel='zero3'", ""),
     ("local SGD 2x2, H=4", "dp_replicate=2 dp=2",
      "data_parallel='zero3', replica_sync='local_sgd', sync_every=4", ""),
@@ -95,10 +98,10 @@ def main() -> None:
                 "max_seq_len=64", model))), steps=args.steps)
             rows.append((name, spec, seconds))
     base = {"": rows[0][2], "MoE": rows[-1][2]}
-    print(f"{'strategy':<18} {'mesh':<20} {'step ms':>8} {'tokens/s':>9} {'time/DDP':>9}")
+    print(f"{'strategy':<28} {'mesh':<20} {'step ms':>8} {'tokens/s':>9} {'time/DDP':>9}")
     for name, spec, seconds in rows:
         ref = base["MoE"] if "MoE" in name else base[""]
-        print(f"{name:<18} {spec:<20} {seconds * 1e3:>8.1f} {tokens / seconds:>9.0f} "
+        print(f"{name:<28} {spec:<20} {seconds * 1e3:>8.1f} {tokens / seconds:>9.0f} "
               f"{seconds / ref:>9.2f}")
 
 
