@@ -26,6 +26,7 @@ CONFIGS = [  # 5 steps with H=2: synchronised after steps 2 and 4, then one step
     ("dp_replicate=2 dp=2", "data_parallel='zero3', replica_sync='local_sgd', sync_every=2"),
     ("dp_replicate=2 dp=2", "data_parallel='zero3', replica_sync='diloco', sync_every=2"),
     ("dp_replicate=2 dp=2", "data_parallel='ddp', replica_sync='diloco', sync_every=2"),
+    ("dp_replicate=2 dp=2", "data_parallel='zero1', replica_sync='local_sgd', sync_every=2"),
     ("dp_replicate=2 tp=2", "data_parallel='zero3', replica_sync='diloco', sync_every=2"),
     ("dp_replicate=4", "data_parallel='none', replica_sync='local_sgd', sync_every=3"),
 ]

@@ -46,8 +46,9 @@ def test_offloaded_activations_leave_the_gpu_and_train_alike() -> None:
         loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
         loss.backward()
         grads.append([p.grad for p in model.parameters()])
-    # pinned copies out and back: the same values, so the same gradients bit for bit
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # pinned copies out and back: the same values; the embedding's backward adds with
+    # atomics on a GPU, so the order of its sums (its last bits) may differ
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads, strict=True))
 
 
 def test_offloaded_fsdp_trains_like_fsdp_with_its_shards_on_the_host(one_rank: None) -> None:
@@ -75,7 +76,8 @@ def test_offloaded_fsdp_trains_like_fsdp_with_its_shards_on_the_host(one_rank: N
             losses.append(loss.item())
         report = measure(model, opt)
         assert report.host == (report.total if offload else 0)
-        runs.append((losses, [p.full_tensor().cpu() for p in model.parameters()]))
+        # one rank: its shard is the whole parameter (on the host when offloaded)
+        runs.append((losses, [p.to_local().detach().cpu() for p in model.parameters()]))
     (losses, params), (off_losses, off_params) = runs
     # AdamW on the CPU rather than the GPU: fp32 either way, rounding may differ in the
     # last bits (1e-5 is far below a 1e-2 step's change)
