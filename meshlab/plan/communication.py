@@ -223,6 +223,8 @@ class Communication:
         s = self.stage
         lay, dt = s.layout, s.dtypes
         to_device = to_host = 0.0
+        if not s.hardware.asynchronous:  # CPU ranks: host memory is the device's, no copies
+            return 0.0
         if lay.offload_params:
             dense, expert = s.params
             grads = (dense / lay.shard_group + expert / (lay.shard_group // lay.ep)) * dt.grads

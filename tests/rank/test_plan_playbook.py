@@ -89,6 +89,15 @@ def test_slow_pcie_is_named_as_the_bottleneck() -> None:
                                                       rel=1e-6)
 
 
+def test_cpu_ranks_copy_nothing_to_offload() -> None:
+    # their host memory is the device's: the states still count as offloaded, the step pays
+    # no copies
+    cpu = dataclasses.replace(HOST, asynchronous=False)
+    layout = Layout(dp_shard=4, zero=3, offload_params=True, offload_activations=True)
+    e = estimate(TINY, layout, cpu)
+    assert e.memory["host"] > 0 and not [c for c in e.collectives if c.collective == "copy"]
+
+
 def test_host_memory_decides_whether_an_offloaded_layout_fits() -> None:
     layout = Layout(dp_shard=4, zero=3, offload_params=True)
     assert estimate(TINY, layout, HOST).fits
