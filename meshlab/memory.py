@@ -21,7 +21,8 @@ from meshlab.plan.formulas import (  # the closed forms live with the planner: n
 )
 
 __all__ = ["RECOMPUTE_MODES", "ZERO_STAGES", "MemoryReport", "activation_bytes",
-           "activation_bytes_per_layer", "activation_placement", "measure", "reshard", "zero_bytes"]
+           "activation_bytes_per_layer", "activation_placement", "local_shard", "measure",
+           "reshard", "zero_bytes"]
 
 @dataclass(slots=True)
 class MemoryReport:
@@ -39,8 +40,9 @@ class MemoryReport:
         return self.params + self.grads + self.optimizer
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor's own numel() is the global tensor's; we want this rank's shard.
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (its own numel() is the global
+    tensor's), else ``t``."""
     if torch.distributed.is_available():
         from torch.distributed.tensor import DTensor
 
@@ -55,7 +57,7 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]],
     ``host[0]``."""
     total = 0
     for tensor in tensors:
-        t = _local(tensor)
+        t = local_shard(tensor)
         if t.device.type == "meta":  # no storage behind it
             continue
         nbytes = t.numel() * t.element_size()
@@ -119,13 +121,13 @@ def activation_placement(model: torch.nn.Module, *inputs: torch.Tensor) -> tuple
                            if hasattr(m, "activation_offload")]
     for hooks in offloads:
         hooks.moved = 0
-    params = {_data_ptr(_local(p)) for p in model.parameters()}
+    params = {_data_ptr(local_shard(p)) for p in model.parameters()}
     seen: set[tuple[int, int, int]] = set()
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        local = _local(t)
+        local = local_shard(t)
         ptr = _data_ptr(local)
         key = (ptr, int(local.storage_offset()), local.numel())
         # FSDP2's gathered parameters are not the shards in ``params``: known by their type

@@ -307,9 +307,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
 
     def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
                ) -> tuple[dict[int, Any], int, dict[int, tuple[int, int]]]:
-        """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and the
-        activation bytes one forward on ``inputs`` saves for backward (if given), on the
-        device and offloaded to host memory."""
+        """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and
+        (device, host) bytes one forward on ``inputs`` saves for backward, if given."""
         self._ranks(None)
         out = self._apply_each(on_ranks.measure_memory, lambda r: {
             "model": model, "optimizer": optimizer, "inputs": inputs})

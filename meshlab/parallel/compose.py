@@ -20,12 +20,12 @@ from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
-from meshlab.parallel.local_sgd import MODES as REPLICA_SYNC
 from meshlab.parallel.local_sgd import ReplicaSync
 from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp
 from meshlab.parallel.zero import apply_zero1
+from meshlab.plan.formulas import REPLICA_SYNC
 from meshlab.schedules import Schedule, ScheduleError, build, canonical, check_virtual
 
 if TYPE_CHECKING:

@@ -25,17 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.plan.formulas import REPLICA_SYNC
+from meshlab.memory import local_shard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-MODES = REPLICA_SYNC  # the planner's vocabulary too (meshlab.plan.formulas)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (a DTensor's local shard, else the tensor)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class ReplicaSync:
@@ -49,7 +42,7 @@ class ReplicaSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.outer: torch.optim.Optimizer | None = None
         if mode == "diloco":  # the synchronised parameters, which the outer optimizer steps
-            self.backup = [local(p).detach().clone() for p in self.params]
+            self.backup = [local_shard(p).detach().clone() for p in self.params]
             self.outer = torch.optim.SGD(self.backup, lr=outer_lr, momentum=outer_momentum,
                                          nesterov=outer_momentum > 0)
 
@@ -62,7 +55,7 @@ class ReplicaSync:
     def sync(self) -> None:
         """Average (local SGD), or step the outer optimizer on the averaged pseudo-gradient."""
         self.syncs += 1
-        shards = [local(p) for p in self.params]
+        shards = [local_shard(p) for p in self.params]
         if self.outer is None:
             for shard in shards:
                 dist.all_reduce(shard, group=self.group)

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from meshlab.memory import is_parameter
+from meshlab.memory import is_parameter, local_shard
 from meshlab.parallel.blocks import find_blocks, items
 
 
@@ -44,7 +44,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def pack(self, tensor: torch.Tensor) -> Any:
         if is_parameter(tensor):  # resident anyway: copying it saves nothing
             return tensor
-        shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        shard = local_shard(tensor)
         self.moved += shard.numel() * shard.element_size()
         if tensor.device.type == "cpu":  # a CPU rank: host memory already
             return tensor.device, tensor
