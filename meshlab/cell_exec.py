@@ -102,7 +102,11 @@ def execute(shell: Any, code: str, number: int) -> BaseException | None:
         failure = e
     except BaseException as e:  # shown as IPython shows it, then replied
         failure = e
-        shell.showtraceback(running_compiled_code=True)
+        # from the cell's own frame down: IPython up to 9.10 dropped this function's frame
+        # by tb_offset=1, later ones drop only frames of IPython's own modules
+        user_frames = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        shell.showtraceback((type(e), e.with_traceback(user_frames), user_frames),
+                            tb_offset=0, running_compiled_code=True)
     finally:
         sys.excepthook = excepthook
         shell.last_execution_succeeded = failure is None
