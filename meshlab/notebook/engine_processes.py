@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from typing import Any
 
 import psutil
+
+from meshlab.notebook import forkserver
 
 
 class EngineProcesses:
@@ -26,15 +29,19 @@ class EngineProcesses:
                 for launcher in getattr(engine_set, "launchers", {}).values()]
 
     def exit_codes(self) -> dict[int, int | None]:
-        """pid -> exit code, None while running. Remote launchers report nothing here."""
+        """pid -> exit code (minus the signal), None while running: the engines this process
+        started, a forkserver's (or mpiexec's) own process, and the engines a forkserver on
+        this host forked and reaped. Remote launchers report nothing here."""
         codes: dict[int, int | None] = {}
-        for launcher in self._launchers():
+        for launcher in [*self._launchers(), *self._engine_sets()]:
             process = getattr(launcher, "process", None)  # a psutil.Process of our child
             if process is not None:
                 try:
                     codes[process.pid] = process.wait(0)  # reaps it; psutil keeps the code
                 except psutil.TimeoutExpired:
                     codes[process.pid] = None
+            if getattr(launcher, "exits_file", None):
+                codes.update(forkserver.exit_codes(launcher.exits_file))
         return codes
 
     def cause_of_death(self, pid: int, wait: float = 2.0) -> str:
@@ -49,6 +56,11 @@ class EngineProcesses:
         if code is None and process is not None and wait > 0:
             with contextlib.suppress(psutil.TimeoutExpired, psutil.Error):
                 code = process.wait(wait)
+        forked = any(getattr(s, "exits_file", None) for s in self._engine_sets())
+        deadline = time.monotonic() + wait
+        while code is None and process is None and forked and time.monotonic() < deadline:
+            time.sleep(0.05)  # the forkserver writes it once it has reaped the engine
+            code = self.exit_codes().get(pid)
         if code is None:
             return "its engine stopped responding"
         if code < 0:

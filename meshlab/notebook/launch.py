@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import ipyparallel as ipp
 
-from meshlab.notebook import watchdog
+from meshlab.notebook import forkserver, watchdog
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.profiles import Profile
@@ -23,7 +23,10 @@ from meshlab.notebook.profiles import Profile
 # Errors only: the hub logs a line per request otherwise, into a log that grows for ever.
 # The hub counts an engine once it answers a heartbeat, within two periods: ipyparallel's
 # 3 s made every start wait 3-6 s for it; at 200 ms loaded engines never answered in time.
-CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=1000"]
+# A late answer (to the ping before) still counts, and 20 misses in a row keep a silent
+# engine's detection at 10 s, as 10 misses of 1 s did.
+CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=500",
+                   "--HeartMonitor.max_heartmonitor_misses=20"]
 SLURM_TRAITS = {"queue": "partition", "account": "account", "qos": "qos",
                 "timelimit": "time"}  # [launcher] keys -> the sbatch options they mean
 SHUTDOWN_WAIT = 10.0  # seconds engines get to leave cleanly before the launcher stops them
@@ -73,7 +76,11 @@ def start(profile: Profile, n: int, progress: StartProgress
           ) -> tuple[ipp.Cluster, Any, EngineProcesses]:
     """The controller and ``n`` registered engines: (ipyparallel cluster, client, processes).
     On any failure what was started is stopped again and ClusterError says why."""
-    cluster = ipp.Cluster(n=n, engines=profile.launcher, log_level=logging.ERROR,
+    forked = bool(profile.fork) and profile.launcher == "local"
+    # forked engines start with the controller: the forkserver imports torch meanwhile, and
+    # its engines wait for the controller's connection file (ipyparallel waits 1 s blindly)
+    cluster = ipp.Cluster(n=n, engines=forkserver.launcher_class() if forked else
+                          profile.launcher, log_level=logging.ERROR, delay=0 if forked else 1,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     processes = EngineProcesses(cluster)
     for key, value in launcher_traits(profile, n, cluster.cluster_id,
@@ -108,6 +115,12 @@ def launcher_traits(profile: Profile, n: int, cluster_id: str = "",
         # ipyparallel's default `python3` is the system's, without meshlab
         traits = {"engines": {host: per_host for host in profile.hosts},
                   "remote_python": sys.executable}
+        if profile.fork:  # one login and one forkserver per host, which forks its ranks
+            forked = [sys.executable, "-m", "meshlab.notebook.forkserver", "-n", str(per_host),
+                      "--wait", f"{profile.start_timeout:g}", "--"]
+            traits["engines"] = {host: {"n": 1, "engine_cmd": forked} for host in profile.hosts}
+    elif profile.launcher == "local" and profile.fork:
+        traits = {"wait": profile.start_timeout}
     elif profile.launcher == "mpi":
         # mpiexec does not pass ipyparallel's IPP_* environment to other hosts (Open MPI
         # needs -x, MPICH does it): the engines are told their cluster on the command line

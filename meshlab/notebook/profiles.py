@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -12,6 +13,7 @@ import tomllib
 
 BACKENDS = ("auto", "gloo", "nccl")
 LAUNCHERS = ("local", "ssh", "slurm", "mpi")
+FORKING = ("local", "ssh")  # launchers that can start a host's ranks from one forkserver
 
 
 @dataclass(kw_only=True, slots=True)
@@ -50,6 +52,11 @@ class Profile:
     """Ranks on each host (one per GPU); None: the ranks asked for, split evenly."""
     launcher_options: dict[str, Any] = field(default_factory=dict)
     """Traits for the ipyparallel engine launcher class, e.g. {"timelimit": "1:00:00"}."""
+    fork: bool | None = None
+    """Start each host's ranks by forking one process that imported torch and the engine
+    once (``meshlab.notebook.forkserver``); false: a fresh interpreter per rank. None: on
+    where the launcher can (local, ssh on Linux hosts), off for slurm and mpi, whose ranks
+    their own launchers start."""
 
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
@@ -72,6 +79,12 @@ class Profile:
             if getattr(self, key) <= 0:
                 raise ValueError(f"profile {self.name!r}: {key} must be > 0 seconds")
         self._check_hosts()
+        if self.fork and self.launcher not in FORKING:
+            raise ValueError(f"profile {self.name!r}: fork = true, but the {self.launcher} "
+                             f"launcher starts each rank itself; only {FORKING} fork ranks "
+                             "from one process per host: remove fork from [cluster]")
+        if self.fork is None:
+            self.fork = self.launcher in FORKING and sys.platform == "linux"
 
     def _check_hosts(self) -> None:
         where = f"profile {self.name!r}"
@@ -174,7 +187,7 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
         )
     cluster = dict(data.get("cluster", {}))
     known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug",
-             "controller_ip", "allow_all_interfaces", "hosts", "ranks_per_host"}
+             "controller_ip", "allow_all_interfaces", "hosts", "ranks_per_host", "fork"}
     unknown = set(cluster) - known
     if unknown:
         raise ValueError(

@@ -1,0 +1,228 @@
+"""Engines forked from one process per host that imported their stack once.
+
+A rank's start is mostly imports: torch (~2-3 s of CPU), then IPython, ipyparallel, zmq and
+meshlab's rank side. Started one by one, every rank pays them, and on a host with fewer
+cores than ranks they take turns. Here one process per host pays them once and forks its
+ranks (the zygote, or forkserver, pattern)::
+
+    python -m meshlab.notebook.forkserver -n RANKS [--exits FILE] [--wait S] -- IPENGINE_ARGS...
+
+Why forking here is safe: the fork happens before anything that does not survive one
+exists. No CUDA context (nothing here touches ``torch.cuda``: each child initialises its
+own GPU), no process group, no zmq context or socket (each child's engine makes its own),
+no Python thread. The one native thread an import starts, OpenBLAS's pool (numpy's), is
+shut down by OpenBLAS's own ``pthread_atfork`` handler and restarted in the child on use.
+
+The parent stays: it forwards the signals a launcher sends (SIGTERM to stop, SIGINT,
+SIGKILL is not catchable: then each child gets SIGTERM from the kernel, ``PR_SET_PDEATHSIG``),
+reaps its children and appends ``PID STATUS`` to ``--exits`` as each ends (STATUS is the
+exit code, or minus the signal that killed it), so the notebook can say how a rank died
+as it can for an engine it started itself; it exits when the last child has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+# Imported before forking: what an engine and meshlab's rank side import on start (the
+# ranks' user code imports the rest, as it would under torchrun).
+STACK = ("torch", "torch.distributed", "torch.distributed.device_mesh",
+         "ipyparallel.engine.app", "ipyparallel.engine.kernel", "ipykernel.zmqshell",
+         "meshlab.runtime", "meshlab.cell_server", "meshlab.probe_server",
+         "meshlab.cell_exec", "meshlab.mesh", "meshlab.notebook.on_ranks")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+PR_SET_PDEATHSIG = 1
+
+
+def launcher_class() -> type:
+    """ipyparallel's engine-set launcher that starts ``n`` engines through one forkserver
+    on this host (imported here, on the notebook side only)."""
+    from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher
+    from traitlets import Float, Unicode
+
+    class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
+        """n engines forked from one process that imported torch and the engine once."""
+
+        name = Unicode("ipengine-fork")
+        exits_file = Unicode(help="where the forkserver writes PID STATUS as ranks end"
+                             ).tag(to_dict=True)
+
+        wait = Float(120.0, help="seconds the engines wait for the controller's "
+                     "connection file (they start with the controller)")
+
+        def find_args(self) -> list[str]:
+            return [sys.executable, "-m", "meshlab.notebook.forkserver", "-n", str(self.n),
+                    "--exits", self.exits_file, "--wait", f"{self.wait:g}", "--",
+                    *self.cluster_args, *self.engine_args]
+
+        def start(self, n: int) -> Any:
+            self.n = n
+            if not self.exits_file:
+                self.exits_file = os.path.join(self.profile_dir, "log",
+                                               f"{self.identifier}.exits")
+            return super().start()
+
+    return ForkEngineSetLauncher
+
+
+def exit_codes(path: str) -> dict[int, int]:
+    """pid -> how it ended (exit code, or minus the signal), as a forkserver wrote them."""
+    codes = {}
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            pid, _, status = line.partition(" ")
+            if status.strip():
+                codes[int(pid)] = int(status)
+    return codes
+
+
+def _child(engine_argv: list[str], nannies: socket.socket) -> None:
+    """Become one engine; never returns. Its nanny is asked of the forkserver over
+    ``nannies``, not started as a fresh interpreter."""
+    for sig in FORWARDED:
+        signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):  # Linux: go when the forkserver goes
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    code = 0
+    try:
+        import ipyparallel.engine.app as engine_app
+
+        engine_app.start_nanny = functools.partial(_ask_for_nanny, nannies)
+        sys.argv = ["ipengine", *engine_argv]
+        engine_app.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+    os._exit(code)
+
+
+def _ask_for_nanny(nannies: socket.socket, **kwargs: Any) -> tuple[str, Any]:
+    """ipyparallel's ``start_nanny`` for a forked engine: the same nanny with the same
+    arguments, forked by the forkserver. It writes its url on a pipe whose write end
+    travels with the request; the engine keeps the read end, as it keeps the nanny's
+    stdout, and the nanny leaves when the engine's end closes."""
+    kwargs["pid"] = os.getpid()
+    read, write = os.pipe()
+    socket.send_fds(nannies, [pickle.dumps(kwargs)], [write])
+    os.close(write)
+    pipe = os.fdopen(read, "rb")
+    url = pipe.readline().decode().strip()
+    if not url:
+        raise RuntimeError("the forkserver could not start this engine's nanny")
+    return url, pipe
+
+
+def _fork_nanny(request: socket.socket) -> None:
+    """Serve one engine's request for its nanny (see ``_ask_for_nanny``)."""
+    message, fds, _, _ = socket.recv_fds(request, 1 << 20, 1)
+    if not message or not fds:
+        return
+    if os.fork() == 0:
+        os.setsid()  # as ipyparallel starts it: signals to the engines do not reach it
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        from ipyparallel.engine.nanny import KernelNanny
+
+        code = 0
+        try:
+            KernelNanny.main(pipe=os.fdopen(fds[0], "w", buffering=1),
+                             **pickle.loads(message))
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    os.close(fds[0])
+
+
+def serve(n: int, exits: str, engine_argv: list[str]) -> int:
+    """Import the stack, fork ``n`` engines, fork their nannies as they ask, forward
+    signals, record how each engine ends; return when the last has."""
+    import importlib
+
+    for module in STACK:
+        importlib.import_module(module)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    engines: dict[int, socket.socket] = {}  # pid -> the socket it asks for its nanny on
+    for _ in range(n):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            ours.close()
+            for other in engines.values():
+                other.close()
+            _child(engine_argv, theirs)
+        theirs.close()
+        engines[pid] = ours
+
+    def forward(sig: int, _frame: Any) -> None:
+        for pid in list(engines):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    wake_read, wake_write = os.pipe()  # a child's end wakes the select at once
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    with open(exits, "a", buffering=1) as record:
+        while engines:
+            asking = {sock.fileno(): sock for sock in engines.values()}
+            ready, _, _ = select.select([wake_read, *asking], [], [], 1.0)
+            for fd in ready:
+                if fd == wake_read:
+                    os.read(wake_read, 512)
+                else:
+                    _fork_nanny(asking[fd])
+            while True:  # reap every child that ended: engines are recorded, nannies not
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid in engines:
+                    engines.pop(pid).close()
+                    record.write(f"{pid} {os.waitstatus_to_exitcode(status)}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshlab.notebook.forkserver",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, required=True, help="engines to fork")
+    parser.add_argument("--exits", help="file for PID STATUS lines (none: not recorded)")
+    parser.add_argument("--wait", type=float, default=10.0,
+                        help="seconds an engine waits for the controller's connection file")
+    parser.add_argument("engine_args", nargs=argparse.REMAINDER,
+                        help="-- then ipengine's arguments")
+    args = parser.parse_args(argv)
+    engine_argv = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    return serve(args.n, args.exits or os.devnull,
+                 [f"--IPEngine.wait_for_url_file={args.wait:g}", *engine_argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
