@@ -8,7 +8,8 @@ arrived (a hop between ranks costs ``comm``). Costs are for one rank's share of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshlab.schedules.actions import Action, Schedule, ScheduleError
 from meshlab.schedules.validate import backward_kinds, dependencies, slots
@@ -66,21 +67,38 @@ class Costs:
         return {"F": self.forward, "B": b, "I": i, "W": w}[kind]
 
 
+class Timed(NamedTuple):
+    """One action's place in a simulated step."""
+
+    slot: int
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
 @dataclass
 class Timeline:
     """Start and end of every action; the schedule's makespan and bubbles."""
 
     schedule: Schedule
     costs: Costs
-    events: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per action: rank, slot, stage, kind, microbatch, action, start, end."""
+    timed: list[Timed] = field(default_factory=list)
+    """Every action, by slot then rank."""
+
+    @cached_property
+    def events(self) -> list[dict[str, Any]]:
+        """One dict per action: rank, slot, stage, kind, microbatch, action, start, end."""
+        return [{"rank": t.rank, "slot": t.slot, "stage": t.action.stage,
+                 "kind": t.action.kind, "microbatch": t.action.microbatch,
+                 "action": str(t.action), "start": t.start, "end": t.end} for t in self.timed]
 
     @property
     def makespan(self) -> float:
-        return max((e["end"] for e in self.events), default=0.0)
+        return max((t.end for t in self.timed), default=0.0)
 
     def busy(self, rank: int) -> float:
-        return sum(e["end"] - e["start"] for e in self.events if e["rank"] == rank)
+        return sum(t.end - t.start for t in self.timed if t.rank == rank)
 
     @property
     def bubble_fraction(self) -> float:
@@ -92,12 +110,12 @@ class Timeline:
         """Most micro-batches holding activations at once on ``rank``: from the start of a
         forward until its backward (B, or W when split) ends; one per stage held."""
         changes = []
-        for e in self.events:
-            if e["rank"] == rank:
-                if e["kind"] == "F":
-                    changes.append((e["start"], 1))
-                elif e["kind"] in ("B", "W"):
-                    changes.append((e["end"], -1))
+        for t in self.timed:
+            if t.rank == rank:
+                if t.action.kind == "F":
+                    changes.append((t.start, 1))
+                elif t.action.kind in ("B", "W"):
+                    changes.append((t.end, -1))
         level = peak = 0
         for _, delta in sorted(changes, key=lambda c: (c[0], c[1])):  # frees first on ties
             level += delta
@@ -138,29 +156,54 @@ class Timeline:
 def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False) -> Timeline:
     """Validate (unless the caller has: meshlab's builders' schedules are), then time every
     action: it starts when its rank is free and its inputs (plus one hop of ``comm`` from
-    another rank) have arrived."""
+    another rank) have arrived.
+
+    One event-driven pass: a rank runs down its list until an action's input is not done
+    yet, and waits on that input; finishing it wakes the rank. An action's unit-time slot
+    (``validate.slots``) and its time come out of the same step."""
     if not validated:
         schedule.validate()
     if costs.stage_scale is not None and len(costs.stage_scale) != schedule.stages:
         raise ScheduleError(f"stage_scale has {len(costs.stage_scale)} values, the schedule "
                             f"has {schedule.stages} stages: give one per stage")
-    order = slots(schedule)  # a dependency-respecting order across ranks
     split = backward_kinds(schedule)
     share = schedule.ranks / schedule.stages
-    end: dict[tuple[int, str, int], float] = {}
-    free = dict.fromkeys(range(schedule.ranks), 0.0)
-    timeline = Timeline(schedule, costs)
-    keyed = [(order[(a.stage, a.kind, a.microbatch)], r, a)
-             for r in range(schedule.ranks) for a in schedule.compute_actions(r)]
-    for slot, rank, a in sorted(keyed):
-        ready = free[rank]
-        for dep in dependencies(a, schedule, split):
-            hop = costs.comm if schedule.stage_to_rank[dep[0]] != rank else 0.0
-            ready = max(ready, end[dep] + hop)
-        scale = costs.stage_scale[a.stage] if costs.stage_scale else 1.0
-        finish = ready + costs.of(a.kind) * share * scale
-        end[(a.stage, a.kind, a.microbatch)] = free[rank] = finish
-        timeline.events.append({"rank": rank, "slot": slot, "stage": a.stage, "kind": a.kind,
-                                "microbatch": a.microbatch, "action": str(Action(*a)),
-                                "start": ready, "end": finish})
-    return timeline
+    took = {kind: costs.of(kind) * share for kind in "FBIW"}
+    scale = costs.stage_scale or (1.0,) * schedule.stages
+    rank_of = schedule.stage_to_rank
+    rows = [[(i, a) for i, a in enumerate(schedule.actions[r]) if a is not None]
+            for r in range(schedule.ranks)]
+    position, clock, free = [0] * len(rows), [0] * len(rows), [0.0] * len(rows)
+    done: dict[tuple[int, str, int], tuple[int, float]] = {}  # key -> (next slot, end)
+    waiting: dict[tuple[int, str, int], list[int]] = {}  # key -> ranks blocked on it
+    runnable = list(range(len(rows)))
+    timed = []
+    while runnable:
+        rank = runnable.pop()
+        row = rows[rank]
+        while position[rank] < len(row):
+            index, a = row[position[rank]]
+            deps = dependencies(a, schedule, split)
+            missing = next((dep for dep in deps if dep not in done), None)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            slot, ready = max(index, clock[rank]), free[rank]
+            for dep in deps:
+                dep_slot, dep_end = done[dep]
+                if dep_slot > slot:
+                    slot = dep_slot
+                if rank_of[dep[0]] != rank:
+                    dep_end += costs.comm
+                if dep_end > ready:
+                    ready = dep_end
+            finish = ready + took[a.kind] * scale[a.stage]
+            done[a] = (slot + 1, finish)  # an Action is its own (stage, kind, microbatch) key
+            clock[rank], free[rank] = slot + 1, finish
+            timed.append(Timed(slot, rank, a, ready, finish))
+            position[rank] += 1
+            runnable += waiting.pop(a, ())
+    if any(position[r] < len(row) for r, row in enumerate(rows)):
+        slots(schedule)  # a deadlock the caller vouched against: raises, naming it
+    timed.sort(key=lambda t: (t.slot, t.rank))
+    return Timeline(schedule, costs, timed)
