@@ -41,7 +41,7 @@ STACK = ("torch", "torch.distributed", "torch.distributed.device_mesh",
          "meshlab.runtime", "meshlab.cell_server", "meshlab.probe_server",
          "meshlab.cell_exec", "meshlab.mesh", "meshlab.notebook.on_ranks")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # prctl options (linux/prctl.h)
 
 
 def launcher_class() -> type:
@@ -86,13 +86,19 @@ def exit_codes(path: str) -> dict[int, int]:
     return codes
 
 
+def _prctl(option: int, value: int | bytes) -> None:
+    """Linux's prctl, where there is one (elsewhere nothing happens)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
 def _child(engine_argv: list[str], nannies: socket.socket) -> None:
     """Become one engine; never returns. Its nanny is asked of the forkserver over
     ``nannies``, not started as a fresh interpreter."""
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
-    with contextlib.suppress(OSError, AttributeError):  # Linux: go when the forkserver goes
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # go when the forkserver goes
+    _prctl(PR_SET_NAME, b"ipengine")  # its command line is the forkserver's: ps and top say
     code = 0
     try:
         import ipyparallel.engine.app as engine_app
@@ -137,6 +143,7 @@ def _fork_nanny(request: socket.socket) -> None:
         return
     if os.fork() == 0:
         os.setsid()  # as ipyparallel starts it: signals to the engines do not reach it
+        _prctl(PR_SET_NAME, b"ipengine-nanny")
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from meshlab import Cluster, ClusterError, MeshError
@@ -195,9 +196,18 @@ def test_bad_arguments_name_the_problem(cluster: Cluster, test_profile: object) 
 
 
 @pytest.fixture(scope="module")
-def debug_cluster(test_profile: object) -> Cluster:
-    with Cluster(2, profile=test_profile, debug=True) as c:  # type: ignore[arg-type]
+def debug_cluster(test_profile: Path, tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """Two ranks in debug mode, each started as a fresh interpreter (``fork = false``): the
+    start-up path without a forkserver is the one these tests keep honest."""
+    profile = tmp_path_factory.mktemp("unforked") / "unforked.toml"
+    profile.write_text(test_profile.read_text().replace("[cluster]\n", "[cluster]\nfork = false\n"))
+    with Cluster(2, profile=profile, debug=True) as c:
         yield c  # type: ignore[misc]
+
+
+def test_fork_false_starts_each_rank_as_a_process_of_its_own(debug_cluster: Cluster) -> None:
+    for pid in debug_cluster.status()["pid"]:
+        assert psutil.Process(int(pid)).ppid() == os.getpid()  # no forkserver between
 
 
 def test_debug_mode_reports_mismatched_collectives_at_once(debug_cluster: Cluster) -> None:

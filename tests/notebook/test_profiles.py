@@ -90,7 +90,8 @@ def test_the_launcher_is_told_where_each_hosts_ranks_go() -> None:
 
     from meshlab.notebook.launch import launcher_traits
 
-    ssh = profiles.load("ssh")
+    ssh = profiles.from_dict("s", {"cluster": {"launcher": "ssh", "hosts": ["node1", "node2"],
+                                               "controller_ip": "10.0.0.1", "fork": False}})
     traits = launcher_traits(ssh, 4)
     assert traits["engines"] == {"node1": 2, "node2": 2}
     assert traits["remote_python"] == sys.executable  # not the system's python3

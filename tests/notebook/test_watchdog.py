@@ -72,13 +72,13 @@ def _kinds(procs: list[psutil.Process]) -> dict[str, int]:
     counts = {"controller": 0, "engine": 0, "watchdog": 0}
     for p in procs:
         try:
-            line = " ".join(p.cmdline())
+            line, name = " ".join(p.cmdline()), p.name()
         except psutil.Error:
             continue
         if "ipyparallel.controller" in line:
             counts["controller"] += 1
-        elif "ipyparallel.engine" in line and "nanny" not in line:
-            counts["engine"] += 1
+        elif ("ipyparallel.engine" in line and "nanny" not in line) or name == "ipengine":
+            counts["engine"] += 1  # started as itself, or forked by a forkserver
         elif "meshlab.notebook.watchdog" in line:
             counts["watchdog"] += 1
     return counts

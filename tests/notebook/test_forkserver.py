@@ -1,0 +1,80 @@
+"""A host's ranks forked from one forkserver (the local profile's default): one process
+imports torch and the engine, forks the ranks and their nannies, and reports how each ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from meshlab import Cluster, ClusterError
+from meshlab.notebook import profiles
+from meshlab.notebook.launch import launcher_traits
+
+pytestmark = pytest.mark.cluster
+
+
+def _rank_processes(cluster: Cluster) -> list[psutil.Process]:
+    return [psutil.Process(int(pid)) for pid in cluster.status()["pid"]]
+
+
+def test_the_ranks_are_forked_by_one_forkserver_that_imported_torch(cluster: Cluster) -> None:
+    ranks = _rank_processes(cluster)
+    parents = {p.ppid() for p in ranks}
+    assert len(parents) == 1
+    server = psutil.Process(parents.pop())
+    assert "meshlab.notebook.forkserver" in " ".join(server.cmdline())
+    assert server.ppid() == os.getpid()  # started by this process's launcher
+    assert [p.name() for p in ranks] == ["ipengine"] * 4  # ps says what each one is
+    # imported before the fork: a rank never imported torch itself
+    assert cluster.run("import sys\n'torch' in sys.modules", keep_values=True).values == \
+        dict.fromkeys(range(4), True)
+
+
+def test_each_rank_has_a_forked_nanny_in_a_session_of_its_own(cluster: Cluster) -> None:
+    ranks = _rank_processes(cluster)
+    server = psutil.Process(ranks[0].ppid())
+    nannies = [p for p in server.children() if p.name() == "ipengine-nanny"]
+    assert len(nannies) == 4
+    assert all(os.getsid(p.pid) == p.pid for p in nannies)  # Ctrl-C to a rank skips them
+    # the nanny relays a signal to its rank: a running cell is interrupted through it
+    start = time.monotonic()
+    with pytest.raises(Exception, match="KeyboardInterrupt|time limit"):
+        cluster.run("import time\ntime.sleep(60)", ranks="1", timeout=2)
+    assert time.monotonic() - start < 30
+
+
+def test_a_forked_rank_that_dies_is_reported_with_its_signal(cluster: Cluster) -> None:
+    pid = int(cluster.status().loc[3, "pid"])
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer does
+    deadline = time.monotonic() + 30
+    while 3 not in cluster.dead() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.dead()[3] == "killed by SIGKILL"  # the forkserver reaped it and said how
+    with pytest.raises(ClusterError, match=r"rank 3 died: killed by SIGKILL"):
+        cluster.run("1")
+    # the `cluster` fixture restarts the engines for the next test
+
+
+def test_fork_is_refused_where_the_launcher_starts_each_rank_itself() -> None:
+    with pytest.raises(ValueError, match=r"fork = true, but the slurm launcher starts each "
+                                         r"rank itself.*remove fork"):
+        profiles.from_dict("s", {"cluster": {"launcher": "slurm", "fork": True}})
+    assert profiles.from_dict("s", {"cluster": {"launcher": "slurm"}}).fork is False
+    assert profiles.from_dict("l", {"cluster": {}}).fork is True
+
+
+def test_over_ssh_each_host_starts_one_forkserver_for_its_ranks() -> None:
+    ssh = profiles.load("ssh")
+    engines = launcher_traits(ssh, 4)["engines"]
+    assert set(engines) == {"node1", "node2"}
+    for host in engines.values():
+        assert host["n"] == 1  # one login per host, not one per rank
+        command = host["engine_cmd"]
+        assert command[1:5] == ["-m", "meshlab.notebook.forkserver", "-n", "2"]
+    unforked = profiles.from_dict("u", {"cluster": {
+        "launcher": "ssh", "hosts": ["a", "b"], "controller_ip": "10.0.0.1", "fork": False}})
+    assert launcher_traits(unforked, 4)["engines"] == {"a": 2, "b": 2}
