@@ -49,13 +49,15 @@ def test_each_rank_has_a_forked_nanny_in_a_session_of_its_own(cluster: Cluster) 
 def test_a_forked_rank_that_dies_is_reported_with_its_signal(cluster: Cluster) -> None:
     pid = int(cluster.status().loc[3, "pid"])
     os.kill(pid, signal.SIGKILL)  # as the OOM killer does
-    deadline = time.monotonic() + 30
-    while 3 not in cluster.dead() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert cluster.dead()[3] == "killed by SIGKILL"  # the forkserver reaped it and said how
-    with pytest.raises(ClusterError, match=r"rank 3 died: killed by SIGKILL"):
-        cluster.run("1")
-    # the `cluster` fixture restarts the engines for the next test
+    try:
+        deadline = time.monotonic() + 30
+        while 3 not in cluster.dead() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.dead()[3] == "killed by SIGKILL"  # the forkserver reaped it, said how
+        with pytest.raises(ClusterError, match=r"rank 3 died: killed by SIGKILL"):
+            cluster.run("1")
+    finally:
+        cluster.restart()  # whole again for the tests that share it
 
 
 def test_fork_is_refused_where_the_launcher_starts_each_rank_itself() -> None:
