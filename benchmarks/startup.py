@@ -7,10 +7,13 @@ rank 0, interleaved (meshlab, torchrun, meshlab, ...) so drift hits both alike:
             all_reduce; the phases of the start as the ready line gives them;
 - torchrun: `python -m torch.distributed.run --standalone --nproc-per-node N` of a script
             that imports torch, joins the group and all-reduces; rank 0 writes the time the
-            all_reduce returned (the launcher's teardown is not counted).
+            all_reduce returned (the launcher's teardown is not counted);
+- restart:  `Cluster.restart()` of a running cluster (what `%mesh restart` does before it
+            replays the session) and one cell with an all_reduce.
 
 $ python benchmarks/startup.py                  # 4 ranks, 3 rounds
 $ python benchmarks/startup.py --ranks 8 --rounds 5
+$ python benchmarks/startup.py --restart          # and `%mesh restart`'s fresh engines
 $ python benchmarks/startup.py --ranks 4 --profile two-hosts.toml   # meshlab on a profile's
                                                                     # hosts; torchrun local
 """
@@ -51,6 +54,18 @@ def meshlab_start(n: int, profile: str = "local") -> tuple[float, str]:
         cluster.stop()
 
 
+def meshlab_restart(n: int, profile: str = "local") -> float:
+    """Seconds from a running cluster's restart to a finished all_reduce on fresh engines."""
+    cluster = Cluster(n, profile=profile).start(progress=False)
+    try:
+        started = time.perf_counter()
+        cluster.restart()
+        cluster.run("t = torch.ones(1)\ndist.all_reduce(t)")
+        return time.perf_counter() - started
+    finally:
+        cluster.stop()
+
+
 def torchrun_start(n: int, folder: Path) -> float:
     """Seconds from launching torchrun to rank 0's all_reduce returning."""
     script, stamp = folder / "rank.py", folder / "done"
@@ -69,19 +84,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="local",
                         help="meshlab's cluster profile (a name or a .toml path)")
+    parser.add_argument("--restart", action="store_true",
+                        help="also time Cluster.restart() of a running cluster each round")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {"meshlab": [], "torchrun": []}
+    times: dict[str, list[float]] = {"meshlab": [], "torchrun": [], "restart": []}
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.rounds):
             seconds, phases = meshlab_start(args.ranks, args.profile)
             times["meshlab"].append(seconds)
             times["torchrun"].append(torchrun_start(args.ranks, Path(folder)))
-            print(f"round {i + 1}: meshlab {seconds:.2f} s ({phases}), "
-                  f"torchrun {times['torchrun'][-1]:.2f} s", flush=True)
+            line = (f"round {i + 1}: meshlab {seconds:.2f} s ({phases}), "
+                    f"torchrun {times['torchrun'][-1]:.2f} s")
+            if args.restart:
+                times["restart"].append(meshlab_restart(args.ranks, args.profile))
+                line += f", meshlab restart {times['restart'][-1]:.2f} s"
+            print(line, flush=True)
     mesh, torchrun = (statistics.median(times[k]) for k in ("meshlab", "torchrun"))
     print(f"{args.ranks} ranks ({args.profile}) to a finished all_reduce, median of "
           f"{args.rounds}: "
           f"meshlab {mesh:.2f} s, torchrun {torchrun:.2f} s, ratio {mesh / torchrun:.2f}")
+    if args.restart:
+        again = statistics.median(times["restart"])
+        print(f"restart of {args.ranks} ranks to a finished all_reduce: {again:.2f} s, "
+              f"ratio to torchrun's start {again / torchrun:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ meshlab's rank side. Started one by one, every rank pays them, and on a host wit
 cores than ranks they take turns. Here one process per host pays them once and forks its
 ranks (the zygote, or forkserver, pattern)::
 
-    python -m meshlab.notebook.forkserver -n RANKS [--exits FILE] [--wait S] -- IPENGINE_ARGS...
+    python -m meshlab.notebook.forkserver -n RANKS [--exits FILE] [--wait S]
+        [--environment-on-stdin] -- IPENGINE_ARGS...
 
 Why forking here is safe: the fork happens before anything that does not survive one
 exists. No CUDA context (nothing here touches ``torch.cuda``: each child initialises its
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import json
 import os
 import pickle
 import select
@@ -42,37 +44,7 @@ STACK = ("torch", "torch.distributed", "torch.distributed.device_mesh",
          "meshlab.cell_exec", "meshlab.mesh", "meshlab.notebook.on_ranks")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # prctl options (linux/prctl.h)
-
-
-def launcher_class() -> type:
-    """ipyparallel's engine-set launcher that starts ``n`` engines through one forkserver
-    on this host (imported here, on the notebook side only)."""
-    from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher
-    from traitlets import Float, Unicode
-
-    class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
-        """n engines forked from one process that imported torch and the engine once."""
-
-        name = Unicode("ipengine-fork")
-        exits_file = Unicode(help="where the forkserver writes PID STATUS as ranks end"
-                             ).tag(to_dict=True)
-
-        wait = Float(120.0, help="seconds the engines wait for the controller's "
-                     "connection file (they start with the controller)")
-
-        def find_args(self) -> list[str]:
-            return [sys.executable, "-m", "meshlab.notebook.forkserver", "-n", str(self.n),
-                    "--exits", self.exits_file, "--wait", f"{self.wait:g}", "--",
-                    *self.cluster_args, *self.engine_args]
-
-        def start(self, n: int) -> Any:
-            self.n = n
-            if not self.exits_file:
-                self.exits_file = os.path.join(self.profile_dir, "log",
-                                               f"{self.identifier}.exits")
-            return super().start()
-
-    return ForkEngineSetLauncher
+GRACE_S = 5  # SIGTERM to SIGKILL when the lifeline ends: a rank in a collective may not stop
 
 
 def exit_codes(path: str) -> dict[int, int]:
@@ -162,9 +134,10 @@ def _fork_nanny(request: socket.socket) -> None:
     os.close(fds[0])
 
 
-def serve(n: int, exits: str, engine_argv: list[str]) -> int:
+def serve(n: int, exits: str, engine_argv: list[str], lifeline: bool = False) -> int:
     """Import the stack, fork ``n`` engines, fork their nannies as they ask, forward
-    signals, record how each engine ends; return when the last has."""
+    signals, record how each engine ends; return when the last has. With ``lifeline``, the
+    end of stdin (the ssh that started this one has gone) stops the engines."""
     import importlib
 
     for module in STACK:
@@ -179,6 +152,8 @@ def serve(n: int, exits: str, engine_argv: list[str]) -> int:
             ours.close()
             for other in engines.values():
                 other.close()
+            if lifeline:  # the lifeline is the forkserver's alone
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
             _child(engine_argv, theirs)
         theirs.close()
         engines[pid] = ours
@@ -194,13 +169,20 @@ def serve(n: int, exits: str, engine_argv: list[str]) -> int:
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    watched = [wake_read, 0] if lifeline else [wake_read]
     with open(exits, "a", buffering=1) as record:
         while engines:
             asking = {sock.fileno(): sock for sock in engines.values()}
-            ready, _, _ = select.select([wake_read, *asking], [], [], 1.0)
+            ready, _, _ = select.select([*watched, *asking], [], [], 1.0)
             for fd in ready:
                 if fd == wake_read:
                     os.read(wake_read, 512)
+                elif fd == 0:
+                    if not os.read(0, 512):  # whoever started us has gone: so do the ranks
+                        watched.remove(0)
+                        forward(signal.SIGTERM, None)
+                        signal.signal(signal.SIGALRM, lambda *_: forward(signal.SIGKILL, None))
+                        signal.alarm(GRACE_S)
                 else:
                     _fork_nanny(asking[fd])
             while True:  # reap every child that ended: engines are recorded, nannies not
@@ -223,12 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exits", help="file for PID STATUS lines (none: not recorded)")
     parser.add_argument("--wait", type=float, default=10.0,
                         help="seconds an engine waits for the controller's connection file")
+    parser.add_argument("--environment-on-stdin", action="store_true",
+                        help="read the engines' environment (JSON, one line) from stdin, "
+                        "then keep stdin as a lifeline: its end stops the engines")
     parser.add_argument("engine_args", nargs=argparse.REMAINDER,
                         help="-- then ipengine's arguments")
     args = parser.parse_args(argv)
     engine_argv = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+    if args.environment_on_stdin:  # the connection's key: never on a command line
+        os.environ.update(json.loads(sys.stdin.buffer.readline()))
+        os.makedirs(os.environ.get("IPP_PROFILE_DIR", "."), exist_ok=True)
     return serve(args.n, args.exits or os.devnull,
-                 [f"--IPEngine.wait_for_url_file={args.wait:g}", *engine_argv])
+                 [f"--IPEngine.wait_for_url_file={args.wait:g}", *engine_argv],
+                 lifeline=args.environment_on_stdin)
 
 
 if __name__ == "__main__":

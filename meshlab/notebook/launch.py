@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 
 import ipyparallel as ipp
 
-from meshlab.notebook import forkserver, watchdog
+from meshlab.notebook import watchdog
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
+from meshlab.notebook.fork_launchers import ForkEngineSetLauncher, SSHForkEngineSetLauncher
 from meshlab.notebook.profiles import Profile
 
 # Errors only: the hub logs a line per request otherwise, into a log that grows for ever.
@@ -76,11 +77,16 @@ def start(profile: Profile, n: int, progress: StartProgress
           ) -> tuple[ipp.Cluster, Any, EngineProcesses]:
     """The controller and ``n`` registered engines: (ipyparallel cluster, client, processes).
     On any failure what was started is stopped again and ClusterError says why."""
-    forked = bool(profile.fork) and profile.launcher == "local"
-    # forked engines start with the controller: the forkserver imports torch meanwhile, and
-    # its engines wait for the controller's connection file (ipyparallel waits 1 s blindly)
-    cluster = ipp.Cluster(n=n, engines=forkserver.launcher_class() if forked else
-                          profile.launcher, log_level=logging.ERROR, delay=0 if forked else 1,
+    engines: Any = profile.launcher
+    if profile.fork:
+        engines = {"local": ForkEngineSetLauncher, "ssh": SSHForkEngineSetLauncher}[
+            profile.launcher]
+    # A local forkserver starts with the controller, importing torch meanwhile; its engines
+    # wait for the controller's connection file. (ipyparallel waits 1 s blindly, then for the
+    # controller to be up, to pass its connection in the environment, as ssh still needs.)
+    alongside = profile.fork and profile.launcher == "local"
+    cluster = ipp.Cluster(n=n, engines=engines, log_level=logging.ERROR,
+                          delay=0 if profile.fork else 1, send_engines_connection_env=not alongside,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     processes = EngineProcesses(cluster)
     for key, value in launcher_traits(profile, n, cluster.cluster_id,
@@ -110,15 +116,14 @@ def launcher_traits(profile: Profile, n: int, cluster_id: str = "",
     profile's own [launcher] table (its lists extend meshlab's, its other values win)."""
     per_host = profile.per_host(n)
     traits: dict[str, Any] = {}
-    if profile.launcher == "ssh":
+    if profile.launcher == "ssh" and profile.fork:  # one login and forkserver per host
+        traits = {"hosts": dict.fromkeys(profile.hosts, per_host),
+                  "remote_python": sys.executable, "wait": profile.start_timeout}
+    elif profile.launcher == "ssh":
         # the same interpreter on every host, as on a cluster with a shared software tree;
         # ipyparallel's default `python3` is the system's, without meshlab
-        traits = {"engines": {host: per_host for host in profile.hosts},
+        traits = {"engines": dict.fromkeys(profile.hosts, per_host),
                   "remote_python": sys.executable}
-        if profile.fork:  # one login and one forkserver per host, which forks its ranks
-            forked = [sys.executable, "-m", "meshlab.notebook.forkserver", "-n", str(per_host),
-                      "--wait", f"{profile.start_timeout:g}", "--"]
-            traits["engines"] = {host: {"n": 1, "engine_cmd": forked} for host in profile.hosts}
     elif profile.launcher == "local" and profile.fork:
         traits = {"wait": profile.start_timeout}
     elif profile.launcher == "mpi":

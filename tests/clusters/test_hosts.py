@@ -13,6 +13,7 @@ import ipaddress
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,25 @@ def test_the_connection_key_is_in_no_command_line(hosts_cluster: Cluster) -> Non
 
 
 # -- a host that goes away ---------------------------------------------------------------
+
+
+def test_when_its_ssh_ends_a_hosts_forkserver_stops_its_ranks(test_hosts: list[str],
+                                                             tmp_path: Path) -> None:
+    """The ssh that started a host's ranks is their lifeline: the watchdog (or a stop)
+    ending it ends them, with nothing left behind on the host."""
+    cluster = Cluster(profile=profile_file("ssh", tmp_path)).start(progress=False)
+    try:
+        pids = [int(pid) for pid in cluster.status()["pid"]]  # one pid space: netns only
+        for launcher in next(iter(cluster._ipp.engines.values())).launchers.values():
+            launcher.process.kill()  # the local ssh of each host
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                  for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in pids if psutil.pid_exists(p)
+                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    finally:
+        cluster.stop()
 
 
 def set_link(host: str, state: str) -> None:

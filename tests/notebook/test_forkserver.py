@@ -68,14 +68,16 @@ def test_fork_is_refused_where_the_launcher_starts_each_rank_itself() -> None:
     assert profiles.from_dict("l", {"cluster": {}}).fork is True
 
 
-def test_over_ssh_each_host_starts_one_forkserver_for_its_ranks() -> None:
-    ssh = profiles.load("ssh")
-    engines = launcher_traits(ssh, 4)["engines"]
-    assert set(engines) == {"node1", "node2"}
-    for host in engines.values():
-        assert host["n"] == 1  # one login per host, not one per rank
-        command = host["engine_cmd"]
-        assert command[1:5] == ["-m", "meshlab.notebook.forkserver", "-n", "2"]
+def test_over_ssh_each_host_gets_one_login_and_one_forkserver() -> None:
+    from meshlab.notebook.fork_launchers import SSHHostLauncher
+
+    traits = launcher_traits(profiles.load("ssh"), 4)
+    assert traits["hosts"] == {"node1": 2, "node2": 2}  # one login per host, not one per rank
+    host = SSHHostLauncher(hostname="node1", ranks=2, remote_python="/venv/bin/python",
+                           ssh_args=["-F", "cfg"], engine_args=["--log-level=40"])
+    assert host.find_args() == [
+        "ssh", "-F", "cfg", "node1", "/venv/bin/python -m meshlab.notebook.forkserver -n 2 "
+        "--wait 120 --environment-on-stdin -- --log-level=40"]  # the key goes on stdin
     unforked = profiles.from_dict("u", {"cluster": {
         "launcher": "ssh", "hosts": ["a", "b"], "controller_ip": "10.0.0.1", "fork": False}})
     assert launcher_traits(unforked, 4)["engines"] == {"a": 2, "b": 2}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from notebook_run import execute
 
 from meshlab.notebook.charts import VEGALITE
 from meshlab.notebook.output import strip_ansi
@@ -38,20 +39,6 @@ def test_notebooks_are_committed_without_outputs(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         f"strip the outputs of {path.name} before committing"
-
-
-def execute(name: str, cwd: Path) -> nbformat.NotebookNode:
-    """Run a tour notebook in a real kernel; nbclient raises on any unexpected error.
-
-    ``cwd`` stands for notebooks/: run there, a notebook must leave it as it found it (what
-    it writes goes to a scratch folder it names and removes)."""
-    nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / name, as_version=4)
-    before = set(cwd.iterdir())
-    NotebookClient(nb, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": str(cwd)}}).execute()
-    left = sorted(p.name for p in set(cwd.iterdir()) - before)
-    assert not left, f"{name} left {left} in its folder: write them under a scratch folder"
-    return nb
 
 
 def scratch_files(nb: nbformat.NotebookNode) -> list[str]:
@@ -185,8 +172,8 @@ def test_faults_and_recovery_restores_the_same_losses(tmp_path: Path) -> None:
     assert "ckpt/meshlab.json" in scratch_files(nb)
 
 
-def test_planning_notebook_answers_the_classic_exercises(tmp_path: Path) -> None:
-    nb = execute("11-planning-at-scale.ipynb", tmp_path)
+def test_planning_notebook_answers_the_classic_exercises(executed: Any) -> None:
+    nb, _ = executed("11-planning-at-scale.ipynb")  # the browser test opens the same copy
     code = [c for c in nb.cells if c.cell_type == "code"]
     everything = "\n".join(texts(c) for c in code)
 

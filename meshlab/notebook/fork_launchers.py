@@ -1,0 +1,111 @@
+"""ipyparallel launchers that start each host's ranks through one forkserver
+(``meshlab.notebook.forkserver``): on this machine, and over ssh with one login per host.
+
+Over ssh, ipyparallel's own launcher starts engines one at a time, each with five ssh round
+trips (two of them start Python on the host) and an scp of the connection file. Here each
+host gets one ``ssh HOST python -m meshlab.notebook.forkserver ...``, all hosts at once; the
+cluster's connection (the engines' key among it) travels on that ssh's stdin, never on a
+command line, and the stdin stays open as a lifeline: when the ssh ends (``%mesh stop``, a
+dead notebook, the watchdog) the forkserver on the host stops its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from subprocess import PIPE, STDOUT, Popen
+from typing import Any
+
+import psutil
+from ipyparallel.cluster.launcher import (
+    EngineLauncher,
+    LocalEngineSetLauncher,
+    LocalProcessLauncher,
+    SSHLauncher,
+)
+from traitlets import Dict, Float, Integer, List, Unicode
+
+FORKSERVER = ["-m", "meshlab.notebook.forkserver"]
+
+
+class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
+    """n engines on this machine, forked from one process that imported torch and the
+    engine once."""
+
+    name = Unicode("ipengine-fork")
+    exits_file = Unicode(help="where the forkserver writes PID STATUS as ranks end"
+                         ).tag(to_dict=True)
+    wait = Float(120.0, config=True, help="seconds the engines wait for the controller's "
+                 "connection file (they start with the controller)")
+
+    def find_args(self) -> list[str]:
+        return [sys.executable, *FORKSERVER, "-n", str(self.n), "--exits", self.exits_file,
+                "--wait", f"{self.wait:g}", "--", *self.cluster_args, *self.engine_args]
+
+    def start(self, n: int) -> Any:
+        self.n = n
+        if not self.exits_file:
+            self.exits_file = os.path.join(self.profile_dir, "log", f"{self.identifier}.exits")
+        return super().start()
+
+
+class SSHHostLauncher(LocalProcessLauncher, EngineLauncher):
+    """One host's ranks: a local ``ssh`` whose remote end is that host's forkserver."""
+
+    hostname = Unicode()
+    ranks = Integer(1)
+    ssh_cmd = List(["ssh"])
+    ssh_args: List[str] = List()
+    remote_python = Unicode()
+    wait = Float(120.0)
+
+    def find_args(self) -> list[str]:
+        remote = [self.remote_python, *FORKSERVER, "-n", str(self.ranks), "--wait",
+                  f"{self.wait:g}", "--environment-on-stdin", "--", *self.engine_args]
+        return [*self.ssh_cmd, *self.ssh_args, self.hostname, shlex.join(remote)]
+
+    def start(self) -> None:
+        # LocalProcessLauncher.start, with a pipe on stdin instead of /dev/null
+        env = {**self.get_env(), "IPP_PROFILE_DIR": SSHLauncher._strip_home(self.profile_dir)}
+        with open(self.output_file, "ab") as out:
+            proc = self._popen_process = Popen(self.args, stdout=out.fileno(), stderr=STDOUT,
+                                               stdin=PIPE, cwd=self.work_dir,
+                                               start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(env).encode() + b"\n")
+        proc.stdin.flush()  # and kept open: the forkserver's lifeline
+        self.pid = proc.pid
+        self.process = psutil.Process(proc.pid)
+        self.notify_start(self.process.pid)
+        self._start_waiting()
+
+
+class SSHForkEngineSetLauncher(LocalEngineSetLauncher):
+    """Every host's ranks at once, one ssh login and one forkserver per host."""
+
+    launcher_class = SSHHostLauncher
+    hosts = Dict(config=True, help="host (as ssh knows it) -> ranks to fork there")
+    ssh_cmd = List(["ssh"], config=True)
+    ssh_args: List[str] = List(config=True)
+    scp_args: List[str] = List(config=True, help="unused (nothing is copied); the "
+                               "profile may carry it for ipyparallel's ssh launcher")
+    remote_python = Unicode(sys.executable, config=True)
+    wait = Float(120.0, config=True)
+
+    def start(self, n: int) -> list[str]:
+        for host, ranks in self.hosts.items():
+            launcher = self.launchers[host] = SSHHostLauncher(
+                work_dir=self.work_dir, parent=self, log=self.log, profile_dir=self.profile_dir,
+                cluster_id=self.cluster_id, environment=self.environment, identifier=host,
+                hostname=host, ranks=ranks, ssh_cmd=self.ssh_cmd, ssh_args=self.ssh_args,
+                remote_python=self.remote_python, wait=self.wait,
+                engine_args=list(self.engine_args),
+                output_file=os.path.join(self.profile_dir, "log",
+                                         f"ipengine-{self.cluster_id}-{host}.log"))
+            launcher.on_stop(self._notice_engine_stopped)
+            launcher.start()
+        self.n = sum(self.hosts.values())
+        self.notify_start(list(self.launchers))
+        return list(self.launchers)
