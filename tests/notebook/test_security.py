@@ -258,10 +258,12 @@ def test_exports_logs_and_command_lines_hold_no_connection_key(
     logs = {*Path(ipp.profile_dir, "log").glob(f"*{cid}*"),
             security_dir(cluster) / f"cluster-{cid}.json",  # readable by all (0644)
             Path(ipp.controller.output_file)}
-    for engine_set in ipp.engines.values():
-        logs |= {Path(launcher.output_file) for launcher in engine_set.launchers.values()}
+    for engine_set in ipp.engines.values():  # a forkserver's log, or one per engine
+        for launcher in [engine_set, *getattr(engine_set, "launchers", {}).values()]:
+            if getattr(launcher, "output_file", ""):
+                logs.add(Path(launcher.output_file))
     assert all(p.is_file() for p in exported), exported
-    assert len(logs) >= 1 + cluster.world_size, logs  # the controller's, one per engine, ...
+    assert len(logs) >= 3, logs  # the controller's, the engines', the forkserver's exits...
     for path in [*exported, *sorted(logs)]:
         text = path.read_text(errors="replace")
         assert not [k for k in keys if k in text], f"{path} holds a connection key"
