@@ -59,7 +59,7 @@ def meshlab_restart(n: int, profile: str = "local") -> float:
     cluster = Cluster(n, profile=profile).start(progress=False)
     try:
         started = time.perf_counter()
-        cluster.restart()
+        cluster.restart(progress=False)
         cluster.run("t = torch.ones(1)\ndist.all_reduce(t)")
         return time.perf_counter() - started
     finally:

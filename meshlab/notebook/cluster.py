@@ -148,12 +148,12 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         self._diverged, self._wedged, self._recovered = None, False, []
         self.mesh_spec = None
 
-    def restart(self) -> Cluster:
+    def restart(self, progress: bool = True) -> Cluster:
         """Fresh engines with the same size and profile."""
         n = self.world_size or self.n
         self.stop()
         self.n = n
-        return self.start()
+        return self.start(progress)
 
     def _bootstrap(self, loopback: bool) -> None:
         reach = self.profile.controller_ip

@@ -3,18 +3,23 @@
 
 Over ssh, ipyparallel's own launcher starts engines one at a time, each with five ssh round
 trips (two of them start Python on the host) and an scp of the connection file. Here each
-host gets one ``ssh HOST python -m meshlab.notebook.forkserver ...``, all hosts at once; the
-cluster's connection (the engines' key among it) travels on that ssh's stdin, never on a
-command line, and the stdin stays open as a lifeline: when the ssh ends (``%mesh stop``, a
-dead notebook, the watchdog) the forkserver on the host stops its ranks.
+host gets one ``ssh HOST python -m meshlab.notebook.forkserver ...``, all hosts at once and
+alongside the controller, so the logins and the hosts' imports overlap its start. The
+cluster's connection (the engines' key among it) follows on that ssh's stdin once the
+controller has written it, never on a command line, and the stdin stays open as a lifeline:
+when the ssh ends (``%mesh stop``, a dead notebook, the watchdog) the forkserver on the host
+stops its ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import sys
+import threading
+import time
 from subprocess import PIPE, STDOUT, Popen
 from typing import Any
 
@@ -67,19 +72,40 @@ class SSHHostLauncher(LocalProcessLauncher, EngineLauncher):
         return [*self.ssh_cmd, *self.ssh_args, self.hostname, shlex.join(remote)]
 
     def start(self) -> None:
-        # LocalProcessLauncher.start, with a pipe on stdin instead of /dev/null
-        env = {**self.get_env(), "IPP_PROFILE_DIR": SSHLauncher._strip_home(self.profile_dir)}
+        # LocalProcessLauncher.start, with a pipe on stdin instead of /dev/null; started at
+        # once, so the login and the host's imports overlap the controller's start
         with open(self.output_file, "ab") as out:
             proc = self._popen_process = Popen(self.args, stdout=out.fileno(), stderr=STDOUT,
                                                stdin=PIPE, cwd=self.work_dir,
                                                start_new_session=True)
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(env).encode() + b"\n")
-        proc.stdin.flush()  # and kept open: the forkserver's lifeline
         self.pid = proc.pid
         self.process = psutil.Process(proc.pid)
         self.notify_start(self.process.pid)
         self._start_waiting()
+        threading.Thread(target=self._send_environment, args=(proc,), daemon=True,
+                         name=f"environment for {self.hostname}").start()
+
+    def _send_environment(self, proc: Popen[bytes]) -> None:
+        """Once the controller has written its connection, send it with the rest of the
+        engines' environment; stdin then stays open, the forkserver's lifeline."""
+        assert proc.stdin is not None
+        path, deadline = self.connection_files["engine"], time.monotonic() + self.wait
+        while True:
+            try:  # written once the controller listens (a half-written file: read again)
+                with open(path) as f:
+                    connection = json.load(f)
+                break
+            except (OSError, ValueError) as e:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.warning("no connection for the ranks on %s: %r", self.hostname, e)
+                    proc.stdin.close()  # the forkserver says so in the engines' log, and ends
+                    return
+                time.sleep(0.02)
+        env = {**self.get_env(), "IPP_CONNECTION_INFO": json.dumps(connection),
+               "IPP_PROFILE_DIR": SSHLauncher._strip_home(self.profile_dir)}
+        with contextlib.suppress(OSError):  # the ssh ended: its exit is reported
+            proc.stdin.write(json.dumps(env).encode() + b"\n")
+            proc.stdin.flush()
 
 
 class SSHForkEngineSetLauncher(LocalEngineSetLauncher):

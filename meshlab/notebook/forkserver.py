@@ -137,11 +137,21 @@ def _fork_nanny(request: socket.socket) -> None:
 def serve(n: int, exits: str, engine_argv: list[str], lifeline: bool = False) -> int:
     """Import the stack, fork ``n`` engines, fork their nannies as they ask, forward
     signals, record how each engine ends; return when the last has. With ``lifeline``, the
-    end of stdin (the ssh that started this one has gone) stops the engines."""
+    engines' environment comes on stdin first (once the controller is up: the imports
+    overlap its start), and the end of stdin (the ssh that started this one has gone) stops
+    the engines."""
     import importlib
 
     for module in STACK:
         importlib.import_module(module)
+    if lifeline:  # the connection's key: on stdin, never on a command line
+        line = sys.stdin.buffer.readline()
+        if not line.strip():
+            print("forkserver: stdin ended before the engines' environment came: the "
+                  "notebook found no controller to connect them to", file=sys.stderr)
+            return 1
+        os.environ.update(json.loads(line))
+        os.makedirs(os.environ.get("IPP_PROFILE_DIR", "."), exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     engines: dict[int, socket.socket] = {}  # pid -> the socket it asks for its nanny on
@@ -212,9 +222,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="-- then ipengine's arguments")
     args = parser.parse_args(argv)
     engine_argv = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
-    if args.environment_on_stdin:  # the connection's key: never on a command line
-        os.environ.update(json.loads(sys.stdin.buffer.readline()))
-        os.makedirs(os.environ.get("IPP_PROFILE_DIR", "."), exist_ok=True)
     return serve(args.n, args.exits or os.devnull,
                  [f"--IPEngine.wait_for_url_file={args.wait:g}", *engine_argv],
                  lifeline=args.environment_on_stdin)

@@ -81,12 +81,12 @@ def start(profile: Profile, n: int, progress: StartProgress
     if profile.fork:
         engines = {"local": ForkEngineSetLauncher, "ssh": SSHForkEngineSetLauncher}[
             profile.launcher]
-    # A local forkserver starts with the controller, importing torch meanwhile; its engines
-    # wait for the controller's connection file. (ipyparallel waits 1 s blindly, then for the
-    # controller to be up, to pass its connection in the environment, as ssh still needs.)
-    alongside = profile.fork and profile.launcher == "local"
+    # Forkservers start with the controller, importing torch meanwhile, and hand their
+    # engines its connection once it is written. (ipyparallel waits 1 s blindly, then for
+    # the controller, to pass its connection in the engines' environment.)
     cluster = ipp.Cluster(n=n, engines=engines, log_level=logging.ERROR,
-                          delay=0 if profile.fork else 1, send_engines_connection_env=not alongside,
+                          delay=0 if profile.fork else 1,
+                          send_engines_connection_env=not profile.fork,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     processes = EngineProcesses(cluster)
     for key, value in launcher_traits(profile, n, cluster.cluster_id,

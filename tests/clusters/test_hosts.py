@@ -260,6 +260,17 @@ def test_when_its_ssh_ends_a_hosts_forkserver_stops_its_ranks(test_hosts: list[s
         cluster.stop()
 
 
+def test_a_host_ssh_cannot_reach_fails_the_start_with_what_ssh_said(test_hosts: list[str],
+                                                                   tmp_path: Path) -> None:
+    profile = profile_file("ssh", tmp_path)
+    profile.write_text(profile.read_text().replace('hosts = ["node1", "node2"]',
+                                                   'hosts = ["node1", "no-such-node"]'))
+    cluster = Cluster(profile=profile)
+    with pytest.raises(ClusterError, match=r"(?s)exited during start-up.*no-such-node"):
+        cluster.start(progress=False)
+    assert not cluster.running
+
+
 def set_link(host: str, state: str) -> None:
     """``ip link set eth0 up|down`` inside ``host``: its cable, pulled or put back."""
     subprocess.run(["nsenter", "-t", str(host_pid(host)), "--net", "ip", "link", "set",
