@@ -14,11 +14,12 @@ own GPU), no process group, no zmq context or socket (each child's engine makes 
 no Python thread. The one native thread an import starts, OpenBLAS's pool (numpy's), is
 shut down by OpenBLAS's own ``pthread_atfork`` handler and restarted in the child on use.
 
-The parent stays: it forwards the signals a launcher sends (SIGTERM to stop, SIGINT,
-SIGKILL is not catchable: then each child gets SIGTERM from the kernel, ``PR_SET_PDEATHSIG``),
-reaps its children and appends ``PID STATUS`` to ``--exits`` as each ends (STATUS is the
-exit code, or minus the signal that killed it), so the notebook can say how a rank died
-as it can for an engine it started itself; it exits when the last child has.
+The parent stays. It forwards the signals a launcher sends (SIGTERM to stop, SIGINT); if
+it is killed outright, the kernel sends each rank SIGTERM (``PR_SET_PDEATHSIG``). It forks
+each rank's ipyparallel nanny when the rank asks, where ipyparallel would start a fresh
+interpreter. It reaps its ranks and appends ``PID STATUS`` to ``--exits`` as each ends
+(STATUS is the exit code, or minus the signal that killed it), so the notebook can say how
+a rank died as it can for an engine it started itself; it exits when the last rank has.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def _fork_nanny(request: socket.socket) -> None:
     if os.fork() == 0:
         os.setsid()  # as ipyparallel starts it: signals to the engines do not reach it
         _prctl(PR_SET_NAME, b"ipengine-nanny")
-        for sig in FORWARDED:
+        for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGALRM):  # the forkserver's own
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         from ipyparallel.engine.nanny import KernelNanny

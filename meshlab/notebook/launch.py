@@ -173,6 +173,8 @@ def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
             logging.getLogger("meshlab").debug("shutdown: %r", e)
         client.close()
     if cluster is not None:
+        # how a forkserver's ranks ended: read until now, of no use once they are all gone
+        exits = [es.exits_file for es in cluster.engines.values() if getattr(es, "exits_file", "")]
         try:
             with _stderr_to_log(cluster.engine_launcher_class.__name__.startswith("SSH")):
                 cluster.stop_cluster_sync()
@@ -180,9 +182,10 @@ def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
             logging.getLogger("meshlab").debug("stop: %r", e)
         watchdog.release(cluster)
         # the controller's record of its engines, kept for a restart of the same controller
-        with contextlib.suppress(OSError, TypeError):
-            os.remove(os.path.join(cluster.profile_dir, "log",
-                                   f"engines{cluster.cluster_id}.json"))
+        for record in [os.path.join(cluster.profile_dir, "log",
+                                    f"engines{cluster.cluster_id}.json"), *exits]:
+            with contextlib.suppress(OSError, TypeError):
+                os.remove(record)
         shutil.rmtree(_scratch.pop(id(cluster), ""), ignore_errors=True)
 
 

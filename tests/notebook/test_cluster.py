@@ -289,8 +289,9 @@ def test_a_stopped_cluster_leaves_no_folder_or_engine_record_behind(test_profile
         ipp = pair._ipp
         scratch = Path(launch._scratch[id(ipp)])
         record = Path(ipp.profile_dir, "log", f"engines{ipp.cluster_id}.json")
-        assert scratch.is_dir() and scratch.name.startswith("meshlab-")
-    assert not scratch.exists() and not record.exists()
+        exits = Path(next(iter(ipp.engines.values())).exits_file)  # the forkserver's
+        assert scratch.is_dir() and scratch.name.startswith("meshlab-") and exits.is_file()
+    assert not scratch.exists() and not record.exists() and not exits.exists()
     assert id(ipp) not in launch._scratch
 
 
