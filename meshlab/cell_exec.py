@@ -91,9 +91,12 @@ def execute(shell: Any, code: str, number: int) -> BaseException | None:
     failure: BaseException | None = None
     excepthook, sys.excepthook = sys.excepthook, shell.excepthook
     try:
-        with shell.builtin_trap, shell.display_trap:
-            for compiled_code in codes:
-                exec(compiled_code, shell.user_global_ns, shell.user_ns)
+        try:
+            with shell.builtin_trap, shell.display_trap:
+                for compiled_code in codes:
+                    exec(compiled_code, shell.user_global_ns, shell.user_ns)
+        finally:  # the code is over: a Ctrl-C sent again for it must not cut its traceback
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except SystemExit as e:
         failure = e
         shell.showtraceback(exception_only=True)

@@ -157,6 +157,13 @@ class CellRun:
         self.cluster.interrupt(running)
         with contextlib.suppress(KeyboardInterrupt):
             self.cluster.cell_channel.wait(self.sent, GRACE)
+            # A rank still busy with something else (a probe, a push) when the SIGINT came
+            # starts the cell after it, uninterrupted: once more. A rank stuck in native
+            # code still holds the first, and the two count as one.
+            late = [r for r in running if not self._done(r)]
+            if late:
+                self.cluster.interrupt(late)
+                self.cluster.cell_channel.wait(self.sent, GRACE)
         stuck = [r for r in running if not self._done(r)]
         if why == "interrupted" and stuck:
             stacks = self.cluster.stacks(stuck)

@@ -80,6 +80,20 @@ def test_ctrl_c_interrupts_every_rank_and_the_cluster_stays_usable(cluster: Clus
     assert cluster.run("rank").results().startswith("Out[rank 0]: 0")
 
 
+def test_ctrl_c_reaches_ranks_that_start_the_cell_after_something_else(
+        cluster: Cluster) -> None:
+    # the ranks are still in a call of the notebook's when Ctrl-C comes: its SIGINT ends that
+    # call, and they start the cell after it; the cell must stop all the same
+    busy = cluster._client.direct_view(cluster._engines).apply_async(time.sleep, 3)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(MeshError) as info:
+        cluster.run("import time\nwhile True:\n    time.sleep(0.05)", timeout=60)
+    assert "[ranks 0-3] interrupted (KeyboardInterrupt)" in info.value.result.summary()
+    busy.wait(30)  # ended by the first SIGINT, or done: either way, over
+    assert cluster.run("rank").results().startswith("Out[rank 0]: 0")
+
+
 def test_a_cell_brings_back_each_ranks_optimizer_steps_with_its_output(
         cluster: Cluster) -> None:
     before = cluster.run("1").optimizer_steps
