@@ -3,6 +3,7 @@ honest: a test that starts engines is marked `cluster`, so `-m "not cluster"` st
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,13 @@ start_timeout = 120
 # Fixtures that hand a test running engines, and markers whose tests start their own.
 ENGINE_FIXTURES = {"cluster", "shell", "_shared_cluster"}
 ENGINE_MARKERS = {"notebook", "browser", "slurm", "hosts"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell's background job starts with SIGINT ignored, and Python then leaves it so: the
+    # tests that press Ctrl-C on themselves would wait for ever instead of failing
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
