@@ -5,7 +5,6 @@ Notebook side, but free of ipyparallel imports: it reads the launcher objects it
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from typing import Any
@@ -47,19 +46,14 @@ class EngineProcesses:
     def cause_of_death(self, pid: int, wait: float = 2.0) -> str:
         """``killed by SIGKILL``, ``exited with status 1``, or what we can say from afar.
 
-        The controller may see an engine go before its process is reaped: one of ours gets
-        up to ``wait`` seconds to show how it ended."""
-        code = self.exit_codes().get(pid)
-        process = next((p for launcher in self._launchers()
-                        if (p := getattr(launcher, "process", None)) is not None
-                        and p.pid == pid), None)
-        if code is None and process is not None and wait > 0:
-            with contextlib.suppress(psutil.TimeoutExpired, psutil.Error):
-                code = process.wait(wait)
-        forked = any(getattr(s, "exits_file", None) for s in self._engine_sets())
-        deadline = time.monotonic() + wait
-        while code is None and process is None and forked and time.monotonic() < deadline:
-            time.sleep(0.05)  # the forkserver writes it once it has reaped the engine
+        The controller may see an engine go before its process is reaped: one of ours (a
+        child of this process, or a rank a forkserver here forked, which it records once it
+        has reaped it) gets up to ``wait`` seconds to show how it ended."""
+        codes = self.exit_codes()
+        ours = pid in codes or any(getattr(s, "exits_file", None) for s in self._engine_sets())
+        code, deadline = codes.get(pid), time.monotonic() + wait
+        while code is None and ours and time.monotonic() < deadline:
+            time.sleep(0.05)
             code = self.exit_codes().get(pid)
         if code is None:
             return "its engine stopped responding"

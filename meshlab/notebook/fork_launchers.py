@@ -32,7 +32,7 @@ from ipyparallel.cluster.launcher import (
 )
 from traitlets import Dict, Float, Integer, List, Unicode
 
-FORKSERVER = ["-m", "meshlab.notebook.forkserver"]
+from meshlab.notebook import forkserver
 
 
 class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
@@ -46,8 +46,8 @@ class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
                  "connection file (they start with the controller)")
 
     def find_args(self) -> list[str]:
-        return [sys.executable, *FORKSERVER, "-n", str(self.n), "--exits", self.exits_file,
-                "--wait", f"{self.wait:g}", "--", *self.cluster_args, *self.engine_args]
+        return forkserver.command(sys.executable, self.n, self.wait, "--exits", self.exits_file,
+                                  engine_args=[*self.cluster_args, *self.engine_args])
 
     def start(self, n: int) -> Any:
         self.n = n
@@ -67,8 +67,8 @@ class SSHHostLauncher(LocalProcessLauncher, EngineLauncher):
     wait = Float(120.0)
 
     def find_args(self) -> list[str]:
-        remote = [self.remote_python, *FORKSERVER, "-n", str(self.ranks), "--wait",
-                  f"{self.wait:g}", "--environment-on-stdin", "--", *self.engine_args]
+        remote = forkserver.command(self.remote_python, self.ranks, self.wait,
+                                    "--environment-on-stdin", engine_args=self.engine_args)
         return [*self.ssh_cmd, *self.ssh_args, self.hostname, shlex.join(remote)]
 
     def start(self) -> None:
@@ -122,7 +122,7 @@ class SSHForkEngineSetLauncher(LocalEngineSetLauncher):
 
     def start(self, n: int) -> list[str]:
         for host, ranks in self.hosts.items():
-            launcher = self.launchers[host] = SSHHostLauncher(
+            launcher = self.launchers[host] = self.launcher_class(
                 work_dir=self.work_dir, parent=self, log=self.log, profile_dir=self.profile_dir,
                 cluster_id=self.cluster_id, environment=self.environment, identifier=host,
                 hostname=host, ranks=ranks, ssh_cmd=self.ssh_cmd, ssh_args=self.ssh_args,

@@ -35,6 +35,7 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 # Imported before forking: what an engine and meshlab's rank side import on start (the
@@ -46,6 +47,13 @@ STACK = ("torch", "torch.distributed", "torch.distributed.device_mesh",
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # prctl options (linux/prctl.h)
 GRACE_S = 5  # SIGTERM to SIGKILL when the lifeline ends: a rank in a collective may not stop
+
+
+def command(python: str, n: int, wait: float, *options: str,
+            engine_args: Sequence[str] = ()) -> list[str]:
+    """The command line that starts a forkserver of ``n`` engines (the launchers' one)."""
+    return [python, "-m", "meshlab.notebook.forkserver", "-n", str(n), "--wait", f"{wait:g}",
+            *options, "--", *engine_args]
 
 
 def exit_codes(path: str) -> dict[int, int]:

@@ -116,14 +116,15 @@ def launcher_traits(profile: Profile, n: int, cluster_id: str = "",
     profile's own [launcher] table (its lists extend meshlab's, its other values win)."""
     per_host = profile.per_host(n)
     traits: dict[str, Any] = {}
-    if profile.launcher == "ssh" and profile.fork:  # one login and forkserver per host
-        traits = {"hosts": dict.fromkeys(profile.hosts, per_host),
-                  "remote_python": sys.executable, "wait": profile.start_timeout}
-    elif profile.launcher == "ssh":
+    if profile.launcher == "ssh":
         # the same interpreter on every host, as on a cluster with a shared software tree;
         # ipyparallel's default `python3` is the system's, without meshlab
-        traits = {"engines": dict.fromkeys(profile.hosts, per_host),
-                  "remote_python": sys.executable}
+        traits = {"remote_python": sys.executable}
+        if profile.fork:  # one login and one forkserver per host
+            traits |= {"hosts": dict.fromkeys(profile.hosts, per_host),
+                       "wait": profile.start_timeout}
+        else:
+            traits["engines"] = dict.fromkeys(profile.hosts, per_host)
     elif profile.launcher == "local" and profile.fork:
         traits = {"wait": profile.start_timeout}
     elif profile.launcher == "mpi":
