@@ -9,9 +9,19 @@ else the one holding the most parameters), or taken from ``ParallelPlan(blocks="
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 Blocks = nn.ModuleList | nn.ModuleDict
+
+
+class PassThrough(nn.Module):
+    """Stands in for a block (or a norm) another pipeline stage holds: hands its first input
+    on; the blocks around it keep their indices."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]:
@@ -20,23 +30,27 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]
     if path is not None:
         return path, _at(model, path)
     candidates = {name: m for name, m in model.named_modules()
-                  if isinstance(m, Blocks) and len(m) and len({type(c) for c in m.children()}) == 1}
+                  if isinstance(m, Blocks) and len(_own(m)) == 1}
     if not candidates:
         raise ValueError(f"found no repeated blocks in {type(model).__name__} (looked for a "
                          "ModuleList or ModuleDict of one block class): name them with "
                          "ParallelPlan(blocks='path.to.layers')")
     named = set(getattr(model, "_no_split_modules", None) or ())  # transformers' block class
-    preferred = {n: m for n, m in candidates.items()
-                 if type(next(iter(m.children()))).__name__ in named}
+    preferred = {n: m for n, m in candidates.items() if _own(m).pop().__name__ in named}
     pool = preferred or candidates
     return max(pool.items(), key=lambda item: sum(p.numel() for p in item[1].parameters()))
 
 
 def items(blocks: Blocks) -> list[tuple[str | int, nn.Module]]:
-    """``(key, block)`` pairs, where ``blocks[key] = wrapped`` replaces a block in place."""
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.items())
-    return list(enumerate(blocks))
+    """``(key, block)`` pairs, where ``blocks[key] = wrapped`` replaces a block in place (a
+    pipeline stage's pass-throughs left out)."""
+    pairs = blocks.items() if isinstance(blocks, nn.ModuleDict) else enumerate(blocks)
+    return [(key, block) for key, block in pairs if not isinstance(block, PassThrough)]
+
+
+def _own(blocks: Blocks) -> set[type]:
+    """The classes of the blocks this stage holds (pass-throughs stand for others')."""
+    return {type(c) for c in blocks.children() if not isinstance(c, PassThrough)}
 
 
 def holds(model: nn.Module, path: str) -> bool:

@@ -23,7 +23,7 @@ from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.local_sgd import ReplicaSync
 from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
-from meshlab.parallel.tensor import apply_tp
+from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
 from meshlab.parallel.zero import apply_zero1
 from meshlab.plan.formulas import REPLICA_SYNC
 from meshlab.schedules import Schedule, ScheduleError, build, canonical, check_virtual
@@ -204,6 +204,16 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
     refuses alike (one refusing alone would leave its pipeline peers waiting)."""
     from meshlab.models import Transformer
 
+    if axis_size(mesh, "tp") > 1 and not (isinstance(model, Transformer) and plan.tp_plan is None):
+        # a model's own plan may name parts some configs lack (Qwen3-MoE's dense MLPs)
+        tp_plan = plan.tp_plan if plan.tp_plan is not None else model_plan(model)
+        missed = unmatched(model, tp_plan)
+        if missed and (plan.tp_plan is not None or len(missed) == len(tp_plan)):
+            some = [n for n, _ in model.named_modules() if n.count(".") >= 2][:3]
+            raise ValueError(f"tp_plan entries {missed} name no module or parameter of "
+                             f"{type(model).__name__}, so nothing there would be split: its "
+                             f"modules are named like {', '.join(some)}; fix the patterns "
+                             "(* stands for one part of a name)")
     if isinstance(model, Transformer):
         return
     if axis_size(mesh, "pp") > 1 and axis_size(mesh, "tp") > 1 and plan.sequence_parallel:

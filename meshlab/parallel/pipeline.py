@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.blocks import holds
+from meshlab.parallel.blocks import PassThrough, holds
 from meshlab.schedules.actions import Schedule, ScheduleError
 from meshlab.schedules.execute import Executor, stage_modules
 
@@ -113,23 +114,39 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 class CausalLMStage(nn.Module):
-    """One pipeline stage of a transformers causal LM: its decoder layers, with the embedding
-    on the first stage and the final norm and head on the last (shared with the model)."""
+    """One pipeline stage of a transformers causal LM, running the model's own forward as
+    transformers' pipeline split does: blocks of other stages are pass-throughs (so each block
+    keeps its index, and whatever the forward reads by index, like Gemma's layer types, stays
+    right); a later stage enters through ``inputs_embeds``; the last stage runs the causal
+    LM's forward, so its final norm, head and whatever follows (logit softcapping) run as the
+    model wrote them. A head tied to the embedding is the stage's own copy here, kept equal
+    to the first stage's by the pipeline (see TiedCopies)."""
 
-    def __init__(self, model: Any, layers: list[nn.Module], *, first: bool, last: bool) -> None:
+    def __init__(self, model: Any, owned: range, *, first: bool, last: bool) -> None:
         super().__init__()
-        base = copy.copy(model.model)  # the decoder, with its own child tables
-        for key, value in vars(model.model).items():
-            if key.startswith("_") and isinstance(value, dict | set):
-                base.__dict__[key] = copy.copy(value)
-        base.layers = nn.ModuleList(layers)
+        base = _shallow(model.model)
+        base.layers = nn.ModuleList(block if i in owned else PassThrough()
+                                    for i, block in enumerate(model.model.layers))
         if not first:
-            base.embed_tokens = None  # a later stage starts from hidden states
+            base.embed_tokens = None  # a later stage enters through inputs_embeds
         if not last:
-            base.norm = nn.Identity()
+            base.norm = PassThrough()
         self.model = base
-        self.lm_head = model.lm_head if last else None
-        self.first = first
+        self.lm_head = None
+        if last:
+            head = model.lm_head
+            if not first and _tied(model):  # its own copy: the first stage holds the other
+                head = _shallow(head)
+                head.weight = nn.Parameter(head.weight.detach().clone())
+            self.lm_head = head
+        self.first, self.last = first, last
+        # the causal LM's forward over this stage's parts (not a child: they are ours)
+        causal_lm = _shallow(model)
+        causal_lm._modules.update(model=base, lm_head=self.lm_head)
+        self.__dict__["causal_lm"] = causal_lm
+        if not first:
+            _enter_at(cast(nn.Module, base.layers[owned[0]]), self)
+        self._entering: torch.Tensor | None = None
         # the model's TP plan, less the parts another stage holds (paths are the same here)
         plan = getattr(model, "_tp_plan", None) or {}
         self._tp_plan = {path: style for path, style in plan.items()
@@ -138,8 +155,96 @@ class CausalLMStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the first stage takes token ids (B, T); the others hidden states (B, T, H)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = self.model(**given, use_cache=False).last_hidden_state
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        self._entering = None if self.first else x
+        if self.last:
+            return self.causal_lm(**given, use_cache=False).logits
+        return self.model(**given, use_cache=False).last_hidden_state
+
+
+def _enter_at(block: nn.Module, stage: CausalLMStage) -> None:
+    """The stage's input enters at its first block. A model may change ``inputs_embeds``
+    before its blocks (Granite scales it; GPT-2 adds positions): that is the first stage's
+    business, so the block gets the stage's input instead, also when activation
+    checkpointing recomputes it (the block's saved argument maps to the input it stood for)."""
+    from torch.utils.weak import WeakTensorKeyDictionary
+
+    stood_for = WeakTensorKeyDictionary()
+
+    def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        entering = stood_for.get(hidden)
+        if entering is None:
+            entering = stood_for[hidden] = stage._entering
+        if entering is None or entering is hidden:
+            return args, kwargs
+        if args:
+            return (entering, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": entering}
+
+    block.register_forward_pre_hook(enter, with_kwargs=True)
+
+
+def _shallow(module: Any) -> Any:
+    """A copy of ``module`` sharing its parts, with its own child tables and hook registries
+    (what one stage swaps or attaches must not reach the model or another stage)."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if key.startswith("_") and isinstance(value, dict | set):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
+
+
+def _tied(model: Any) -> bool:
+    """The causal LM's head is its embedding's weight (tie_word_embeddings)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(model.model, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+class TiedCopies:
+    """The tied embedding and head of a pipelined model, on the stages holding them: after
+    each step their gradients are summed (Megatron's embedding group), so both copies take
+    the same optimizer step and stay equal, as the one tied weight would."""
+
+    def __init__(self, stages: dict[int, nn.Module], total: int, mesh: DeviceMesh, axis: str,
+                 stage_to_rank: list[int]) -> None:
+        self.copies = [p for s, p in ((0, "model.embed_tokens.weight"),
+                                      (total - 1, "lm_head.weight")) if s in stages
+                       for p in [stages[s].get_parameter(p)]]
+        first, last = stage_to_rank[0], stage_to_rank[-1]
+        self.group = None if first == last else _pair_group(mesh, axis, first, last)
+
+    def sum_gradients(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        copies = [p for p in self.copies if p.grad is not None]
+        for p in copies:  # a gradient may come laid out unlike its weight (an embedding's)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+        if not local:
+            return
+        total = torch.stack(local).sum(dim=0)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for g in local:
+            g.copy_(total)
+
+
+_pair_groups: dict[tuple[Any, ...], Any] = {}
+
+
+def _pair_group(mesh: DeviceMesh, axis: str, first: int, last: int) -> Any:
+    """This rank's group of the two pp ranks holding the first and the last stage (one per
+    pipeline; every rank creates all of them, in the same order); made once per layout."""
+    names = list(mesh.mesh_dim_names or ())
+    grid = mesh.mesh.movedim(names.index(axis), -1)
+    pairs = [[row[first], row[last]] for row in grid.reshape(-1, grid.shape[-1]).tolist()]
+    key = (dist.group.WORLD, tuple(map(tuple, pairs)))
+    if key not in _pair_groups:
+        _pair_groups[key] = dist.new_subgroups_by_enumeration(pairs)[0]
+    return _pair_groups[key]
 
 
 def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
@@ -148,21 +253,27 @@ def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: 
                         starts: list[int] | None, axis: str) -> nn.Module:
     from meshlab.schedules.execute import stage_layers
 
-    layers = list(model.model.layers)
-    owned = {s: list(stage_layers(len(layers), s, schedule.stages, starts)) for s in mine}
+    n = len(model.model.layers)
+    owned = {s: stage_layers(n, s, schedule.stages, starts) for s in mine}
+    last = schedule.stages - 1
+    tied = _tied(model)
     stages: dict[int, nn.Module] = {
-        s: CausalLMStage(model, [layers[i] for i in owned[s]], first=s == 0,
-                         last=s == schedule.stages - 1) for s in mine}
+        s: CausalLMStage(model, owned[s], first=s == 0, last=s == last) for s in mine}
     if parallelize_stage is not None:
         stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
     # the model keeps its stages' parts under their full-model names (layer i stays "i")
-    kept = {str(i): block for s, stage in stages.items()
-            for i, block in zip(owned[s], cast(Any, stage).model.layers, strict=True)}
+    kept = {str(i): cast(Any, stage).model.layers[i] for s, stage in stages.items()
+            for i in owned[s]}
     model.model.layers = nn.ModuleDict(kept)
     if 0 not in mine:
         model.model.embed_tokens = None
-    if schedule.stages - 1 not in mine:
+    if last in mine:
+        model.lm_head = cast(Any, stages[last]).lm_head  # a tied head: the stage's copy
+    else:
         model.model.norm = None
         model.lm_head = None
     model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
+    if tied:
+        copies = TiedCopies(stages, schedule.stages, mesh, axis, schedule.stage_to_rank)
+        model.pipeline.after_backward.append(copies.sum_gradients)
     return cast(nn.Module, model)

@@ -10,14 +10,14 @@ plan the model ships (transformers' ``_tp_plan``) or one given as torch-style
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlab.parallel.blocks import holds
+from meshlab.parallel.blocks import PassThrough, holds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,10 +46,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     if plan is None and _is_meshlab(model):
         return _apply_meshlab_tp(model, tp_mesh, sequence_parallel is not False)
     plan = plan if plan is not None else model_plan(model)
-    if sequence_parallel and all(isinstance(style, str) for style in plan.values()):
-        styles = sequence_parallel_plan(model, plan)
+    tied = untie(model)
+    named = {p: s for p, s in plan.items() if isinstance(s, str)}
+    if sequence_parallel and len(named) == len(plan):
+        styles = sequence_parallel_plan(model, named)
+        named = {p: s for p, s in named.items() if s in KEPT_UNDER_SP}
     else:
-        styles = {pattern: _style(pattern, style) for pattern, style in plan.items()}
+        styles = {p: s for p, s in plan.items() if not isinstance(s, str)}
     if sequence_parallel and not any(type(s).__name__ == "SequenceParallel"
                                      for s in styles.values()):
         raise ValueError("sequence_parallel=True, but the TP plan has no SequenceParallel "
@@ -58,7 +61,102 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, tp_mesh, styles)
+    if named:
+        _apply_named(model, tp_mesh, named)
+    retie(model, tied)
     return model
+
+
+def untie(model: nn.Module) -> list[list[str]]:
+    """The names of each weight the model holds under several (a tied embedding and head),
+    each name given its own parameter over the same data, so that each module's style
+    shards its own (``retie`` makes them one again)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = [group for group in names.values() if len(group) > 1]
+    for group in tied:
+        for name in group[1:]:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            shared = module._parameters[leaf]
+            assert shared is not None
+            module._parameters[leaf] = nn.Parameter(shared.data, shared.requires_grad)
+    return tied
+
+
+def retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """Make each tied group one parameter again after sharding made it several (a plan
+    shards each module's weight on its own); ValueError when the plan shards them apart."""
+    from torch.distributed.tensor import DTensor
+
+    for group in tied:
+        params = [model.get_parameter(name) for name in group]
+        if all(p is params[0] for p in params):
+            continue
+        layouts = {name: tuple(p.placements) if isinstance(p, DTensor) else "whole on every rank"
+                   for name, p in zip(group, params, strict=True)}
+        if len(set(layouts.values())) > 1:
+            said = ", ".join(f"{name}: {layout}" for name, layout in layouts.items())
+            raise ValueError(f"{' and '.join(group)} are one tied weight, but the TP plan "
+                             f"splits them differently ({said}): shard both on the vocabulary "
+                             "(transformers' 'embedding_rowwise' on the embedding, "
+                             "'colwise_gather_output' on the head), or untie them "
+                             "(config.tie_word_embeddings=False)")
+        for name in group[1:]:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._parameters[leaf] = params[0]
+
+
+def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str]) -> None:
+    """transformers' own styles, by the names its plans use (its ParallelInterface: every
+    style it registers, not a copy of some): the plan's patterns expanded over this model's
+    modules and parameters as transformers expands them, then applied by transformers."""
+    try:
+        from transformers.distributed.parallel_utils import (
+            ALL_PARALLEL_STYLES,
+            replace_layer_number_by_wildcard,
+        )
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError as e:
+        raise ValueError(f"the TP plan names transformers' styles ({', '.join(set(plan.values()))}"
+                         f"), and transformers >= 5 is not importable here ({e}): install it, or "
+                         "give torch ParallelStyles (ColwiseParallel(), ...)") from None
+    unknown = {p: s for p, s in plan.items() if s not in ALL_PARALLEL_STYLES}
+    if unknown:
+        pattern, style = next(iter(unknown.items()))
+        raise ValueError(f"TP plan entry {pattern!r}: {style!r} is not a torch ParallelStyle "
+                         f"nor one of transformers' styles ({', '.join(ALL_PARALLEL_STYLES)}): "
+                         "give ColwiseParallel(), RowwiseParallel() or one of those names")
+    expanded: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, PassThrough):  # a block another pipeline stage holds
+            continue
+        generic = replace_layer_number_by_wildcard(name)
+        for leaf, _ in module.named_parameters(recurse=False):
+            full = f"{name}.{leaf}" if name else leaf
+            style = plan.get(replace_layer_number_by_wildcard(full)) or plan.get(generic)
+            if style is not None:
+                expanded[full] = style
+        if generic in plan:
+            expanded[name] = plan[generic]
+    if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
+        model.config = getattr(model, "causal_lm", model).config  # type: ignore[assignment]
+    apply_tensor_parallelism(model, tp_mesh, expanded)
+
+
+def unmatched(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
+    """The plan's patterns that name no module or parameter of ``model`` (``*`` stands for
+    one part of a name, as both torch and transformers read it)."""
+    from fnmatch import fnmatchcase
+
+    names = [n.split(".") for n, _ in model.named_modules() if n]
+    names += [n.split(".") for n, _ in model.named_parameters()]
+
+    def matches(pattern: list[str], name: list[str]) -> bool:
+        return len(pattern) == len(name) and all(map(fnmatchcase, name, pattern))
+
+    return [p for p in plan if not any(matches(p.split("."), n) for n in names)]
 
 
 def model_plan(model: nn.Module) -> dict[str, Any]:
@@ -71,6 +169,11 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
                          "ParallelPlan(tp_plan={'layers.*.attn.q': ColwiseParallel(), ...}), "
                          "a dict of module pattern to torch ParallelStyle")
     return dict(plan)
+
+
+KEPT_UNDER_SP = ("replicated_with_grad_allreduce",)
+"""transformers' styles that hold under sequence parallelism as they are: a per-head norm
+between a column- and a row-parallel projection sees this rank's heads either way."""
 
 
 def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
@@ -99,6 +202,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
         elif style == "colwise":
             sp[pattern] = ColwiseParallel()
             sp[pattern.rpartition(".")[0]] = GatherSequence()
+        elif style in KEPT_UNDER_SP:
+            continue  # applied by transformers: it needs no layout
         else:
             raise ValueError(f"TP plan entry {pattern!r}: {style!r} has no sequence-parallel "
                              "form meshlab knows: pass sequence_parallel=False, or a torch-"
@@ -141,32 +246,6 @@ def _gather_sequence(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith(("Norm", "RMSNorm", "LayerNorm"))
-
-
-# transformers' style names, as torch ParallelStyles (integrations/tensor_parallel.py)
-def _style(pattern: str, style: Any) -> Any:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    if isinstance(style, ParallelStyle):
-        return style
-    named: dict[str, Callable[[], ParallelStyle]] = {
-        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "sequence_parallel": SequenceParallel,
-    }
-    if style not in named:
-        raise ValueError(f"TP plan entry {pattern!r}: {style!r} is not a torch ParallelStyle "
-                         f"nor one of {', '.join(named)}: give ColwiseParallel(), "
-                         "RowwiseParallel() or SequenceParallel()")
-    return named[style]()
 
 
 def _is_meshlab(model: nn.Module) -> bool:

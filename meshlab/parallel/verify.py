@@ -199,7 +199,8 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
                    grad_accum=[plan.grad_accum * size // batch for size in sizes])
 
     replica = mesh["dp_replicate"].get_local_rank() if len(replicas) > 1 else 0
-    expected = dict(replicas[replica].named_parameters())  # a pipeline stage: only its own
+    # every name of a tied weight: the parallel model may hold it under either (a stage)
+    expected = dict(replicas[replica].named_parameters(remove_duplicate=False))
     worst, worst_error = "", 0.0
     for name, value in full_parameters(parallel).items():
         ref = expected[name].detach()

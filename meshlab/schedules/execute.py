@@ -116,6 +116,8 @@ class Executor:
         self.loss: float | None = None
         self._started = False
         self.waited = 0.0
+        # run once every micro-batch's backward is in, before the optimizer steps
+        self.after_backward: list[Callable[[], None]] = []
 
     @property
     def done(self) -> bool:
@@ -219,6 +221,8 @@ class Executor:
     def _finish(self) -> None:
         while self.sends:
             _wait(self.sends.pop())
+        for hook in self.after_backward:
+            hook()
         self.runtime._update_losses(list(self.stages.values()), self.losses)
         # the last stage knows the loss; share it so every pp rank reports the same number
         loss = torch.zeros((), dtype=torch.float64)
