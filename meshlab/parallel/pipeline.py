@@ -134,7 +134,7 @@ class CausalLMStage(nn.Module):
         self.model = base
         self.lm_head = None
         if last:
-            head = model.lm_head
+            head: Any = model.lm_head
             if not first and _tied(model):  # its own copy: the first stage holds the other
                 head = _shallow(head)
                 head.weight = nn.Parameter(head.weight.detach().clone())
@@ -157,8 +157,8 @@ class CausalLMStage(nn.Module):
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         self._entering = None if self.first else x
         if self.last:
-            return self.causal_lm(**given, use_cache=False).logits
-        return self.model(**given, use_cache=False).last_hidden_state
+            return cast(torch.Tensor, self.causal_lm(**given, use_cache=False).logits)
+        return cast(torch.Tensor, cast(Any, self.model)(**given, use_cache=False).last_hidden_state)
 
 
 def _enter_at(block: nn.Module, stage: CausalLMStage) -> None:
@@ -208,17 +208,17 @@ class TiedCopies:
     the same optimizer step and stay equal, as the one tied weight would."""
 
     def __init__(self, stages: dict[int, nn.Module], total: int, mesh: DeviceMesh, axis: str,
-                 stage_to_rank: list[int]) -> None:
-        self.copies = [p for s, p in ((0, "model.embed_tokens.weight"),
-                                      (total - 1, "lm_head.weight")) if s in stages
-                       for p in [stages[s].get_parameter(p)]]
+                 stage_to_rank: Sequence[int]) -> None:
+        holders = {0: "model.embed_tokens.weight", total - 1: "lm_head.weight"}
+        self.copies = [stages[s].get_parameter(name) for s, name in holders.items()
+                       if s in stages]
         first, last = stage_to_rank[0], stage_to_rank[-1]
         self.group = None if first == last else _pair_group(mesh, axis, first, last)
 
     def sum_gradients(self) -> None:
         from torch.distributed.tensor import DTensor
 
-        copies = [p for p in self.copies if p.grad is not None]
+        copies: list[Any] = [p for p in self.copies if p.grad is not None]
         for p in copies:  # a gradient may come laid out unlike its weight (an embedding's)
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)

@@ -135,13 +135,13 @@ def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str])
         generic = replace_layer_number_by_wildcard(name)
         for leaf, _ in module.named_parameters(recurse=False):
             full = f"{name}.{leaf}" if name else leaf
-            style = plan.get(replace_layer_number_by_wildcard(full)) or plan.get(generic)
-            if style is not None:
-                expanded[full] = style
+            found = plan.get(replace_layer_number_by_wildcard(full)) or plan.get(generic)
+            if found:
+                expanded[full] = found
         if generic in plan:
             expanded[name] = plan[generic]
     if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
-        model.config = getattr(model, "causal_lm", model).config  # type: ignore[assignment]
+        model.config = getattr(model, "causal_lm", model).config
     apply_tensor_parallelism(model, tp_mesh, expanded)
 
 
