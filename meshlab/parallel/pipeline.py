@@ -157,7 +157,7 @@ class CausalLMStage(nn.Module):
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         self._entering = None if self.first else x
         if self.last:
-            return cast(torch.Tensor, self.causal_lm(**given, use_cache=False).logits)
+            return cast(torch.Tensor, cast(Any, self.causal_lm)(**given, use_cache=False).logits)
         return cast(torch.Tensor, cast(Any, self.model)(**given, use_cache=False).last_hidden_state)
 
 
