@@ -9,6 +9,7 @@ checkpointing) that recomputes the attention kernels and saves every other op's 
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Any
 
@@ -30,6 +31,7 @@ def apply_ac(model: nn.Module, mode: str, *, blocks: str | None = None) -> nn.Mo
         return model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    _no_cache_in_training(model)
     container = find_blocks(model, blocks)[1]
     for key, block in items(container):
         core = getattr(getattr(block, "attention", None), "core", None)
@@ -50,9 +52,29 @@ def apply_ac(model: nn.Module, mode: str, *, blocks: str | None = None) -> nn.Mo
     return model
 
 
+def _no_cache_in_training(model: nn.Module) -> None:
+    """A transformers model builds a KV cache by default, also in training; recomputing a
+    block would then attend to its keys twice. transformers' own gradient checkpointing
+    turns the cache off in training, and so does this (per call: the config is untouched)."""
+    if "use_cache" not in inspect.signature(model.forward).parameters:
+        return
+
+    def no_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return args, ({**kwargs, "use_cache": False} if module.training else kwargs)
+
+    model.register_forward_pre_hook(no_cache, with_kwargs=True)
+
+
 def _recompute_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Recompute the attention kernels and keep every other op's output, except outputs a
+    later op may write into (in-place ops, and the fresh buffers they fill: an MoE layer
+    adds each expert's output into a zeros tensor), which selective checkpointing must not
+    keep; recomputing those is cheap."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     name = str(op)
     attention = "scaled_dot_product" in name or "softmax" in name
-    return CheckpointPolicy.PREFER_RECOMPUTE if attention else CheckpointPolicy.MUST_SAVE
+    written = op._schema.is_mutable or not any(isinstance(a, torch.Tensor) for a in args)
+    return (CheckpointPolicy.PREFER_RECOMPUTE if attention or written
+            else CheckpointPolicy.MUST_SAVE)
