@@ -67,14 +67,18 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     return model
 
 
-def untie(model: nn.Module) -> list[list[str]]:
-    """The names of each weight the model holds under several (a tied embedding and head),
-    each name given its own parameter over the same data, so that each module's style
-    shards its own (``retie`` makes them one again)."""
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each weight the model holds under several (a tied embedding and head)."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    tied = [group for group in names.values() if len(group) > 1]
+    return [group for group in names.values() if len(group) > 1]
+
+
+def untie(model: nn.Module) -> list[list[str]]:
+    """``tied_groups``, each name given its own parameter over the same data, so that each
+    module's style shards its own (``retie`` makes them one again)."""
+    tied = tied_groups(model)
     for group in tied:
         for name in group[1:]:
             owner, _, leaf = name.rpartition(".")

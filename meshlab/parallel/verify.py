@@ -27,6 +27,7 @@ from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.compose import OPTIMIZERS, ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.tensor import tied_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,11 +44,21 @@ class Comparison:
     worst_param: str
     loss_rtol: float
     param_rtol: float
+    notes: list[str] = field(default_factory=list)
+    """What about the model bears on the comparison: tolerances it changed, and on a
+    mismatch the causes meshlab can name."""
     ok: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.ok = (self.max_loss_error <= self.loss_rtol
                    and self.max_param_error <= self.param_rtol)
+
+    def __str__(self) -> str:
+        verdict = "matches one process" if self.ok else "DIFFERS from one process"
+        lines = [f"{verdict}: losses within {self.max_loss_error:.1e} (tolerance "
+                 f"{self.loss_rtol:.0e}), parameters within {self.max_param_error:.1e} "
+                 f"(tolerance {self.param_rtol:.0e}; worst {self.worst_param})"]
+        return "\n".join(lines + [f"  - {note}" for note in self.notes])
 
 
 def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
@@ -84,9 +95,12 @@ LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Te
 def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
                     ) -> torch.Tensor:
     """The default loss: cross-entropy of the model's logits against the batch's targets. A
-    model may return the logits, or an output holding them (transformers' ``.logits``)."""
+    model may return the logits, an output holding them (transformers' ``.logits``), or a
+    tuple that starts with them."""
     inputs, targets = batch
     out = model(inputs)
+    if isinstance(out, tuple | list):  # (logits, loss), as nanoGPT returns
+        out = out[0]
     return loss_fn(getattr(out, "logits", out), targets)
 
 
@@ -166,6 +180,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     reference = build()
     vocab = vocab or _vocab_size(reference)
     shape = {"seq": seq, "vocab": vocab, "seed": seed}
+    precision, notes = _computes_in(reference, global_batch(step=0, batch=batch, **shape), dtype)
     sizes = [batch_schedule(s) if batch_schedule else batch for s in range(steps)]
     for s, size in enumerate(sizes):
         if size % batch:
@@ -211,7 +226,62 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         if error >= worst_error:
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    return Comparison(losses, ref_losses, loss_error, worst_error, worst, *TOLERANCES[dtype])
+    result = Comparison(losses, ref_losses, loss_error, worst_error, worst,
+                        *TOLERANCES[precision], notes=notes)
+    if not result.ok:
+        result.notes += _suspects(reference, worst)
+    return result
+
+
+def _computes_in(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                 dtype: torch.dtype) -> tuple[torch.dtype, list[str]]:
+    """The lowest floating-point precision the model computes in, found by watching one
+    forward's ops (Gemma's norms cast to float32 inside a float64 model): the comparison can
+    hold no tighter than that precision's reordered sums, and says so."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[torch.dtype] = set()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    seen.add(t.dtype)
+            return out
+
+    with torch.no_grad(), Watch():
+        model(batch[0])
+    lower = [d for d in TOLERANCES if d in seen and torch.finfo(d).eps > torch.finfo(dtype).eps]
+    if not lower:
+        return dtype, []
+    low = max(lower, key=lambda d: torch.finfo(d).eps)
+    return low, [f"{type(model).__name__} computes some ops in {low} inside a {dtype} model "
+                 f"(its own upcasts, e.g. norms in float32), so both runs agree only to {low}'s "
+                 "reordered sums: held to the tolerances of " + str(low)]
+
+
+def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
+    """What in the model can make a parallel run differ from one process, named."""
+    notes = []
+    config = getattr(model, "config", None)
+    rates = {f"config.{k}": v for k, v in vars(config).items()
+             if k.endswith("dropout") and isinstance(v, float) and v > 0} if config else {}
+    rates |= {name: m.p for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    if rates:
+        said = ", ".join(f"{k}={v}" for k, v in list(rates.items())[:4])
+        notes.append(f"dropout is on ({said}): each run draws its own random masks, so they "
+                     "cannot agree; set the rates to 0 for the comparison (e.g. "
+                     "config.attention_dropout=0.0)")
+    for group in tied_groups(model):
+        if worst in group:
+            notes.append(f"{worst} is tied to {', '.join(n for n in group if n != worst)}: "
+                         "the parallel run must keep them one weight; a difference here says "
+                         "it did not")
+    return notes
+
 
 
 def _optimizer(model: torch.nn.Module, lr: float, kind: str) -> torch.optim.Optimizer:
