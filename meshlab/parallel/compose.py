@@ -17,6 +17,7 @@ from torch import nn
 
 from meshlab.mesh import axis_size
 from meshlab.parallel.activation_checkpoint import MODES, apply_ac
+from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
@@ -59,7 +60,11 @@ class ParallelPlan:
     activation_checkpoint: str = "none"
     """none, selective (attention core) or full (every block)."""
     mixed_precision: bool = False
-    """bf16 parameters and fp32 gradient reduction (FSDP stages only)."""
+    """bf16 compute: on FSDP stages (zero2, zero3) bf16 parameters with fp32 gradient
+    reduction; on any other, torch.autocast to bf16 around the forward, fp32 weights."""
+    max_grad_norm: float | None = None
+    """Clip the gradient to this norm before each optimizer step: the norm of the whole
+    model across every axis (meshlab.parallel.clip), as one process would clip it."""
     pipeline_schedule: str | Schedule = "1f1b"
     """With a pp axis: a schedule meshlab builds (gpipe, 1f1b, interleaved_1f1b, looped_bfs,
     zb_h1, zbv, dualpipev: meshlab.schedules.BUILDERS) or a user's own Schedule
@@ -130,9 +135,9 @@ class ParallelPlan:
         else:
             key = self.pipeline_schedule = canonical(self.pipeline_schedule)
             check_virtual(key, self.virtual, said=f"pipeline_schedule={key!r}")
-        if self.mixed_precision and self.data_parallel not in ("zero2", "zero3"):
-            raise ValueError("mixed_precision needs an FSDP stage: data_parallel='zero2' or "
-                             "'zero3'")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={self.max_grad_norm!r} must be a positive number "
+                             "(the largest gradient norm), or None for no clipping")
 
     def _check_own_schedule(self, schedule: Schedule) -> None:
         schedule.validate()
@@ -251,6 +256,9 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
+    if plan.mixed_precision and not (plan.data_parallel in ("zero2", "zero3")
+                                     and data_parallel_ranks(mesh, plan) > 1):
+        model = apply_autocast(model)
     if plan.offload_activations:
         model = apply_activation_offload(model, blocks=plan.blocks)
     alone = plan.replica_sync != "every_step"  # the replicas reduce nothing between syncs
@@ -270,6 +278,14 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
                                reduce_dtype=torch.float32 if mixed else None,
                                blocks=plan.blocks, replicate=not alone,
                                offload=plan.offload_params)
+    return model
+
+
+def apply_autocast(model: nn.Module) -> nn.Module:
+    """bf16 compute where FSDP's mixed precision does not reach: the model's forward runs
+    under torch.autocast (weights, gradients and optimizer stay fp32)."""
+    device = next(model.parameters()).device.type
+    model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)
     return model
 
 
@@ -294,6 +310,13 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
                                 optimizer_class=cls, **args)
     else:
         optimizer = cls(model.parameters(), **args)
+    if plan.max_grad_norm is not None:
+        limit = plan.max_grad_norm
+
+        def clip(*_: Any) -> None:
+            clip_grad_norm_(model, limit)
+
+        optimizer.register_step_pre_hook(clip)
     if alone:
         sync = ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
                            outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)

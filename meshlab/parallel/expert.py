@@ -64,6 +64,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Modu
     if not isinstance(model, Transformer) and _ep_plan(model):
         experts = _apply_ep_transformers(model, ep.get_group(), size, rank)
         _average_gradients(model, mesh, experts)
+        _mark_parts(model, experts, ep.get_group())
         return model
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
@@ -84,8 +85,19 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Modu
                                local=local)
         moe.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
                             persistent=False)
-    _average_gradients(model, mesh, {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)})
+    experts = {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)}
+    _average_gradients(model, mesh, experts)
+    _mark_parts(model, experts, ep.get_group())
     return model
+
+
+def _mark_parts(model: nn.Module, experts: set[int], group: Any) -> None:
+    """Each ep rank holds other experts: the whole model's gradient norm sums theirs."""
+    from meshlab.parallel.clip import PARTS
+
+    for p in model.parameters():
+        if id(p) in experts:
+            setattr(p, PARTS, group)
 
 
 def _ep_plan(model: nn.Module) -> dict[str, str]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlab.parallel.blocks import PassThrough, holds
+from meshlab.parallel.clip import COPY
 from meshlab.schedules.actions import Schedule, ScheduleError
 from meshlab.schedules.execute import Executor, stage_modules
 
@@ -212,6 +213,8 @@ class TiedCopies:
         holders = {0: "model.embed_tokens.weight", total - 1: "lm_head.weight"}
         self.copies = [stages[s].get_parameter(name) for s, name in holders.items()
                        if s in stages]
+        if total - 1 in stages:  # the gradient norm counts the weight once
+            setattr(self.copies[-1], COPY, True)
         first, last = stage_to_rank[0], stage_to_rank[-1]
         self.group = None if first == last else _pair_group(mesh, axis, first, last)
 
