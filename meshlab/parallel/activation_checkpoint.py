@@ -4,7 +4,8 @@
 recomputes only the attention core (softmax(qkᵀ)v), the part whose activations grow with
 the sequence squared (Korthikanti et al. 2022): on meshlab's blocks by wrapping their
 ``attention.core``, on any other model's blocks by an op-level policy (torch's selective
-checkpointing) that recomputes the attention kernels and saves every other op's output.
+checkpointing, as torchtitan's op-level SAC) that keeps the matmuls' outputs and recomputes
+the attention kernels and the elementwise ops between them.
 """
 
 from __future__ import annotations
@@ -67,14 +68,18 @@ def _no_cache_in_training(model: nn.Module) -> None:
 
 
 def _recompute_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Recompute the attention kernels and keep every other op's output, except outputs a
-    later op may write into (in-place ops, and the fresh buffers they fill: an MoE layer
-    adds each expert's output into a zeros tensor), which selective checkpointing must not
-    keep; recomputing those is cheap."""
+    """Keep the matmuls' outputs, recompute everything else: the attention kernels, and the
+    cheap elementwise ops between. Keeping other outputs is not safe on any model: a later
+    op may write into them in place (Mixtral divides its top-k weights in place, an MoE
+    layer adds experts into a zeros tensor), which selective checkpointing refuses in
+    backward."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    name = str(op)
-    attention = "scaled_dot_product" in name or "softmax" in name
-    written = op._schema.is_mutable or not any(isinstance(a, torch.Tensor) for a in args)
-    return (CheckpointPolicy.PREFER_RECOMPUTE if attention or written
-            else CheckpointPolicy.MUST_SAVE)
+    return (CheckpointPolicy.MUST_SAVE if op in _matmuls()
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _matmuls() -> set[Any]:
+    aten = torch.ops.aten
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            aten.linear.default}

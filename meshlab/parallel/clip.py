@@ -38,8 +38,10 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
                 g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
                                                for pl in g.placements])
             key: Any = (id(g.device_mesh), tuple(g.placements))
+            # every split placement sums (transformers' packed weights are _StridedShard,
+            # which is not is_shard())
             groups[key] = [g.device_mesh.get_group(d) for d, pl in enumerate(g.placements)
-                           if pl.is_shard()]
+                           if not pl.is_replicate()]
             local = g.to_local()
         else:
             group = getattr(p, PARTS, None)

@@ -183,6 +183,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
                          "pipeline already accumulates over its micro-batches; raise "
                          f"microbatches instead (microbatches={plan.microbatches * plan.grad_accum}"
                          ", grad_accum=1)")
+    if dp > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
+        raise ValueError(f"data_parallel='none' with dp={dp}: each dp rank trains on its own "
+                         "rows and nothing sums their gradients, so the replicas drift apart: "
+                         "use data_parallel='ddp', 'zero2' or 'zero3', or build the mesh "
+                         "without dp")
     if axis_size(mesh, "cp") > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
         raise ValueError(f"data_parallel='none' with cp={axis_size(mesh, 'cp')}: each cp rank "
                          "computes gradients from its slice of the sequence, and they must be "
@@ -229,7 +234,8 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
     from meshlab.parallel import context, expert
 
     checks = [("pp", "a pipeline split", is_causal_lm(model),
-               "meshlab's Transformer and transformers' causal LMs (a _pp_plan)"),
+               "meshlab's Transformer and transformers' causal LMs (model.embed_tokens, "
+               "model.layers, model.norm, lm_head)"),
               ("cp", "context parallel", context.takes(model), context.TAKES),
               ("ep", "expert parallel", expert.takes(model), expert.TAKES)]
     for axis, what, takes, takers in checks:

@@ -9,19 +9,22 @@ simpler.) On CUDA ranks the default is torch's own ring attention ("torch"), att
 attention core the way torchtitan does, with contiguous slices (no load balancing) so the
 RoPE offsets stay those of meshlab's slices.
 
-A transformers causal LM (LlamaForCausalLM and the like: a ``_pp_plan`` and attention
-through transformers' AttentionInterface) takes the same all-gather attention, registered
-as an attention implementation of its own and set on the model's config, and a forward
-pre-hook on its decoder that gives the rotary embedding this rank's positions
-(``position_ids`` from the rank's offset) when the caller gives none. It trains on whole,
-unpadded sequences: a padding attention_mask, a KV cache or torch's ring attention are
-refused with the fix to make.
+A transformers causal LM (LlamaForCausalLM and the like, calling attention through
+transformers' AttentionInterface) takes the same all-gather, registered as an attention
+implementation of its own that wraps the model's own (eager or sdpa): the keys and values
+of the whole sequence go into the model's attention function with a mask for this rank's
+queries, so what that function does (Gemma's logit softcapping, sinks, a float32 softmax)
+comes along; and a forward pre-hook on its decoder gives the rotary embedding this rank's
+positions (``position_ids`` from the rank's offset) when the caller gives none. It trains
+on whole, unpadded sequences: a padding attention_mask, a KV cache or torch's ring
+attention are refused with the fix to make.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import sys
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -57,7 +60,8 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
 
 
 # the models apply_cp splits (compose refuses others before any rank builds anything)
-TAKES = ("meshlab's Transformer and transformers' causal LMs (a _pp_plan, attention through "
+TAKES = ("meshlab's Transformer and transformers' causal LMs (model.embed_tokens, model.layers, "
+         "model.norm, lm_head; attention through "
          "transformers' AttentionInterface)")
 
 
@@ -140,6 +144,7 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
                            ) -> nn.Module:
     """All-gather K/V attention for a transformers causal LM (or a pipeline stage of one)."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     decoder = _decoder(model)
     kind = type(decoder).__name__
@@ -150,44 +155,44 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
         raise ValueError(f"context parallel needs {kind} to call its attention through "
                          "transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), which "
                          "it does not: build the mesh without cp")
+    wrapped = decoder.config._attn_implementation
+    if wrapped not in ("eager", "sdpa"):
+        raise ValueError(f"context parallel wraps the model's eager or sdpa attention, and "
+                         f"{kind} uses {wrapped!r}: build it with attn_implementation='sdpa' "
+                         "(or 'eager'), or build the mesh without cp")
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
     chunk = seq_len // size
     offset = rank * chunk
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
-                  scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
-                  ) -> tuple[torch.Tensor, None]:
-        """transformers' attention interface: (B, H, T/cp, D) local q, k, v in,
-        (B, T/cp, H, D) out, every key of the whole sequence attended causally."""
+                  **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """transformers' attention interface: (B, H, T/cp, D) local q, k, v in; the keys and
+        values of the whole sequence gathered, then the model's own attention function run
+        on them with a mask for this rank's queries (so softcapping, sinks, its float32
+        softmax, all it does, come along)."""
         if attention_mask is not None:
             raise ValueError(f"context parallel got an attention mask of shape "
                              f"{tuple(attention_mask.shape)}; expected None (its attention "
                              "is causal over whole, unpadded sequences): pass "
                              "attention_mask=None")
-        for name in ("softcap", "s_aux"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"context parallel got {name}={kwargs[name]!r} from "
-                                 f"{type(module).__name__}; expected None (its all-gather "
-                                 "attention is plain scaled dot-product): build the mesh "
-                                 "without cp")
         if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
             raise ValueError(f"context parallel got a non-causal {type(module).__name__}; "
                              "expected causal attention: build the mesh without cp")
         keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
-        repeats = query.shape[1] // keys.shape[1]  # grouped-query heads (transformers' repeat_kv)
-        if repeats > 1:
-            keys = keys.repeat_interleave(repeats, dim=1)
-            values = values.repeat_interleave(repeats, dim=1)
         query_pos = torch.arange(offset, offset + query.shape[2], device=query.device)[:, None]
         keys_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
         mask = keys_pos <= query_pos
         window = kwargs.get("sliding_window")
         if window is not None:  # as transformers' sliding_window_overlay
             mask = mask & (keys_pos > query_pos - window)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                             dropout_p=dropout, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
+        if wrapped == "eager":  # eager adds its mask to the scores
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device
+                               ).masked_fill(~mask, torch.finfo(query.dtype).min)
+        own = (ALL_ATTENTION_FUNCTIONS[wrapped] if wrapped != "eager" else
+               sys.modules[type(module).__module__].eager_attention_forward)
+        return cast(tuple[torch.Tensor, Any],
+                    own(module, query, keys, values, mask[None, None], **kwargs))
 
     name = f"meshlab_cp_{next(_NAMES)}"
     AttentionInterface.register(name, attention)

@@ -108,10 +108,13 @@ def stage_starts(split_points: Sequence[str], blocks: str, n_blocks: int, stages
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers causal LM laid out as its ``_pp_plan`` says: model.embed_tokens,
-    model.layers, model.norm, then lm_head."""
-    plan = getattr(model, "_pp_plan", None) or {}
-    return {"model.embed_tokens", "model.layers", "model.norm", "lm_head"} <= set(plan)
+    """A transformers causal LM laid out as transformers' own pipeline split takes it:
+    model.embed_tokens, model.layers, model.norm, then lm_head."""
+    inner = getattr(model, "model", None)
+    parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "norm")]
+    return (isinstance(getattr(model, "lm_head", None), nn.Module)
+            and all(isinstance(part, nn.Module) for part in parts)
+            and isinstance(parts[1], nn.ModuleList))
 
 
 class CausalLMStage(nn.Module):

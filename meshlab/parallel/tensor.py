@@ -10,9 +10,10 @@ plan the model ships (transformers' ``_tp_plan``) or one given as torch-style
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -50,7 +51,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     named = {p: s for p, s in plan.items() if isinstance(s, str)}
     if sequence_parallel and len(named) == len(plan):
         styles = sequence_parallel_plan(model, named)
-        named = {p: s for p, s in named.items() if s in KEPT_UNDER_SP}
+        named = {p: s for p, s in named.items() if s in OWN_STYLES}
     else:
         styles = {p: s for p, s in plan.items() if not isinstance(s, str)}
     if sequence_parallel and not any(type(s).__name__ == "SequenceParallel"
@@ -126,6 +127,8 @@ def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str])
         raise ValueError(f"the TP plan names transformers' styles ({', '.join(set(plan.values()))}"
                          f"), and transformers >= 5 is not importable here ({e}): install it, or "
                          "give torch ParallelStyles (ColwiseParallel(), ...)") from None
+    own = {p: s for p, s in plan.items() if s in OWN_STYLES}
+    plan = {p: s for p, s in plan.items() if s not in OWN_STYLES}
     unknown = {p: s for p, s in plan.items() if s not in ALL_PARALLEL_STYLES}
     if unknown:
         pattern, style = next(iter(unknown.items()))
@@ -147,6 +150,53 @@ def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str])
     if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
         model.config = getattr(model, "causal_lm", model).config
     apply_tensor_parallelism(model, tp_mesh, expanded)
+    for name, module in model.named_modules():
+        mine = own.get(replace_layer_number_by_wildcard(name))
+        if mine is not None and not isinstance(module, PassThrough):
+            OWN_STYLES[mine](module, tp_mesh)
+
+
+def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """transformers' ``replicated_with_grad_allreduce``: a replicated weight that sees only
+    this rank's part of its input (Qwen3's per-head q_norm, between a column- and a
+    row-parallel projection), so its gradient sums over tp. Summed per use, in backward:
+    transformers sums the accumulated gradient each time one accumulates, which counts the
+    earlier micro-batches again under pipeline or gradient accumulation."""
+    group = tp_mesh.get_group()
+    forward = module.forward
+
+    def summed_in_backward(*args: Any, **kwargs: Any) -> Any:
+        weights = dict(module._parameters)
+        for name, p in weights.items():
+            if p is not None and p.requires_grad and torch.is_grad_enabled():
+                module._parameters[name] = _SumInBackward.apply(p, group)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(weights)
+
+    module.forward = summed_in_backward
+
+
+class _SumInBackward(torch.autograd.Function):
+    """Identity forward; the gradient summed over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+OWN_STYLES: dict[str, Callable[[nn.Module, DeviceMesh], None]] = {
+    "replicated_with_grad_allreduce": _sum_gradient_over_tp}
+"""transformers' style names meshlab applies itself, with why beside each; they need no
+layout, so they hold under sequence parallelism as they are."""
 
 
 def unmatched(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
@@ -175,18 +225,17 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     return dict(plan)
 
 
-KEPT_UNDER_SP = ("replicated_with_grad_allreduce",)
-"""transformers' styles that hold under sequence parallelism as they are: a per-head norm
-between a column- and a row-parallel projection sees this rank's heads either way."""
 
 
 def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
     """Sequence parallelism added to a plan in transformers' style names: the residual
-    stream stays split along the sequence (Shard(1)) between the parallel regions, the
-    blocks' norms and the final norm run on their part of it (SequenceParallel), and the
-    sequence is gathered once on the way into each module holding column-parallel
-    projections (the attention, the MLP). The stream is kept as DTensors so code between
-    (a causal mask, rotary positions) reads the whole sequence's length."""
+    stream is split along the sequence (Shard(1)) where it enters the first block, and stays
+    split between the parallel regions; the blocks' norms and the final norm run on their
+    part of it (SequenceParallel), and the sequence is gathered once on the way into each
+    module holding column-parallel projections (the attention, the MLP). Whatever the model
+    does before its first block (adding positions, scaling) runs on the whole sequence, as
+    it wrote it; the stream is kept as DTensors so code between blocks (a causal mask,
+    rotary positions) reads the whole sequence's length."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -197,28 +246,31 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     sp: dict[str, Any] = {}
     for pattern, style in plan.items():
         if style == "embedding_rowwise":
-            sp[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
-                                          use_local_output=False)
+            sp[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif style == "rowwise":
             sp[pattern] = RowwiseParallel(output_layouts=seq, use_local_output=False)
+        elif style == "rowwise_split_input":  # its input whole (after colwise_gather_output)
+            sp[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                          use_local_output=False)
         elif style == "colwise_gather_output":
             sp[pattern] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
         elif style == "colwise":
-            sp[pattern] = ColwiseParallel()
-            sp[pattern.rpartition(".")[0]] = GatherSequence()
-        elif style in KEPT_UNDER_SP:
-            continue  # applied by transformers: it needs no layout
+            owner = pattern.rpartition(".")[0]
+            if owner.endswith(".*"):  # a projection right in the block: gather it alone
+                sp[pattern] = ColwiseParallel(input_layouts=seq)
+            else:  # the attention or the MLP: gather once on the way in
+                sp[pattern] = ColwiseParallel()
+                sp[owner] = GatherSequence()
+        elif style in OWN_STYLES:
+            continue  # applied with the named styles: it needs no layout
         else:
             raise ValueError(f"TP plan entry {pattern!r}: {style!r} has no sequence-parallel "
                              "form meshlab knows: pass sequence_parallel=False, or a torch-"
                              "style tp_plan with SequenceParallel() where you want it")
-    if not any(style == "embedding_rowwise" for style in plan.values()):
-        raise ValueError("sequence_parallel=True needs the embedding in the TP plan (an "
-                         "'embedding_rowwise' entry) to split the sequence: pass "
-                         "sequence_parallel=False, or a torch-style tp_plan with "
-                         "SequenceParallel()")
     for blocks in {p.partition(".*.")[0] for p in plan if ".*." in p}:
         first = model.get_submodule(f"{blocks}.0") if holds(model, f"{blocks}.0") else None
+        if first is not None:
+            sp[f"{blocks}.0"] = SplitSequence()
         outer = blocks.rpartition(".")[0]
         for name, child in (first.named_children() if first is not None else ()):
             if _is_norm(child):
@@ -227,6 +279,27 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
             if _is_norm(child):
                 sp[f"{outer}.{name}" if outer else name] = SequenceParallel()
     return sp
+
+
+class SplitSequence(ParallelStyle):
+    """Before the first block: the whole sequence it gets becomes this rank's part of it, a
+    DTensor split along the sequence (a slice; backward gathers the gradient whole)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def split(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            def part(x: Any) -> Any:
+                if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
+                    return x
+                whole = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                return whole.redistribute(placements=[Shard(1)])
+
+            if args:
+                return (part(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": part(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(split, with_kwargs=True)
+        return module
 
 
 class GatherSequence(ParallelStyle):

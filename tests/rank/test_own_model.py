@@ -168,7 +168,8 @@ def test_a_pipeline_of_a_model_without_a_pp_plan_says_what_to_change(cluster: Cl
         "except ValueError as e:\n"
         "    print(e)", timeout=120)
     assert "a pipeline split (pp=2) is applied to meshlab's Transformer and transformers' " \
-           "causal LMs (a _pp_plan), not yet to LlamaModel: build the mesh without pp" \
+           "causal LMs (model.embed_tokens, model.layers, model.norm, "
+           "lm_head), not yet to LlamaModel: build the mesh without pp" \
         in result.stdout()
 
 
