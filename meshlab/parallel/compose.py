@@ -183,7 +183,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
                          "pipeline already accumulates over its micro-batches; raise "
                          f"microbatches instead (microbatches={plan.microbatches * plan.grad_accum}"
                          ", grad_accum=1)")
-    if dp > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
+    # local SGD and DiLoCo sync the replicas themselves; the ranks inside one must not drift
+    summed = axis_size(mesh, "dp" if plan.replica_sync == "every_step" else "dp_shard")
+    if summed > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
         raise ValueError(f"data_parallel='none' with dp={dp}: each dp rank trains on its own "
                          "rows and nothing sums their gradients, so the replicas drift apart: "
                          "use data_parallel='ddp', 'zero2' or 'zero3', or build the mesh "

@@ -61,11 +61,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
                          "SequenceParallel() on the norms and the layouts around them")
     from torch.distributed.tensor.parallel import parallelize_module
 
+    _refuse_linear_styles_on_conv1d(model, styles)
     parallelize_module(model, tp_mesh, styles)
     if named:
         _apply_named(model, tp_mesh, named)
     retie(model, tied)
     return model
+
+
+def _refuse_linear_styles_on_conv1d(model: nn.Module, styles: Mapping[str, Any]) -> None:
+    from meshlab.parallel.conv1d import is_conv1d
+
+    for pattern, style in styles.items():
+        name = type(style).__name__
+        if name in ("ColwiseParallel", "RowwiseParallel") and any(
+                is_conv1d(m) for n, m in model.named_modules() if _matches(pattern, n)):
+            raise ValueError(f"TP plan entry {pattern!r}: {name}() takes nn.Linear, and "
+                             "this is transformers' Conv1D (an (in, out) weight, GPT-2's): "
+                             "give 'colwise' / 'rowwise', or meshlab.parallel.conv1d's "
+                             "Conv1DColwise() / Conv1DRowwise()")
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -129,6 +143,8 @@ def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str])
                          "give torch ParallelStyles (ColwiseParallel(), ...)") from None
     own = {p: s for p, s in plan.items() if s in OWN_STYLES}
     plan = {p: s for p, s in plan.items() if s not in OWN_STYLES}
+    conv1d = _conv1d_entries(model, plan)
+    plan = {p: s for p, s in plan.items() if p not in conv1d}
     unknown = {p: s for p, s in plan.items() if s not in ALL_PARALLEL_STYLES}
     if unknown:
         pattern, style = next(iter(unknown.items()))
@@ -154,6 +170,29 @@ def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str])
         mine = own.get(replace_layer_number_by_wildcard(name))
         if mine is not None and not isinstance(module, PassThrough):
             OWN_STYLES[mine](module, tp_mesh)
+    if conv1d:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, conv1d)
+
+
+def _conv1d_entries(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
+    """Entries naming GPT-2's Conv1D layers, as meshlab's Conv1D styles (transformers' and
+    torch's take nn.Linear only)."""
+    from meshlab.parallel.conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
+
+    styles = {"colwise": Conv1DColwise, "rowwise": Conv1DRowwise}
+    found: dict[str, Any] = {}
+    for pattern, style in plan.items():
+        hits = [m for n, m in model.named_modules() if _matches(pattern, n)]
+        if hits and all(is_conv1d(m) for m in hits):
+            if style not in styles:
+                raise ValueError(f"TP plan entry {pattern!r}: {style!r} on a Conv1D layer "
+                                 "(an (in, out) weight): give 'colwise' or 'rowwise', or "
+                                 "meshlab.parallel.conv1d.Conv1DColwise(parts=3) for a packed "
+                                 "q, k, v projection")
+            found[pattern] = styles[style]()
+    return found
 
 
 def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -169,7 +208,7 @@ def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         weights = dict(module._parameters)
         for name, p in weights.items():
             if p is not None and p.requires_grad and torch.is_grad_enabled():
-                module._parameters[name] = _SumInBackward.apply(p, group)
+                module._parameters[name] = SumInBackward.apply(p, group)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -178,7 +217,21 @@ def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     module.forward = summed_in_backward
 
 
-class _SumInBackward(torch.autograd.Function):
+class SumInForward(torch.autograd.Function):
+    """The sum over ``group`` in forward (partial outputs made whole); identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.contiguous()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class SumInBackward(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group`` in backward."""
 
     @staticmethod
@@ -202,15 +255,15 @@ layout, so they hold under sequence parallelism as they are."""
 def unmatched(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
     """The plan's patterns that name no module or parameter of ``model`` (``*`` stands for
     one part of a name, as both torch and transformers read it)."""
+    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
+    return [p for p in plan if not any(_matches(p, n) for n in names)]
+
+
+def _matches(pattern: str, name: str) -> bool:
     from fnmatch import fnmatchcase
 
-    names = [n.split(".") for n, _ in model.named_modules() if n]
-    names += [n.split(".") for n, _ in model.named_parameters()]
-
-    def matches(pattern: list[str], name: list[str]) -> bool:
-        return len(pattern) == len(name) and all(map(fnmatchcase, name, pattern))
-
-    return [p for p in plan if not any(matches(p.split("."), n) for n in names)]
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(map(fnmatchcase, parts, atoms))
 
 
 def model_plan(model: nn.Module) -> dict[str, Any]:
@@ -218,10 +271,15 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     ``base_model_tp_plan``); ValueError naming the fix when it has none."""
     plan = getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None),
                                                       "base_model_tp_plan", None)
+    if not plan and type(model).__name__ == "GPT2LMHeadModel":
+        from meshlab.parallel.conv1d import gpt2_plan
+
+        return gpt2_plan()
     if not plan:
         raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan: pass "
-                         "ParallelPlan(tp_plan={'layers.*.attn.q': ColwiseParallel(), ...}), "
-                         "a dict of module pattern to torch ParallelStyle")
+                         "ParallelPlan(tp_plan={'layers.*.attn.q_proj': 'colwise', "
+                         "'layers.*.attn.o_proj': 'rowwise', ...}), module patterns to "
+                         "transformers' style names or torch ParallelStyles")
     return dict(plan)
 
 

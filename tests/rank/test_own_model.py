@@ -188,12 +188,12 @@ def test_a_pipelined_transformers_model_keeps_only_its_stage(cluster: Cluster) -
 @pytest.mark.cluster
 def test_sequence_parallel_keeps_the_residual_stream_split_along_the_sequence(
         cluster: Cluster) -> None:
-    # the layouts are TP's alone (SP under ZeRO-3 is checked against one process above)
+    # the layouts TP gives the activations (SP is checked against one process in the matrix)
     cluster.init_mesh("dp=2 tp=2")
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan, parallelize\n"
-        f"sp = parallelize({LLAMA}, mesh, ParallelPlan(data_parallel='none', "
+        f"sp = parallelize({LLAMA}, mesh, ParallelPlan(data_parallel='zero3', "
         "sequence_parallel=True))\n"
         "seen = {}\n"
         "for name in ['model.layers.0.input_layernorm', 'model.layers.0.self_attn.q_proj', "

@@ -120,8 +120,8 @@ def test_tp_degree_must_divide_the_heads() -> None:
 def test_plans_refuse_what_cannot_work() -> None:
     with pytest.raises(ValueError, match="data_parallel='zero4' is not one of"):
         ParallelPlan(data_parallel="zero4")
-    with pytest.raises(ValueError, match="mixed_precision needs an FSDP stage"):
-        ParallelPlan(data_parallel="ddp", mixed_precision=True)
+    with pytest.raises(ValueError, match=r"max_grad_norm=0 must be a positive number"):
+        ParallelPlan(max_grad_norm=0)
     with pytest.raises(ValueError, match="activation_checkpoint='some'"):
         ParallelPlan(activation_checkpoint="some")
     with pytest.raises(ValueError, match="context_parallel='ring' is not one of"):
