@@ -44,15 +44,25 @@ class Conv1DColwise(ParallelStyle):
             return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
 
         _distribute(module, "weight", device_mesh, split(1))
-        _distribute(module, "bias", device_mesh, split(0))
-        width = cast(Any, module).nf // device_mesh.size()
+        if self.parts == 1:
+            _distribute(module, "bias", device_mesh, Shard(0))
+        # a packed bias stays whole (FSDP's dim-0 split over a strided one does not gather
+        # back): each rank adds its slices, and the gradient sums over tp
+        size, rank = device_mesh.size(), device_mesh.get_local_rank()
+        width = cast(Any, module).nf // size
         group = device_mesh.get_group()
         forward = module.forward
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
             from meshlab.parallel.tensor import SumInBackward
 
-            with _local(module, nf=width):
+            local: dict[str, Any] = {"nf": width}
+            bias = module.bias
+            if self.parts > 1 and bias is not None:
+                whole = SumInBackward.apply(bias, group)
+                local["bias"] = torch.cat([part.chunk(size)[rank]
+                                           for part in whole.chunk(self.parts)])
+            with _local(module, **local):
                 return forward(SumInBackward.apply(x, group))
 
         module.forward = local_forward

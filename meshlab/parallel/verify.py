@@ -295,8 +295,10 @@ def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
     """What in the model can make a parallel run differ from one process, named."""
     notes = []
     config = getattr(model, "config", None)
+    # the rates a model's forward reads from its config (the rest are modules' own)
     rates = {f"config.{k}": v for k, v in vars(config).items()
-             if k.endswith("dropout") and isinstance(v, float) and v > 0} if config else {}
+             if k in ("attention_dropout", "hidden_dropout", "dropout")
+             and isinstance(v, float) and v > 0} if config else {}
     rates |= {name: m.p for name, m in model.named_modules()
               if isinstance(m, torch.nn.Dropout) and m.p > 0}
     if rates:
