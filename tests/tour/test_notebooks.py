@@ -234,10 +234,14 @@ def test_bring_your_own_model_notebook_matches_one_process_for_each_strategy(
     nb = execute("12-bring-your-own-model.ipynb", tmp_path)
     everything = "\n".join(texts(c) for c in nb.cells if c.cell_type == "code")
     for name in ("Llama, ZeRO-3", "Llama, ZeRO-3 + selective AC", "GPT in a cell, ZeRO-3 + full AC",
-                 "Llama, TP + SP x DP (its _tp_plan)", "GPT in a cell, TP x DP (a plan)",
-                 "Llama, PP x DP (1F1B, ZeRO-3)", "Llama, PP x DP (split at layer 1)",
-                 "Llama, CP x DP (ZeRO-3)", "Mixtral, EP x DP"):
+                 "Llama, TP + SP x DP (its _tp_plan)", "Qwen3 (tied), TP x DP",
+                 "GPT in a cell, TP x DP (a plan)", "Llama, PP x DP (1F1B, ZeRO-3)",
+                 "Llama, PP x DP (split at layer 1)", "Qwen3 (tied), PP x DP (1F1B)",
+                 "Gemma2 (softcapping), PP x DP, clipped", "Llama, CP x DP (ZeRO-3)",
+                 "Mixtral, EP x DP"):
         assert re.search(rf"{re.escape(name)}\s+matches one process: True", everything), name
+    # Gemma's float32 norms: held to its own floor, and told
+    assert "note: in one process alone, the same batches in 2 accumulated halves" in everything
     assert "Out[ranks 0-3]: True" in everything  # every check, on every rank
     assert "reduce_scatter" in everything and "all_gather" in everything  # the traced step
     assert scratch_files(nb) == ["launch.sh", "train.py"]
