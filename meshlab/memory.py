@@ -99,6 +99,22 @@ def measure(model: torch.nn.Module,
                         host=host[0] if host else 0)
 
 
+def tp_rank_params(model: torch.nn.Module) -> int:
+    """Parameters one tensor-parallel rank holds before ZeRO shards them: a weight TP splits
+    counts 1/tp, one it leaves whole (norms, often the embedding and head) counts whole."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        p = cast(Any, p)
+        count = p.numel()
+        names = list(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else []
+        if "tp" in names and not p.placements[names.index("tp")].is_replicate():
+            count = -(-count // p.device_mesh.size(names.index("tp")))
+        total += count
+    return total
+
+
 def _params_on_host(model: torch.nn.Module) -> bool:
     """Whether meshlab's FSDP2 keeps this model's shards in host memory (any stage of it)."""
     return any(getattr(m, "params_on_host", False) for m in model.modules())

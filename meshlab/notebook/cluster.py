@@ -307,8 +307,9 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
 
     def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
                ) -> tuple[dict[int, Any], int, dict[int, tuple[int, int]]]:
-        """Bytes each rank holds for ``model`` (an expression) and its optimizer, Ψ, and
-        (device, host) bytes one forward on ``inputs`` saves for backward, if given."""
+        """Bytes each rank holds for ``model`` (an expression) and its optimizer, the
+        parameters one tensor-parallel rank holds (Ψ without TP), and (device, host) bytes one
+        forward on ``inputs`` saves for backward, if given."""
         self._ranks(None)
         out = self._apply_each(on_ranks.measure_memory, lambda r: {
             "model": model, "optimizer": optimizer, "inputs": inputs})

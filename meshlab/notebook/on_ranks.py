@@ -45,8 +45,7 @@ def measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any
     opt = eval(optimizer, globals()) if optimizer else None
     acts = (meshlab.memory.activation_placement(module, eval(inputs, globals())) if inputs
             else None)
-    return (meshlab.memory.measure(module, opt), sum(p.numel() for p in module.parameters()),
-            acts)
+    return meshlab.memory.measure(module, opt), meshlab.memory.tp_rank_params(module), acts
 
 
 @ipp.interactive

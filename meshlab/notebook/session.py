@@ -223,8 +223,9 @@ class Session:
             raise SessionError(f"cannot measure {model!r}:\n{e}") from None
         spec = cluster.mesh_spec
         dp = dp or (spec.dp_replicate * spec.dp_shard if spec else cluster.world_size)
-        return memory_frame(reports, params=params, dp=dp, stage=stage, activations=activations,
-                            tp=spec.tp if spec else 1)
+        # params: what one tp rank holds, counted on the ranks (TP leaves norms, and often
+        # the embedding and head, whole), so the formula divides it by dp only
+        return memory_frame(reports, params=params, dp=dp, stage=stage, activations=activations)
 
     # -- checkpoints -----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ hold losses and parameters to 1e-9 (only the order of floating-point sums differ
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
@@ -353,3 +354,86 @@ def test_expert_parallel_refuses_an_ep_that_does_not_divide_the_experts() -> Non
     with pytest.raises(ValueError, match=r"ep=3 must divide the experts of "
                                          r"model.layers.0.mlp.experts \(num_experts=4\)"):
         apply_ep(model, cast(Any, {"ep": Ep()}))
+
+
+PHI3 = ("Phi3ForCausalLM(Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, "
+        "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, "
+        "bos_token_id=1, eos_token_id=2))")
+
+
+@pytest.mark.cluster
+def test_the_memory_formula_counts_whole_what_tp_leaves_whole(cluster: Cluster) -> None:
+    # Phi-3's plan splits its projections, embedding and head; its norms stay whole
+    cluster.init_mesh("dp=2 tp=2")
+    result = cluster.run(
+        "from transformers import Phi3Config, Phi3ForCausalLM\n"
+        "from meshlab.memory import measure, tp_rank_params\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        f"whole = {PHI3}\n"
+        "norms = sum(p.numel() for n, p in whole.named_parameters() if 'norm' in n)\n"
+        "expected = norms + (sum(p.numel() for p in whole.parameters()) - norms) // 2\n"
+        "m = parallelize(whole, mesh, ParallelPlan(data_parallel='zero3'))\n"
+        "(tp_rank_params(m) == expected, measure(m).params, expected * 4 // 2)", timeout=120)
+    same, measured, formula = ast.literal_eval(result.outputs[0].result or "")
+    assert same
+    assert abs(measured - formula) <= 0.02 * formula  # ZeRO-3 over dp=2: uneven shards only
+
+
+def test_a_plan_pattern_that_names_nothing_is_found() -> None:
+    from meshlab.parallel.tensor import unmatched
+
+    model = Mlp()
+    assert unmatched(model, {"stack.*.0": "colwise", "stak.*.0": "colwise",
+                             "head.weight": "colwise"}) == ["stak.*.0"]
+
+
+def test_torch_linear_styles_on_gpt2s_conv1d_are_refused_naming_the_conv1d_styles() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from meshlab.parallel.tensor import _refuse_linear_styles_on_conv1d
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match=r"'transformer.h.\*.attn.c_attn': ColwiseParallel\(\) "
+                                         r"takes nn.Linear.*Conv1DColwise\(\)"):
+        _refuse_linear_styles_on_conv1d(gpt2, {"transformer.h.*.attn.c_attn": ColwiseParallel()})
+
+
+def test_bf16_against_adamw_is_refused_before_anything_trains() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshlab.parallel import ParallelPlan
+    from meshlab.parallel.verify import compare_with_single_process
+
+    with pytest.raises(ValueError, match=r"mixed_precision=True compared with "
+                                         r"optimizer='adamw'.*pass optimizer='sgd'"):
+        compare_with_single_process(Mlp, cast(DeviceMesh, None),
+                                    ParallelPlan(mixed_precision=True), vocab=16)
+
+
+@pytest.mark.cluster
+def test_what_cannot_be_shown_equal_is_refused_or_explained(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=2 tp=2")
+    result = cluster.run(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from meshlab.parallel import ParallelPlan, parallelize\n"
+        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "tied = " + LLAMA.replace("max_position_embeddings=32", "max_position_embeddings=32, "
+                                  "tie_word_embeddings=True") + "\n"
+        "try:  # the embedding split over the vocabulary, the head left whole\n"
+        "    parallelize(tied, mesh, ParallelPlan(tp_plan={'model.embed_tokens': "
+        "'embedding_rowwise', 'model.layers.*.self_attn.q_proj': 'colwise'}))\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+        "dropping = lambda: " + LLAMA.replace("max_position_embeddings=32",
+                                              "max_position_embeddings=32, "
+                                              "attention_dropout=0.5") + "\n"
+        "r = compare_with_single_process(dropping, mesh, ParallelPlan(data_parallel='zero3'), "
+        "steps=2, dtype=torch.float64)\n"
+        "print(r)", timeout=120)
+    out = result.outputs[0].stdout
+    assert ("model.embed_tokens.weight and lm_head.weight are one tied weight, but the TP plan "
+            "splits them differently (model.embed_tokens.weight: (Shard(dim=0),), "
+            "lm_head.weight: whole on every rank)") in out, out
+    assert "DIFFERS from one process" in out and "dropout is on (config.attention_dropout=0.5)" \
+        in out, out

@@ -22,9 +22,10 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
     optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy).
 
-    ``params`` is the model's whole parameter count. Tensor parallelism splits every
-    parameter ``tp`` ways before ZeRO shards it over ``dp``, so the formula row takes
-    ``params / tp`` parameters per tensor-parallel rank, then divides by ``dp`` as ZeRO does.
+    ``params`` is the model's parameter count, or what one tensor-parallel rank holds
+    (``meshlab.memory.tp_rank_params``: TP leaves norms, and often the embedding and head,
+    whole); ``tp`` > 1 instead takes every parameter as split ``tp`` ways, an estimate.
+    ZeRO then divides by ``dp``.
     """
     if tp < 1:
         raise ValueError(f"tp (tensor-parallel degree) must be >= 1, got {tp}")
