@@ -64,15 +64,20 @@ def layer_seconds(device: torch.device, reps: int) -> dict[str, float]:
 
 def _step(layers: int, mesh: DeviceMesh, data_parallel: str, device: torch.device
           ) -> Callable[[], None]:
+    from meshlab.mesh import axis_size
     from meshlab.models import ModelConfig, Transformer, local_batch
     from meshlab.models.llama import loss_fn
-    from meshlab.parallel import ParallelPlan, parallelize
+    from meshlab.parallel import ParallelPlan, apply_tp, parallelize
     from meshlab.parallel.verify import data_rank
 
     cfg = ModelConfig(n_layers=layers, **TINY)
     plan = ParallelPlan(data_parallel=data_parallel, seq_len=cfg.max_seq_len)
     with torch.device(device):
-        model = parallelize(Transformer(cfg), mesh, plan)
+        model: torch.nn.Module = Transformer(cfg)
+        # no data-parallel wrapper: the host time of the model alone (or under TP), not a
+        # training run (parallelize refuses dp ranks that sum no gradients)
+        model = (parallelize(model, mesh, plan) if data_parallel != "none" else
+                 apply_tp(model, mesh) if axis_size(mesh, "tp") > 1 else model)
     r, n = data_rank(mesh)
     x, y = (t.to(device) for t in local_batch(step=0, batch=TINY_BATCH * n, seq=cfg.max_seq_len,
                                               vocab=cfg.vocab_size, rank=r, ranks=n))

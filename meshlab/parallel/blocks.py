@@ -9,6 +9,7 @@ else the one holding the most parameters), or taken from ``ParallelPlan(blocks="
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -51,6 +52,16 @@ def items(blocks: Blocks) -> list[tuple[str | int, nn.Module]]:
 def _own(blocks: Blocks) -> set[type]:
     """The classes of the blocks this stage holds (pass-throughs stand for others')."""
     return {type(c) for c in blocks.children() if not isinstance(c, PassThrough)}
+
+
+def shallow_copy(module: Any) -> Any:
+    """A copy of ``module`` sharing its parts, with its own child tables and hook registries
+    (what one pipeline stage swaps or attaches must not reach the model or another stage)."""
+    clone = copy.copy(module)
+    for key, value in vars(module).items():
+        if key.startswith("_") and isinstance(value, dict | set):
+            clone.__dict__[key] = copy.copy(value)
+    return clone
 
 
 def holds(model: nn.Module, path: str) -> bool:

@@ -11,7 +11,6 @@ activation checkpointing, FSDP), as torchtitan does, and meshlab's one executor
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.blocks import PassThrough, holds
+from meshlab.parallel.blocks import PassThrough, holds, shallow_copy
 from meshlab.parallel.clip import COPY
 from meshlab.schedules.actions import Schedule, ScheduleError
 from meshlab.schedules.execute import Executor, stage_modules
@@ -128,7 +127,7 @@ class CausalLMStage(nn.Module):
 
     def __init__(self, model: Any, owned: range, *, first: bool, last: bool) -> None:
         super().__init__()
-        base = _shallow(model.model)
+        base = shallow_copy(model.model)
         base.layers = nn.ModuleList(block if i in owned else PassThrough()
                                     for i, block in enumerate(model.model.layers))
         if not first:
@@ -140,12 +139,12 @@ class CausalLMStage(nn.Module):
         if last:
             head: Any = model.lm_head
             if not first and _tied(model):  # its own copy: the first stage holds the other
-                head = _shallow(head)
+                head = shallow_copy(head)
                 head.weight = nn.Parameter(head.weight.detach().clone())
             self.lm_head = head
         self.first, self.last = first, last
         # the causal LM's forward over this stage's parts (not a child: they are ours)
-        causal_lm = _shallow(model)
+        causal_lm = shallow_copy(model)
         causal_lm._modules.update(model=base, lm_head=self.lm_head)
         self.__dict__["causal_lm"] = causal_lm
         if not first:
@@ -160,9 +159,14 @@ class CausalLMStage(nn.Module):
         # the first stage takes token ids (B, T); the others hidden states (B, T, H)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         self._entering = None if self.first else x
-        if self.last:
-            return cast(torch.Tensor, cast(Any, self.causal_lm)(**given, use_cache=False).logits)
-        return cast(torch.Tensor, cast(Any, self.model)(**given, use_cache=False).last_hidden_state)
+        try:
+            if self.last:
+                return cast(torch.Tensor,
+                            cast(Any, self.causal_lm)(**given, use_cache=False).logits)
+            return cast(torch.Tensor,
+                        cast(Any, self.model)(**given, use_cache=False).last_hidden_state)
+        finally:
+            self._entering = None
 
 
 def _enter_at(block: nn.Module, stage: CausalLMStage) -> None:
@@ -177,26 +181,15 @@ def _enter_at(block: nn.Module, stage: CausalLMStage) -> None:
     def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         hidden = args[0] if args else kwargs["hidden_states"]
-        entering = stood_for.get(hidden)
-        if entering is None:
-            entering = stood_for[hidden] = stage._entering
-        if entering is None or entering is hidden:
+        entering = stood_for.get(hidden, stage._entering)
+        if entering is None or entering is hidden:  # the model handed the input on as is
             return args, kwargs
+        stood_for[hidden] = entering  # for a recompute, after this forward is over
         if args:
             return (entering, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": entering}
 
     block.register_forward_pre_hook(enter, with_kwargs=True)
-
-
-def _shallow(module: Any) -> Any:
-    """A copy of ``module`` sharing its parts, with its own child tables and hook registries
-    (what one stage swaps or attaches must not reach the model or another stage)."""
-    clone = copy.copy(module)
-    for key, value in vars(module).items():
-        if key.startswith("_") and isinstance(value, dict | set):
-            clone.__dict__[key] = copy.copy(value)
-    return clone
 
 
 def _tied(model: Any) -> bool:

@@ -14,7 +14,6 @@ This is meshlab's one pipeline runtime: ``parallelize`` with a pp axis
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -49,16 +48,15 @@ def stage_modules(model: Any, stages: list[int], total: int,
                   starts: Sequence[int] | None = None) -> dict[int, nn.Module]:
     """Views of a whole meshlab Transformer holding only each stage's layers (parameters
     shared with ``model``, so gradients land on it); stage 0 embeds, the last stage projects."""
+    from meshlab.parallel.blocks import shallow_copy
+
     layers = cast(nn.ModuleDict, model.layers)
     names = list(layers)
     views: dict[int, nn.Module] = {}
     for stage in stages:
-        view = copy.copy(model)
-        # Own child tables and hook registries (the modules in them are shared): what
-        # fully_shard or a user attaches to one stage must not fire on the others.
-        for key, value in vars(model).items():
-            if key.startswith("_") and isinstance(value, dict | set):
-                view.__dict__[key] = copy.copy(value)
+        # own child tables and hook registries: what fully_shard or a user attaches to one
+        # stage must not fire on the others
+        view = shallow_copy(model)
         keep = [names[i] for i in stage_layers(len(names), stage, total, starts)]
         view.layers = nn.ModuleDict({n: layers[n] for n in keep})
         if stage != 0:
