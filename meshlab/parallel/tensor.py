@@ -10,7 +10,7 @@ plan the model ships (transformers' ``_tp_plan``) or one given as torch-style
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -18,7 +18,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlab.parallel.blocks import PassThrough, holds
+from meshlab.parallel.blocks import holds
+from meshlab.parallel.tensor_styles import OWN_STYLES, apply_named, name_matches
+from meshlab.parallel.ties import retie, untie
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,7 +66,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     _refuse_linear_styles_on_conv1d(model, styles)
     parallelize_module(model, tp_mesh, styles)
     if named:
-        _apply_named(model, tp_mesh, named)
+        apply_named(model, tp_mesh, named)
     retie(model, tied)
     return model
 
@@ -75,195 +77,18 @@ def _refuse_linear_styles_on_conv1d(model: nn.Module, styles: Mapping[str, Any])
     for pattern, style in styles.items():
         name = type(style).__name__
         if name in ("ColwiseParallel", "RowwiseParallel") and any(
-                is_conv1d(m) for n, m in model.named_modules() if _matches(pattern, n)):
+                is_conv1d(m) for n, m in model.named_modules() if name_matches(pattern, n)):
             raise ValueError(f"TP plan entry {pattern!r}: {name}() takes nn.Linear, and "
                              "this is transformers' Conv1D (an (in, out) weight, GPT-2's): "
                              "give 'colwise' / 'rowwise', or meshlab.parallel.conv1d's "
                              "Conv1DColwise() / Conv1DRowwise()")
 
 
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The names of each weight the model holds under several (a tied embedding and head)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def untie(model: nn.Module) -> list[list[str]]:
-    """``tied_groups``, each name given its own parameter over the same data, so that each
-    module's style shards its own (``retie`` makes them one again)."""
-    tied = tied_groups(model)
-    for group in tied:
-        for name in group[1:]:
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            shared = module._parameters[leaf]
-            assert shared is not None
-            module._parameters[leaf] = nn.Parameter(shared.data, shared.requires_grad)
-    return tied
-
-
-def retie(model: nn.Module, tied: list[list[str]]) -> None:
-    """Make each tied group one parameter again after sharding made it several (a plan
-    shards each module's weight on its own); ValueError when the plan shards them apart."""
-    from torch.distributed.tensor import DTensor
-
-    for group in tied:
-        params = [model.get_parameter(name) for name in group]
-        if all(p is params[0] for p in params):
-            continue
-        layouts = {name: tuple(p.placements) if isinstance(p, DTensor) else "whole on every rank"
-                   for name, p in zip(group, params, strict=True)}
-        if len(set(layouts.values())) > 1:
-            said = ", ".join(f"{name}: {layout}" for name, layout in layouts.items())
-            raise ValueError(f"{' and '.join(group)} are one tied weight, but the TP plan "
-                             f"splits them differently ({said}): shard both on the vocabulary "
-                             "(transformers' 'embedding_rowwise' on the embedding, "
-                             "'colwise_gather_output' on the head), or untie them "
-                             "(config.tie_word_embeddings=False)")
-        for name in group[1:]:
-            owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._parameters[leaf] = params[0]
-
-
-def _apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str]) -> None:
-    """transformers' own styles, by the names its plans use (its ParallelInterface: every
-    style it registers, not a copy of some): the plan's patterns expanded over this model's
-    modules and parameters as transformers expands them, then applied by transformers."""
-    try:
-        from transformers.distributed.parallel_utils import (
-            ALL_PARALLEL_STYLES,
-            replace_layer_number_by_wildcard,
-        )
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-    except ImportError as e:
-        raise ValueError(f"the TP plan names transformers' styles ({', '.join(set(plan.values()))}"
-                         f"), and transformers >= 5 is not importable here ({e}): install it, or "
-                         "give torch ParallelStyles (ColwiseParallel(), ...)") from None
-    own = {p: s for p, s in plan.items() if s in OWN_STYLES}
-    plan = {p: s for p, s in plan.items() if s not in OWN_STYLES}
-    conv1d = _conv1d_entries(model, plan)
-    plan = {p: s for p, s in plan.items() if p not in conv1d}
-    unknown = {p: s for p, s in plan.items() if s not in ALL_PARALLEL_STYLES}
-    if unknown:
-        pattern, style = next(iter(unknown.items()))
-        raise ValueError(f"TP plan entry {pattern!r}: {style!r} is not a torch ParallelStyle "
-                         f"nor one of transformers' styles ({', '.join(ALL_PARALLEL_STYLES)}): "
-                         "give ColwiseParallel(), RowwiseParallel() or one of those names")
-    expanded: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, PassThrough):  # a block another pipeline stage holds
-            continue
-        generic = replace_layer_number_by_wildcard(name)
-        for leaf, _ in module.named_parameters(recurse=False):
-            full = f"{name}.{leaf}" if name else leaf
-            found = plan.get(replace_layer_number_by_wildcard(full)) or plan.get(generic)
-            if found:
-                expanded[full] = found
-        if generic in plan:
-            expanded[name] = plan[generic]
-    if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
-        model.config = getattr(model, "causal_lm", model).config
-    apply_tensor_parallelism(model, tp_mesh, expanded)
-    for name, module in model.named_modules():
-        mine = own.get(replace_layer_number_by_wildcard(name))
-        if mine is not None and not isinstance(module, PassThrough):
-            OWN_STYLES[mine](module, tp_mesh)
-    if conv1d:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(model, tp_mesh, conv1d)
-
-
-def _conv1d_entries(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
-    """Entries naming GPT-2's Conv1D layers, as meshlab's Conv1D styles (transformers' and
-    torch's take nn.Linear only)."""
-    from meshlab.parallel.conv1d import Conv1DColwise, Conv1DRowwise, is_conv1d
-
-    styles = {"colwise": Conv1DColwise, "rowwise": Conv1DRowwise}
-    found: dict[str, Any] = {}
-    for pattern, style in plan.items():
-        hits = [m for n, m in model.named_modules() if _matches(pattern, n)]
-        if hits and all(is_conv1d(m) for m in hits):
-            if style not in styles:
-                raise ValueError(f"TP plan entry {pattern!r}: {style!r} on a Conv1D layer "
-                                 "(an (in, out) weight): give 'colwise' or 'rowwise', or "
-                                 "meshlab.parallel.conv1d.Conv1DColwise(parts=3) for a packed "
-                                 "q, k, v projection")
-            found[pattern] = styles[style]()
-    return found
-
-
-def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """transformers' ``replicated_with_grad_allreduce``: a replicated weight that sees only
-    this rank's part of its input (Qwen3's per-head q_norm, between a column- and a
-    row-parallel projection), so its gradient sums over tp. Summed per use, in backward:
-    transformers sums the accumulated gradient each time one accumulates, which counts the
-    earlier micro-batches again under pipeline or gradient accumulation."""
-    group = tp_mesh.get_group()
-    forward = module.forward
-
-    def summed_in_backward(*args: Any, **kwargs: Any) -> Any:
-        weights = dict(module._parameters)
-        for name, p in weights.items():
-            if p is not None and p.requires_grad and torch.is_grad_enabled():
-                module._parameters[name] = SumInBackward.apply(p, group)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            module._parameters.update(weights)
-
-    module.forward = summed_in_backward
-
-
-class SumInForward(torch.autograd.Function):
-    """The sum over ``group`` in forward (partial outputs made whole); identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class SumInBackward(torch.autograd.Function):
-    """Identity forward; the gradient summed over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-OWN_STYLES: dict[str, Callable[[nn.Module, DeviceMesh], None]] = {
-    "replicated_with_grad_allreduce": _sum_gradient_over_tp}
-"""transformers' style names meshlab applies itself, with why beside each; they need no
-layout, so they hold under sequence parallelism as they are."""
-
-
 def unmatched(model: nn.Module, plan: Mapping[str, Any]) -> list[str]:
     """The plan's patterns that name no module or parameter of ``model`` (``*`` stands for
     one part of a name, as both torch and transformers read it)."""
     names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
-    return [p for p in plan if not any(_matches(p, n) for n in names)]
-
-
-def _matches(pattern: str, name: str) -> bool:
-    from fnmatch import fnmatchcase
-
-    parts, atoms = name.split("."), pattern.split(".")
-    return len(parts) == len(atoms) and all(map(fnmatchcase, parts, atoms))
+    return [p for p in plan if not any(name_matches(p, n) for n in names)]
 
 
 def model_plan(model: nn.Module) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.compose import OPTIMIZERS, ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.tensor import tied_groups
+from meshlab.parallel.ties import tied_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -114,12 +114,12 @@ def test_a_model_without_repeated_blocks_names_the_argument() -> None:
 def test_a_tp_plan_entry_that_is_no_style_is_refused() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from meshlab.parallel.tensor import _apply_named
+    from meshlab.parallel.tensor_styles import apply_named
 
     with pytest.raises(ValueError, match=r"'layers.\*.q': 'colwize' is not a torch "
                                          r"ParallelStyle nor one of transformers' styles "
                                          r"\(.*colwise.*replicated_with_grad_allreduce"):
-        _apply_named(nn.Linear(2, 2), cast(DeviceMesh, None), {"layers.*.q": "colwize"})
+        apply_named(nn.Linear(2, 2), cast(DeviceMesh, None), {"layers.*.q": "colwize"})
 
 
 def test_the_default_loss_reads_transformers_logits() -> None:
