@@ -10,8 +10,8 @@ process, training on the same 8 rows as one batch or as 4 accumulated chunks of 
 parameters of the default model by 9.0e-5 of their largest magnitude after 5 steps (fp32),
 3e-13 in float64. So fp32 parameters are held to 2e-4 (twice that floor), and float64 runs,
 where a real mistake cannot hide, to 1e-9 (losses) and 1e-8 (parameters: Mixtral's router
-sums its gradient in float32 even in a float64 model, and TP reorders that sum: 4e-10 after
-3 SGD steps).
+sums its gradient in float32 even in a float64 model, and TP reorders that sum: up to 6e-10
+after 3 SGD steps).
 
 A model can compute parts in a lower precision than it is given (Gemma's norms, in float32):
 one process alone then moves further when only the order of its sums changes, and the
@@ -321,7 +321,6 @@ def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
                          "the parallel run must keep them one weight; a difference here says "
                          "it did not")
     return notes
-
 
 
 def _optimizer(model: torch.nn.Module, lr: float, kind: str, max_grad_norm: float | None
