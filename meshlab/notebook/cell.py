@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from meshlab.notebook.cell_channel import SentCell
 from meshlab.notebook.output import CellResult, RankError, RankOutput
+from meshlab.notebook.private_files import open_private, subfolder
 
 if TYPE_CHECKING:
     from meshlab.notebook.cluster import Cluster
@@ -130,12 +128,10 @@ class CellRun:
             return
         out.dropped[name] = out.dropped.get(name, 0) + rest.count("\n")  # whole lines
         file = self._files.get((r, name))
-        if file is None:
-            folder = Path(self.cluster.output_dir or tempfile.gettempdir()) / (
-                f"meshlab-{os.getpid()}") / f"cell-{self.number}"
-            folder.mkdir(parents=True, exist_ok=True)
+        if file is None:  # in the cluster's private folder: no other user reads or redirects it
+            folder = subfolder(self.cluster.cut_output_folder(), f"cell-{self.number}")
             self.result.full_output = str(folder)
-            file = self._files[r, name] = open(folder / f"rank{r}.{name}", "w")  # noqa: SIM115
+            file = self._files[r, name] = open_private(folder / f"rank{r}.{name}")
             file.write(kept + new[:cut])
         file.write(rest)
 

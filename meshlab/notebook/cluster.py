@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -26,6 +27,7 @@ from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
+from meshlab.notebook.private_files import private_dir
 from meshlab.notebook.probes import RankProbes
 from meshlab.notebook.ranks import host_by_host, label, parse_ranks, ranks_are
 from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery
@@ -79,7 +81,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         self.pull_warn_bytes = PULL_WARN_BYTES  # pull() warns above this many bytes in all
         # a cell keeps this much of each rank's stdout and stderr; the rest goes to a file
         self.max_output_lines, self.max_output_bytes = MAX_OUTPUT_LINES, MAX_OUTPUT_BYTES
-        self.output_dir: Path | None = None  # where cut output goes; None: a temp folder
+        self.output_dir: Path | None = None  # where cut output goes; None: the temp directory
+        self._cut_output: Path | None = None  # this cluster's private folder there
         self.start_phases = ""  # 'controller 1.1 s, engines 5.0 s, process group 4.1 s'
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -147,6 +150,16 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         self._generation, self._needs_regroup, self._members = 0, False, None
         self._diverged, self._wedged, self._recovered = None, False, []
         self.mesh_spec = None
+        if self._cut_output is not None:
+            shutil.rmtree(self._cut_output, ignore_errors=True)
+            self._cut_output = None
+
+    def cut_output_folder(self) -> Path:
+        """The folder the output cells cut goes to: made on first use, private to this user
+        (meshlab.notebook.private_files), removed when the cluster stops."""
+        if self._cut_output is None:
+            self._cut_output = private_dir(self.output_dir)
+        return self._cut_output
 
     def restart(self, progress: bool = True) -> Cluster:
         """Fresh engines with the same size and profile."""

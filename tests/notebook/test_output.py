@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from meshlab.notebook.output import (
     CellResult,
     RankError,
@@ -57,6 +59,9 @@ class _FakeCluster:
 
     def dead(self) -> dict[int, str]:
         return {}
+
+    def cut_output_folder(self) -> Path:
+        return Path(str(self.output_dir))
 
 
 def test_a_flood_is_streamed_in_increments_and_capped_with_a_marker(tmp_path: object) -> None:

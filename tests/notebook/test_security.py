@@ -304,3 +304,76 @@ def test_a_profile_may_name_an_interface_address_or_host() -> None:
     for address in ("10.0.0.5", "login1.cluster", "fd00::2"):
         data = {"cluster": {"launcher": "slurm", "controller_ip": address}}
         assert profiles.from_dict("p", data).controller_ip == address
+
+
+# -- 5. another user on the machine --------------------------------------------------------
+
+INTRUDER = "meshlab-intruder"
+SYSTEM_PYTHON = "/usr/bin/python3"  # the intruder cannot enter /root, where ours may live
+
+
+@pytest.fixture(scope="session")
+def intruder() -> str:
+    """A second, unprivileged local user, created here (CI runs as root)."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
+        pytest.skip("creating a second local user needs root and useradd/runuser")
+    if subprocess.run(["id", INTRUDER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        INTRUDER], check=True)
+    return INTRUDER
+
+
+def as_intruder(user: str, code: str) -> subprocess.CompletedProcess[str]:
+    """Python ``code`` run as ``user``."""
+    return subprocess.run(["runuser", "-u", user, "--", SYSTEM_PYTHON, "-c", code],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.cluster
+def test_cut_output_cannot_be_redirected_read_or_left_behind_by_another_user(
+        intruder: str, test_profile: Path, tmp_path: Path) -> None:
+    import tempfile
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    # the old, guessable folder made first, 0777, its files links to a file of ours
+    planted = as_intruder(intruder, f"""
+import os
+root = os.path.join({tempfile.gettempdir()!r}, "meshlab-{os.getpid()}")
+os.makedirs(root, exist_ok=True); os.chmod(root, 0o777)
+for n in range(1, 60):
+    cell = os.path.join(root, f"cell-{{n}}")
+    os.makedirs(cell, exist_ok=True); os.chmod(cell, 0o777)
+    for r in range(2):
+        os.symlink({str(precious)!r}, os.path.join(cell, f"rank{{r}}.stdout"))
+""")
+    assert planted.returncode == 0, planted.stderr
+    with Cluster(2, profile=test_profile) as ranks:
+        ranks.max_output_lines = 3
+        result = ranks.run("for i in range(20): print('secret', i)", timeout=60)
+        folder = Path(result.full_output or "")
+        assert folder.is_dir() and folder.parent.name.startswith("meshlab-output-")
+        for path, mode in [(folder.parent, 0o700), (folder, 0o700),
+                           (folder / "rank0.stdout", 0o600)]:
+            assert stat.S_IMODE(path.lstat().st_mode) == mode, f"{path}: {oct(path.stat().st_mode)}"
+        assert "secret 19" in (folder / "rank0.stdout").read_text()
+        peek = as_intruder(intruder, f"print(open({str(folder / 'rank0.stdout')!r}).read())")
+        assert peek.returncode != 0 and "PermissionError" in peek.stderr, peek
+    assert precious.read_text() == "mine\n"  # nothing written through the links
+    assert not folder.parent.exists()  # removed with the cluster
+    shutil.rmtree(Path(tempfile.gettempdir()) / f"meshlab-{os.getpid()}", ignore_errors=True)
+
+
+def test_a_dead_kernels_output_folders_are_swept_and_no_one_elses(intruder: str,
+                                                                  tmp_path: Path) -> None:
+    from meshlab.notebook.private_files import private_dir
+
+    dead = tmp_path / "meshlab-output-999999999-abc"  # a pid no process has
+    alive = tmp_path / f"meshlab-output-{os.getpid()}-abc"
+    theirs = tmp_path / "meshlab-output-999999998-abc"
+    for folder in (dead, alive, theirs):
+        folder.mkdir()
+    shutil.chown(theirs, user=intruder)
+    made = private_dir(tmp_path)
+    assert not dead.exists() and alive.exists() and theirs.exists()
+    assert made.name.startswith(f"meshlab-output-{os.getpid()}-")

@@ -1,0 +1,64 @@
+"""Files of one user's session that no other local user can read, replace or redirect.
+
+The temp directory is shared with every user of the machine, so a folder there must not
+have a name another user can guess and create first (with a symlink inside pointing at a
+file of ours), nor be readable by them: each session's folder is made atomically by
+``mkdtemp`` (0700, a random name), and its files are created new, 0600, without following
+links. The folder's name carries the notebook's pid, so folders left by kernels that died
+are found and removed by the next session of the same user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO
+
+PREFIX = "meshlab-output-"
+
+
+def private_dir(parent: str | Path | None = None) -> Path:
+    """A new folder only this user can enter (0700, a name no one can guess), in
+    ``parent`` or the temp directory; first, this user's folders of dead kernels go."""
+    parent = Path(parent or tempfile.gettempdir())
+    sweep(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+
+
+def subfolder(folder: Path, name: str) -> Path:
+    """``folder/name``, made 0700 (inside a private folder no one else can have made it)."""
+    path = folder / name
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    return path
+
+
+def open_private(path: Path) -> IO[str]:
+    """``path`` created new for writing, 0600, refusing a link or a file already there."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o600), "w")
+
+
+def sweep(parent: Path) -> None:
+    """Remove this user's session folders whose kernel is gone (another user's: never)."""
+    for folder in parent.glob(f"{PREFIX}*-*"):
+        pid = folder.name[len(PREFIX):].split("-", 1)[0]
+        with contextlib.suppress(OSError, ValueError):
+            info = folder.lstat()
+            if (folder.is_symlink() or info.st_uid != os.getuid() or not pid.isdigit()
+                    or _alive(int(pid))):
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process has that pid now: keep the folder
+        return True
+    return True
