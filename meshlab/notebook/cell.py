@@ -116,6 +116,8 @@ class CellRun:
                 nl = new.find("\n", cut)
                 end = len(new) if nl < 0 else nl + 1
                 if len(kept) + end > self.max_bytes:
+                    # a line past the byte cap: its start is shown, the rest announced
+                    cut = max(cut, self.max_bytes - len(kept))
                     break
                 cut = end
                 if nl < 0:
@@ -127,6 +129,7 @@ class CellRun:
         if not rest:
             return
         out.dropped[name] = out.dropped.get(name, 0) + rest.count("\n")  # whole lines
+        out.dropped_bytes[name] = out.dropped_bytes.get(name, 0) + len(rest)
         file = self._files.get((r, name))
         if file is None:  # in the cluster's private folder: no other user reads or redirects it
             folder = subfolder(self.cluster.cut_output_folder(), f"cell-{self.number}")

@@ -58,6 +58,7 @@ class RankOutput:
     error: RankError | None = None
     stack: str | None = None  # main-thread stack when it timed out or stayed stuck
     dropped: dict[str, int] = field(default_factory=dict)  # stream -> lines past the cap
+    dropped_bytes: dict[str, int] = field(default_factory=dict)  # stream -> characters
     optimizer_steps: int | None = None  # optimizer.step() calls so far, sent as the cell ended
 
 
@@ -99,8 +100,8 @@ class CellResult:
         """``[ranks 0-3] … 195,000 more stdout lines not shown`` and where they went."""
         lines = []
         for name in ("stdout", "stderr"):
-            counts = {r: f"… {o.dropped[name]:,} more {name} lines not shown"
-                      for r, o in self.outputs.items() if o.dropped.get(name)}
+            counts = {r: _not_shown(name, o.dropped.get(name, 0), o.dropped_bytes[name])
+                      for r, o in self.outputs.items() if o.dropped_bytes.get(name)}
             lines += [f"{label(ranks)} {text}" for ranks, text in group(counts)]
         if lines and self.full_output:
             lines.append(f"full output of each rank: {self.full_output}/rank<N>.stdout "
@@ -330,3 +331,10 @@ __all__ = [
     "clean_traceback", "collective_lines", "first_mismatch", "group", "postmortem_text",
     "render_groups", "size_text", "stacks_text", "strip_ansi", "summary_lines",
 ]
+
+
+def _not_shown(name: str, lines: int, size: int) -> str:
+    """What a cap kept back: whole lines, or the rest of one line too long to show."""
+    if lines:
+        return f"… {lines:,} more {name} lines not shown ({size:,} characters)"
+    return f"… {size:,} more {name} characters not shown (one line longer than the cap)"

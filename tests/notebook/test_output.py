@@ -101,3 +101,19 @@ def test_sentences_about_one_rank_are_singular() -> None:
     from meshlab.notebook.ranks import ranks_are
 
     assert ranks_are([0]) == "rank 0 is" and ranks_are([2, 0]) == "ranks 0,2 are"
+
+
+def test_one_line_longer_than_the_cap_shows_its_start_and_announces_the_rest(
+        tmp_path: object) -> None:
+    from meshlab.notebook.cell import CellRun
+    from meshlab.notebook.cell_channel import RankReply, SentCell
+
+    line = "Z" * 3 * 2**20  # one 3 MiB line, no newline: the cap counted newlines only
+    cell = SentCell("cell:1", [0, 1], {r: RankReply() for r in range(2)})
+    result = CellRun(_FakeCluster(tmp_path, _ChunkedChannel(cell, [line])),  # type: ignore[arg-type]
+                     cell, None, None).wait()
+    assert result.outputs[0].stdout == "Z" * 2**20  # the first MiB, the byte cap
+    assert ("[ranks 0-1] … 2,097,152 more stdout characters not shown (one line longer than "
+            "the cap)") in result.truncated()
+    assert result.full_output is not None
+    assert (Path(result.full_output) / "rank1.stdout").read_text() == line
