@@ -10,12 +10,18 @@ checkpoint loads into another mesh shape or world size (FSDP2 on 4 ranks -> TP o
     save("ckpt/step100", {"model": model, "optimizer": optimizer, "step": step})
     globals().update(load("ckpt/step100", {"model": model, "optimizer": optimizer, "step": None}))
 
+A save that fails says so in its first line, the same on every rank: the target, the OS error
+(``no space left on device (ENOSPC)``), the file and how much of it was written, and what became
+of the partial folder. A background save's failure is raised, under its own path, by the next
+``save``, ``load`` or ``wait``.
+
 Plain torch only: this also runs inside exported torchrun scripts.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import glob
 import json
 import os
@@ -23,7 +29,9 @@ import pickle
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -54,7 +64,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete or does not fit what was asked; the message says why."""
 
 
-_pending: Future[None] | None = None  # this rank's background save, if any
+_pending: tuple[Future[None], Path] | None = None  # this rank's background save and its target
 _background: ThreadPoolExecutor | None = None
 _group_cache: tuple[Any, Any] | None = None  # (default group, its checkpoint group)
 
@@ -69,11 +79,15 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
     saved against the smallest module among ``objects`` holding all its parameters. Any other
     value (a step counter, a small dict) is saved once, as rank 0 holds it. ``extra`` (JSON)
     goes into the manifest. With ``async_save`` the state is copied now and written in the
-    background: call ``wait()`` to know it finished (``save`` and ``load`` wait first).
+    background: call ``wait()`` to know it finished (``save`` and ``load`` wait first, and
+    raise its error instead of starting: it is the earlier save that failed, not this one).
+
+    A failed save raises CheckpointError on every rank, naming the OS error, the file and
+    what was written, and removes its partial folder (see ``_not_saved``).
     """
     global _pending
-    wait()
     target = Path(path)
+    _wait_before(f"saving {target}")
     kinds = _kinds(objects)
     pairs = _models_of(objects, kinds)
     # pickled on every rank so a value that cannot be saved fails everywhere, before any
@@ -95,33 +109,64 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
     info = {"format": FORMAT, "names": list(kinds), "kinds": kinds, "optimizers": pairs,
             "world_size": dist.get_world_size() if group is not None else 1,
             "torch": torch.__version__, "extra": extra or {}}
-    writer = dcp.FileSystemWriter(partial)
+    writer = _Writer(partial)
     if not async_save:
-        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+        except CheckpointException as e:  # a BaseException: `except Exception` misses it
+            # DCP's own text is every failing rank's whole traceback (~14,000 characters)
+            raise _not_saved(_failures(e), target, partial, group, rank) from None
         _commit(partial, target, info, group, rank)
         return
     # the tensors are copied to CPU here; writing runs on a background thread, whose
     # collectives go over the checkpoint group, never the group the cells use
-    upload = dcp.async_save(state, storage_writer=writer, process_group=group,
-                            no_dist=group is None)
+    try:
+        upload = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                no_dist=group is None)
+    except CheckpointException as e:
+        raise _not_saved(_failures(e), target, partial, group, rank) from None
     done = upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
 
     def finish() -> None:
-        done.result()  # DCP has written every rank's shards and its .metadata
+        try:
+            done.result()  # DCP has written every rank's shards and its .metadata
+        except CheckpointException as e:
+            raise _not_saved(_failures(e), target, partial, group, rank) from None
         _commit(partial, target, info, group, rank)
 
     global _background
     if _background is None:
         _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshlab-checkpoint")
-    _pending = _background.submit(finish)
+    _pending = (_background.submit(finish), target)
 
 
 def wait() -> None:
-    """Block until this rank's background save is done; re-raise its error."""
+    """Block until this rank's background save is done; raise its error, which names the
+    checkpoint that was not saved."""
     global _pending
-    pending, _pending = _pending, None
-    if pending is not None:
+    if _pending is None:
+        return
+    pending, target = _pending
+    try:
         pending.result()
+    except CheckpointError:
+        raise
+    except Exception as e:  # not a failure DCP reported: a dead peer, a bug
+        raise CheckpointError(f"checkpoint {target} not saved: the background save failed with "
+                              f"{type(e).__name__}: {e}") from e
+    finally:
+        if pending.done():  # Ctrl-C while waiting leaves it pending: wait() again
+            _pending = None
+
+
+def _wait_before(doing: str) -> None:
+    """Finish the background save before ``doing``; its failure is raised instead, under its
+    own name, and ``doing`` does not start (the user reruns it)."""
+    try:
+        wait()
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}\n(that was a background save, reported here; {doing} did "
+                              "not start: run it again)") from None
 
 
 def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any]:
@@ -132,7 +177,7 @@ def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any
     Modules and optimizers are resharded to whatever mesh and world size they live on now;
     build them first (the same model and optimizer, any parallel plan).
     """
-    wait()
+    _wait_before(f"loading {path}")
     info = manifest(path)
     saved: dict[str, str] = info["kinds"]
     unknown = [n for n in objects if n not in saved]
@@ -281,22 +326,32 @@ def _check_replaceable(target: Path) -> None:
 def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank: int) -> None:
     """After every rank's shards are written: rank 0 writes the manifest and swaps the folder
     in; every rank returns only then, or raises the same error."""
-    error = None
+    failed: tuple[str, str] | None = None  # (the step, what went wrong)
     if rank == 0:
+        # any failure: the other ranks wait for the outcome below
         try:
             info["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
             with open(partial / MANIFEST, "w") as f:
                 json.dump(info, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _swap(partial, target)
-        except Exception as e:  # any failure: the other ranks wait for the outcome below
-            error = f"{type(e).__name__}: {e}"
-    error = _from_rank0(error, group)
-    if error is not None:
-        raise CheckpointError(f"saving {target}: rank 0 could not finish it ({error}); "
-                              f"{target} is unchanged or absent, the written shards stay in "
-                              f"{partial}")
+        except Exception as e:
+            failed = ("manifest", f"{_reason(e)} writing {partial / MANIFEST}")
+        else:
+            try:
+                _swap(partial, target)
+            except Exception as e:
+                failed = ("swap", f"{_reason(e)} moving {partial} into place")
+    failed = _from_rank0(failed, group)
+    if failed is None:
+        return
+    step, what = failed
+    if step == "manifest":
+        raise _not_saved({0: what}, target, partial, group, rank)
+    # the manifest is written: the partial folder is a whole checkpoint, so it stays
+    raise CheckpointError(f"checkpoint {target} not saved: {what} on rank 0; {partial} is "
+                          f"complete (it has {MANIFEST}): load it from there, or move it to "
+                          f"{target}")
 
 
 def _swap(partial: Path, target: Path) -> None:
@@ -325,6 +380,141 @@ def _fsync_dir(folder: Path) -> None:
         pass  # some filesystems cannot sync a directory: the rename is still atomic
     finally:
         os.close(fd)
+
+
+# -- when a save fails ------------------------------------------------------------------------
+
+class _FileFailed(CheckpointError):
+    """One rank's failed file operation, as plain data: DCP pickles a rank's error to rank 0
+    and back, which drops the OSError it came from."""
+
+    def __init__(self, doing: str, path: str, reason: str, written: int | None) -> None:
+        super().__init__(doing, path, reason, written)  # pickling rebuilds it from these
+        self.doing, self.path, self.reason, self.written = doing, path, reason, written
+
+    def __str__(self) -> str:
+        after = "" if self.written is None else f" after {_size(self.written)}"
+        return f"{self.reason} {self.doing} {self.path}{after}"
+
+
+class _FileSystem(FileSystem):
+    """DCP's local file system, whose failures name the OS error, the file and how much of it
+    reached the disk. Caught here, on the rank that wrote, while the OSError is still there."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as e:
+            raise _FileFailed("writing", str(path), _reason(e), _file_size(path)) from e
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        try:
+            super().mkdir(path)
+        except Exception as e:
+            raise _FileFailed("creating", str(path), _reason(e), None) from e
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        try:
+            super().rename(path, new_path)
+        except Exception as e:
+            raise _FileFailed("renaming", f"{path} to {new_path}", _reason(e), None) from e
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer on ``_FileSystem``."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.fs = _FileSystem()
+
+
+def _reason(error: BaseException) -> str:
+    """The OS error behind ``error``, as ``no space left on device (ENOSPC)``; else its class
+    and first line.
+
+    A short write inside torch.save surfaces as ``[enforce fail at inline_container.cc]
+    unexpected pos 704 vs 598``, a RuntimeError without errno; the OSError the file's write
+    raised (ENOSPC, EFBIG) is that error's __context__, found here by walking the chain."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        code = cause.errno if isinstance(cause, OSError) else None
+        if code is not None and code in errno.errorcode:
+            text = os.strerror(code)
+            return f"{text[:1].lower()}{text[1:]} ({errno.errorcode[code]})"
+        cause = cause.__cause__ or cause.__context__
+    first = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
+
+
+def _failures(error: CheckpointException) -> dict[int, str]:
+    """What failed on each rank that failed, from DCP's exception (the same on every rank)."""
+    return {r: str(e) if isinstance(e, _FileFailed) else _reason(e)
+            for r, (e, _) in error.failures.items()}
+
+
+def _not_saved(failures: dict[int, str], target: Path, partial: Path, group: Any,
+               rank: int) -> CheckpointError:
+    """The error every rank raises when ranks agree a save failed; its first line names the
+    target, the first failure and the partial folder.
+
+    Rank 0 removes the partial folder: a save that failed can never be loaded from it, and
+    after ENOSPC it is what keeps the disk full (on every host of a shared file system, where
+    the user would have to find it). What it could tell (the failing file, how much was
+    written) is in the message. Every rank has stopped writing once DCP reports the failure,
+    so nothing writes into the folder as it goes. A killed rank leaves no one to agree: then
+    the folder stays, and the next save to ``target`` removes it."""
+    outcome: tuple[str, str] | None = None
+    if rank == 0:
+        outcome = (_removed(partial), f"{target} still holds the previous checkpoint"
+                   if (target / MANIFEST).is_file() else f"nothing was saved at {target}")
+    left, before = _from_rank0(outcome, group)
+    first, *others = sorted(failures)
+    lines = [f"checkpoint {target} not saved: {failures[first]} on rank {first}; {left}",
+             f"{before}"]
+    lines += [f"rank {r} failed too: {failures[r]}" for r in others[:3]]
+    if len(others) > 3:
+        lines.append(f"and {len(others) - 3} more ranks")
+    return CheckpointError("\n".join(lines))
+
+
+def _removed(partial: Path) -> str:
+    """Remove the partial folder of a failed save; say what became of it."""
+    if not partial.exists():
+        return "no partial folder was left"
+    size = _size(_bytes_in(partial))
+    try:
+        shutil.rmtree(partial)
+    except OSError as e:
+        return (f"the partial folder {partial} holds {size} and could not be removed "
+                f"({_reason(e)}): remove it to free the space")
+    return f"the partial folder {partial} ({size} written) is removed"
+
+
+def _file_size(path: str | os.PathLike[str]) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _bytes_in(folder: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            total += _file_size(os.path.join(root, name)) or 0
+    return total
+
+
+def _size(n: int) -> str:
+    """Bytes as people read them: ``598 B``, ``4.0 kB``, ``1.2 MB``."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 # -- collectives ------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ def restart(line: str) -> None:
 @argument("names", nargs="*", help="objects on the ranks (default: those of model, optimizer, "
           "step defined; on load, every name the checkpoint holds)")
 @argument("--async", dest="background", action="store_true",
-          help="save in the background (torch.distributed.checkpoint.async_save)")
+          help="save in the background (torch.distributed.checkpoint.async_save); a failure "
+          "is raised by the next checkpoint command")
 def checkpoint(line: str) -> None:
     """%mesh checkpoint save|load DIR [NAME...]: sharded torch.distributed.checkpoint of named
     objects on every rank; loads into another mesh shape or world size."""

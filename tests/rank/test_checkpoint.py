@@ -3,12 +3,15 @@
 A round trip resumes training with exactly the losses of an uninterrupted run; a checkpoint
 saved by FSDP2 on 4 ranks loads into tensor parallel on 2 with the same full parameters and
 optimizer states; a save interrupted by an error or a killed rank leaves the previous
-checkpoint (or nothing) at its path, and a half-written folder is refused as incomplete.
+checkpoint (or nothing) at its path, and a half-written folder is refused as incomplete. A failed
+save says in its first line what the OS said (ENOSPC, EFBIG), about which file, after how many
+bytes, and removes its partial folder; a background save's failure is raised under its own path.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,19 @@ def full_state():
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 OBJECTS = "{'model': model, 'optimizer': optimizer, 'step': step}"
+# rank 2 may write only the first 4 kB of a file, as on a full disk: the write past it fails
+# with EFBIG (SIGXFSZ ignored, or the kernel kills the rank), where a full disk gives ENOSPC
+FILE_SIZE_LIMIT = """
+import resource, signal
+limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+on_xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+if rank == 2:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+"""
+NO_FILE_SIZE_LIMIT = """
+resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+signal.signal(signal.SIGXFSZ, on_xfsz)
+"""
 RELOAD = "globals().update(checkpoint.load({path!r}, {{n: globals().get(n) for n in " \
          "['model', 'optimizer', 'step']}}))"
 
@@ -89,6 +105,26 @@ def test_a_folder_without_manifest_is_an_interrupted_save(tmp_path: Path) -> Non
         load(tmp_path / "half", {"step": None})
     with pytest.raises(CheckpointError, match="incomplete"):
         manifest(tmp_path / "half")
+
+
+def test_a_short_write_is_named_by_the_os_error_behind_it() -> None:
+    # torch.save on a full device raises its own RuntimeError ("unexpected pos ..."), no errno
+    from meshlab.checkpoint import _FileSystem
+
+    full = r"^no space left on device \(ENOSPC\) writing /dev/full after 0 B$"
+    with pytest.raises(CheckpointError, match=full), \
+            _FileSystem().create_stream("/dev/full", "wb") as stream:
+        torch.save(torch.zeros(1000), stream)
+
+
+def test_a_folder_that_cannot_be_made_is_named_with_the_os_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file where the checkpoint's folder should be")
+    target = tmp_path / "file" / "ckpt"
+    with pytest.raises(CheckpointError) as failed:
+        save(target, {"step": 1})
+    assert re.fullmatch(rf"checkpoint {target} not saved: not a directory \(ENOTDIR\) creating "
+                        rf"{target}\.partial-\w+ on rank 0; no partial folder was left",
+                        str(failed.value).splitlines()[0])
 
 
 def test_one_process_round_trip_and_manifest(tmp_path: Path) -> None:
@@ -202,7 +238,7 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(cluster: Clust
                     "fs._write_item = failing if rank == 2 else write\n"
                     f"try:\n    checkpoint.save({path!r}, {OBJECTS})\n"
                     "finally:\n    fs._write_item = write")
-    assert list(Path(path).parent.glob("ckpt.partial-*"))  # the shards some ranks wrote
+    assert not list(Path(path).parent.glob("ckpt.partial-*"))  # removed by the failed save
     cluster.run(RELOAD.format(path=path) + "\nloaded = full_state()")
     assert cluster.pull("step") == {0: 1, 1: 1, 2: 1, 3: 1}
     assert_equal_state(cluster.pull("loaded", [0])[0], cluster.pull("saved", [0])[0])
@@ -211,28 +247,56 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(cluster: Clust
 
 
 @pytest.mark.cluster
-def test_a_failed_save_names_the_shards_it_left_and_who_removes_them(shell: Any,
-                                                                    tmp_path: Path) -> None:
+def test_a_save_past_the_file_size_limit_says_efbig_and_removes_its_partial_folder(
+        shell: Any, tmp_path: Path) -> None:
     from meshlab.notebook.export import Journal
 
     session = shell.magics_manager.registry["MeshMagics"].session
     session.journal = Journal(4, "gloo")
     path = tmp_path / "ckpt"
     session.cluster.init_mesh("dp=4")
-    session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n"
-                        "import torch.distributed.checkpoint.filesystem as fs\n"
-                        "write = fs._write_item\n"
-                        "def failing(*args):\n"
-                        "    raise OSError('disk full on rank 2')\n"
-                        "fs._write_item = failing if rank == 2 else write")
+    session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n" + FILE_SIZE_LIMIT)
     try:
-        with pytest.raises(MeshError, match="disk full on rank 2") as failed:
+        with pytest.raises(MeshError) as failed:
             session.checkpoint("save", path)
     finally:
-        session.cluster.run("fs._write_item = write")
-    [note] = failed.value.__notes__
-    assert note.startswith(f"{tmp_path}/ckpt.partial-") and \
-        note.endswith(f"MB): the next save to {path} removes it")
+        session.cluster.run(NO_FILE_SIZE_LIMIT)
+    # every rank raises the same error; its first line says it all
+    lines = failed.value.result.summary().splitlines()
+    assert re.fullmatch(rf"  \[ranks 0-3\] CheckpointError: checkpoint {path} not saved: file "
+                        rf"too large \(EFBIG\) writing {path}\.partial-(\w+)/__2_0\.distcp after "
+                        rf"4\.0 kB on rank 2; the partial folder {path}\.partial-\1 \(\d+\.\d kB "
+                        r"written\) is removed", lines[1]), lines[1]
+    assert f"nothing was saved at {path}" in lines[2]
+    assert list(tmp_path.iterdir()) == []
+    assert len(str(failed.value)) < 3000  # not DCP's every traceback of every rank
+
+
+@pytest.mark.cluster
+def test_a_failed_background_save_is_reported_under_its_own_path(shell: Any,
+                                                                 tmp_path: Path) -> None:
+    from meshlab.notebook.export import Journal
+
+    session = shell.magics_manager.registry["MeshMagics"].session
+    session.journal = Journal(4, "gloo")
+    d2, d3 = tmp_path / "D2", tmp_path / "D3"
+    session.cluster.init_mesh("dp=4")
+    session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n" + FILE_SIZE_LIMIT)
+    try:  # the limit holds until the background save is over: the next save waits for it
+        assert session.checkpoint("save", d2, background=True).startswith("saving")
+        with pytest.raises(MeshError) as failed:
+            session.checkpoint("save", d3)
+    finally:
+        session.cluster.run(NO_FILE_SIZE_LIMIT)
+    lines = failed.value.result.summary().splitlines()
+    assert re.fullmatch(rf"  \[ranks 0-3\] CheckpointError: checkpoint {d2} not saved: file "
+                        rf"too large \(EFBIG\) writing {d2}\.partial-\w+/__2_0\.distcp after "
+                        r"4\.0 kB on rank 2; .* is removed", lines[1]), lines[1]
+    assert f"saving {d3} did not start: run it again" in str(failed.value)
+    assert list(tmp_path.iterdir()) == []
+    # D3 was not to blame: saved again, it saves
+    session.checkpoint("save", d3)
+    assert manifest(d3)["names"] == ["model", "optimizer", "step"]
 
 
 # -- clusters of their own ---------------------------------------------------------------------
