@@ -13,6 +13,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
     from meshlab.notebook.cluster import ClusterError
     from meshlab.notebook.output import MeshError
+    from meshlab.notebook.restore import ReplayError
 
     if id(ipython) in _state:
         return
@@ -20,7 +21,8 @@ def load_ipython_extension(ipython: Any) -> None:
     ipython.register_magics(magics)
     matcher = rank_matcher(magics)
     ipython.Completer.custom_matchers.append(matcher)
-    ipython.set_custom_exc((MeshError, ClusterError), _show_error)
+    # shown as the cell's error output, in red with its name, not as a line on stderr
+    ipython.set_custom_exc((MeshError, ClusterError, ReplayError), _show_error)
     _state[id(ipython)] = (magics, matcher)
 
 

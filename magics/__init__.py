@@ -15,7 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from meshlab.mesh import crossing_hosts
-from meshlab.notebook import commands
+from meshlab.notebook import commands, transfers
 from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
     bench_chart,
@@ -117,7 +117,8 @@ class MeshMagics(Magics):
         self.session.push({n: self.shell.user_ns[n] for n in args.names}, args.ranks)
 
     def _pull(self, args: Any) -> dict[int, Any]:
-        return self.session.pull(args.name, args.ranks)
+        return self.session.pull(args.name, args.ranks,
+                                 shown_as=transfers.shown_as(self.shell, args.name))
 
     def _auto(self, args: Any) -> None:
         if args.state == "on":

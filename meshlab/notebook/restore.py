@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshlab.notebook.export.journal import Entry, Journal
 from meshlab.notebook.output import MeshError
+from meshlab.notebook.ranks import format_ranks
 
 if TYPE_CHECKING:
     from meshlab.notebook.cluster import Cluster
@@ -29,6 +30,16 @@ DEFAULT_NAMES = ("model", "optimizer", "step")
 
 class RestoreError(ValueError):
     """The session cannot be replayed as asked; the message names the fix."""
+
+
+class ReplayError(RuntimeError):
+    """A restart's replay stopped at an entry that failed; the ranks keep what ran before it.
+    Shown as the cell's error (not a usage line on stderr)."""
+
+    def __init__(self, message: str, *, failed: Entry, replayed: list[Entry],
+                 not_replayed: list[Entry]) -> None:
+        super().__init__(message)
+        self.failed, self.replayed, self.not_replayed = failed, replayed, not_replayed
 
 
 @dataclass
@@ -98,16 +109,17 @@ def destroys_default_group(code: str) -> bool:
 
 
 def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]], object],
-           progress: Callable[[str], None] = print) -> list[Entry]:
+           progress: Callable[[str], None] = print, again: str = "%mesh restart") -> list[Entry]:
     """Run the plan on the cluster (``redo(verb, kwargs)`` makes an entry's Session call);
-    raise RestoreError at the first entry that fails, naming it (what ran before it stays
-    on the ranks)."""
+    raise ReplayError at the first entry that fails, naming it and the entries not replayed
+    (what ran before it stays on the ranks). ``again``: the command that repeats this
+    restart, for the way on the error names."""
     entries = list(steps.entries)
     if steps.load is not None:  # after the last setup entry that came before the save
         at = next((i for i, e in enumerate(entries) if e.number > steps.load.number),
                   len(entries))
         entries.insert(at, steps.load)
-    for e in entries:
+    for i, e in enumerate(entries):
         started = time.perf_counter()
         try:
             if e.kind == "mesh":
@@ -120,9 +132,9 @@ def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]]
             else:
                 cluster.run(e.code, list(e.ranks) if e.ranks else None, number=e.number)
         except Exception as error:
-            raise RestoreError(f"replay stopped at In [{e.number}] ({e.note or e.kind}): "
-                               f"{_first_line(error)}. The ranks hold what ran before it; "
-                               "fix the cause and run the rest by hand") from error
+            raise ReplayError(_stopped(e, error, entries[:i], entries[i + 1:], cluster, again),
+                              failed=e, replayed=entries[:i], not_replayed=entries[i + 1:]
+                              ) from error
         progress(f"  In [{e.number}] {e.note or e.kind}: {time.perf_counter() - started:.2f} s")
     return entries
 
@@ -177,6 +189,47 @@ def _binds(code: str, names: list[str]) -> bool:
     return False
 
 
+def _stopped(failed: Entry, error: BaseException, replayed: list[Entry], left: list[Entry],
+             cluster: Cluster, again: str) -> str:
+    """A failed replay: the entry and its error by rank, what was not replayed, what the ranks
+    hold, and the two ways on."""
+    n, dead = cluster.world_size, cluster.dead()
+    ranks = f"The {n} rank{'s are' if n != 1 else ' is'} up"
+    held = (f"{ranks} and hold{'s' if n == 1 else ''} the state of what was replayed before it "
+            f"({_numbers(replayed)})." if replayed else
+            f"{ranks}, with nothing replayed on them: it was the first entry.")
+    if dead:  # a cell that kills its rank: nothing is held whole any more
+        held = (f"Rank{'s' if len(dead) > 1 else ''} {format_ranks(sorted(dead))} ended ("
+                + "; ".join(sorted(set(dead.values()))) + "): the others hold only part of "
+                "the session.")
+    lines = [f"{again} stopped at In [{failed.number}] {_label(failed)}, which failed on "
+             "replay:", f"  {_first_line(error)}",
+             f"Not replayed: {_numbers(left)}." if left else "Nothing after it was left to replay.",
+             held]
+    before = [e.number for e in replayed if e.number < failed.number]
+    way = f"To go on: fix the cause and run `{again}` again"
+    if before:  # --upto takes a recorded In [n]: the last one replayed before the failure
+        way += (f", or `{again} --upto {max(before)}` to replay only up to In [{max(before)}] "
+                "and leave out the rest (run what you need of it by hand)")
+    return "\n".join([*lines, way + "."])
+
+
+def _label(e: Entry) -> str:
+    """An entry as the user wrote it: a cell's first line, or its %mesh command."""
+    if e.kind == "cell":
+        first = next((line.strip() for line in e.code.splitlines() if line.strip()), "")
+        return f"`{first[:60]}{'…' if len(first) > 60 else ''}`"
+    return f"({e.note} {e.code})" if e.kind == "mesh" else f"({e.note or e.kind})"
+
+
+def _numbers(entries: list[Entry]) -> str:
+    """``In [4], [6], [9]``: each In [n] once, the middle elided when there are many."""
+    numbers = [f"[{n}]" for n in dict.fromkeys(e.number for e in entries)]
+    if len(numbers) > 12:  # a long session: the ends say where, the count how much
+        numbers = [*numbers[:6], "…", *numbers[-3:], f"({len(numbers)} in all)"]
+    return "In " + ", ".join(numbers)
+
+
 def _first_line(error: BaseException) -> str:
     """The reason: a failed cell's first line by rank, else the error's first line."""
     text = error.result.summary() if isinstance(error, MeshError) else str(error)
@@ -185,5 +238,5 @@ def _first_line(error: BaseException) -> str:
             lines[0] if lines else type(error).__name__)
 
 
-__all__ = ["DEFAULT_NAMES", "RESTORE_POINT", "Replay", "RestoreError", "destroys_default_group",
-           "load_code", "plan", "read_manifest", "replay", "save_code"]
+__all__ = ["DEFAULT_NAMES", "RESTORE_POINT", "Replay", "ReplayError", "RestoreError",
+           "destroys_default_group", "load_code", "plan", "read_manifest", "replay", "save_code"]

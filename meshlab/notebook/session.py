@@ -110,7 +110,8 @@ class Session:
     def restart(self, *, upto: int | None = None, from_checkpoint: str | None = None,
                 progress: Callable[[str], None] = print) -> None:
         """Fresh engines of the same size and profile, and the session replayed on them:
-        every successful cell (up to In [upto]), or from a checkpoint this session saved."""
+        every successful cell (up to In [upto]), or from a checkpoint this session saved.
+        A replay that fails raises ReplayError naming the cell and those not replayed."""
         cluster, journal = self.need_cluster(), self.need_journal()
         checkpoint = from_checkpoint and os.path.abspath(from_checkpoint)
         steps = restore.plan(journal, upto=upto, checkpoint=checkpoint)  # before stopping
@@ -126,12 +127,15 @@ class Session:
             progress(f"  In [{entry.number}] skipped: it destroys the default process group "
                      "(dist.destroy_process_group()), which would leave the ranks without one")
         self.journal = Journal(cluster.world_size, cluster.backend)  # replays record nothing
+        again = "%mesh restart" + (f" --from-checkpoint {from_checkpoint}"
+                                   if from_checkpoint else "")
         try:
             restore.replay(cluster, steps, redo=lambda verb, kwargs: getattr(self, verb)(
-                **kwargs), progress=progress)
+                **kwargs), progress=progress, again=again)
         finally:
             self.journal = journal
-        self.optimizer_steps = cluster.optimizer_steps()
+            # a failed replay too: the next cell's "did it train?" counts from what ran
+            self.optimizer_steps = cluster.optimizer_steps()
         progress(f"session restored in {time.perf_counter() - started:.1f} s")
 
     # -- running code ----------------------------------------------------------------------
@@ -181,10 +185,12 @@ class Session:
         taken = parse_ranks(ranks, cluster.world_size) if ranks else None
         self.need_journal().record_push(dict(values), self.cell_number(), taken)
 
-    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
-        """``{rank: value}`` of a name on the ranks."""
+    def pull(self, name: str, ranks: str | list[int] | None = None, *,
+             shown_as: int | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a name on the ranks. ``shown_as``: the Out[n] IPython will
+        show (and cache) the value as, for the warning a large pull gives."""
         try:
-            return self.need_cluster().pull(name, ranks)
+            return self.need_cluster().pull(name, ranks, shown_as=shown_as)
         except KeyError as e:
             raise SessionError(e.args[0]) from None
 
@@ -256,8 +262,11 @@ class Session:
         # loading a fresh optimizer's state takes a zero-lr step: not the next cell's training
         self.optimizer_steps = cluster.optimizer_steps()
         done = "saving" if background else "saved" if action == "save" else "loaded"
+        # the background save's error comes later, in another command: say which
+        later = (" in the background (if it fails, the next checkpoint save, load or wait "
+                 "says so)" if background else "")
         return (f"{done} {', '.join(names)} {'to' if action == 'save' else 'from'} {path} on "
-                f"{cluster.world_size} ranks")
+                f"{cluster.world_size} ranks{later}")
 
     # -- pipelines -------------------------------------------------------------------------
 

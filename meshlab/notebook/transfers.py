@@ -5,6 +5,7 @@ Notebook side; a mixin of Cluster (the engines, ranks and failure helpers are it
 
 from __future__ import annotations
 
+import ast
 import pickle
 import warnings
 from collections.abc import Callable, Mapping
@@ -53,8 +54,10 @@ class Transfers:
                         "build it in a %%mesh cell") from None
             raise
 
-    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
-        """``{rank: value}`` of a name in the ranks' namespaces."""
+    def pull(self, name: str, ranks: str | list[int] | None = None, *,
+             shown_as: int | None = None) -> dict[int, Any]:
+        """``{rank: value}`` of a name in the ranks' namespaces. ``shown_as``: the Out[n]
+        IPython will show the value as (a large pull's warning then says it stays cached)."""
         ranks = self._ranks(ranks)
         view = self._client.direct_view([self._engines[r] for r in ranks])
         sizes = [n for n in view.apply_sync(on_ranks.nbytes, name) if n is not None]
@@ -62,7 +65,8 @@ class Transfers:
             warnings.warn(
                 f"pulling {name!r} copies {size_text(sum(sizes))} into the notebook ("
                 f"{len(sizes)} rank{'s' if len(sizes) > 1 else ''}, up to {size_text(max(sizes))} "
-                f"each); `%mesh pull {name} --ranks 0` (or pull(name, ranks=...)) takes fewer",
+                f"each); `%mesh pull {name} --ranks 0` (or pull(name, ranks=...)) takes fewer"
+                + ("" if shown_as is None else f". {cached_text(name, shown_as)}"),
                 PullSizeWarning, stacklevel=2)
         ar = view.pull(name, block=False)
         try:
@@ -76,3 +80,37 @@ class Transfers:
             r, ename, evalue = next(f for f in failures if f[1] != "NameError")
             raise ClusterError(f"could not pull {name!r} from rank {r}: {ename}: {evalue}") \
                 from None
+
+
+def cached_text(name: str, out: int) -> str:
+    """Why a pull shown as a cell's result keeps its memory, and what frees it."""
+    # as IPython 8.12 and 9.18 behave: `%reset -f out` leaves the value in the shell's hidden
+    # namespace (`_`, and `_<n>` on 8.x), and a line magic receives a trailing `;` as its own
+    return (f"Shown as this cell's result, it also stays in IPython's output cache (Out[{out}], "
+            f"_{out}, _) after you drop it: only `%reset -f` (every variable) frees it; "
+            f"`%reset -f out` keeps hidden references, and `;` after a magic is passed to the "
+            f"magic. Assign it instead: `{name} = %mesh pull {name}`; `del {name}` then frees it")
+
+
+def shown_as(shell: Any, name: str) -> int | None:
+    """The Out[n] IPython will show and keep ``%mesh pull NAME`` as, when the running cell
+    ends with it (or shows every expression); None when its value is assigned or not shown."""
+    result = getattr(shell.displayhook, "exec_result", None)
+    info = getattr(result, "info", None)
+    if info is None or info.silent:
+        return None
+    try:
+        body = ast.parse(shell.transform_cell(info.raw_cell)).body
+    except SyntaxError:
+        return None
+    shown = {"all": body, "none": []}.get(shell.ast_node_interactivity, body[-1:])
+    for node in shown:
+        call = node.value if isinstance(node, ast.Expr) else None
+        # %mesh LINE is get_ipython().run_line_magic('mesh', LINE) once IPython transformed it
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "run_line_magic"):
+            continue
+        args = [a.value for a in call.args if isinstance(a, ast.Constant)]
+        if len(args) == 2 and args[0] == "mesh" and str(args[1]).split()[:2] == ["pull", name]:
+            return int(shell.displayhook.prompt_count)
+    return None

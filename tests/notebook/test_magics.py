@@ -234,6 +234,55 @@ def test_a_large_pull_warns_and_offers_ranks(shell: Any) -> None:
     assert sorted(values) == [0, 1, 2, 3]
 
 
+@contextmanager
+def pull_warns_above(shell: Any, limit: int) -> Iterator[None]:
+    cluster = shell.magics_manager.registry["MeshMagics"].session.cluster
+    cluster.pull_warn_bytes = limit
+    try:
+        yield
+    finally:
+        cluster.pull_warn_bytes = 256 * 2**20
+
+
+def test_a_large_pull_shown_as_the_cells_result_says_the_output_cache_keeps_it(
+        shell: Any) -> None:
+    from meshlab.notebook.transfers import PullSizeWarning
+
+    run(shell, "%%mesh\nbig = torch.zeros(1000)")
+    with pull_warns_above(shell, 10_000), pytest.warns(PullSizeWarning) as warned, \
+            capture_output():
+        assert shell.run_cell("%mesh pull big", store_history=True).success
+    n = max(shell.user_ns["Out"])  # where IPython keeps it
+    assert sorted(shell.user_ns["Out"][n]) == [0, 1, 2, 3]
+    assert str(warned[0].message).endswith(
+        f"takes fewer. Shown as this cell's result, it also stays in IPython's output cache "
+        f"(Out[{n}], _{n}, _) after you drop it: only `%reset -f` (every variable) frees it; "
+        "`%reset -f out` keeps hidden references, and `;` after a magic is passed to the "
+        "magic. Assign it instead: `big = %mesh pull big`; `del big` then frees it")
+
+
+@pytest.mark.parametrize("cell", ["kept = %mesh pull big", "%mesh pull big\nNone"])
+def test_a_large_pull_not_shown_does_not_mention_the_output_cache(shell: Any,
+                                                                    cell: str) -> None:
+    from meshlab.notebook.transfers import PullSizeWarning
+
+    run(shell, "%%mesh\nbig = torch.zeros(1000)")
+    with pull_warns_above(shell, 10_000), pytest.warns(PullSizeWarning) as warned, \
+            capture_output():
+        assert shell.run_cell(cell, store_history=True).success
+    assert "output cache" not in str(warned[0].message)
+
+
+def test_a_small_pull_shown_as_the_cells_result_does_not_warn(shell: Any) -> None:
+    import warnings
+
+    run(shell, "%%mesh\nsmall = torch.zeros(10)")
+    with warnings.catch_warnings(record=True) as warned, capture_output():
+        warnings.simplefilter("always")
+        assert shell.run_cell("%mesh pull small", store_history=True).success
+    assert not [w for w in warned if "pull" in str(w.message)]
+
+
 def test_ctrl_c_while_a_subcommand_waits_is_one_line_naming_what_to_do(
         shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session

@@ -22,8 +22,8 @@ from IPython.utils.capture import capture_output
 
 from meshlab import Cluster, MeshError
 from meshlab.notebook.export import Journal, select
-from meshlab.notebook.output import first_mismatch, postmortem_text, stacks_text
-from meshlab.notebook.restore import RestoreError, plan
+from meshlab.notebook.output import first_mismatch, postmortem_text, stacks_text, strip_ansi
+from meshlab.notebook.restore import ReplayError, RestoreError, plan
 
 # -- the replay plan, without a cluster --------------------------------------------------------
 
@@ -283,7 +283,54 @@ def test_restart_from_a_checkpoint_skips_the_training_it_holds(own: Any, tmp_pat
 def test_a_replay_that_fails_says_where_and_keeps_what_ran(own: Any) -> None:
     run(own, "%%mesh\nimport os\nx = 1", "%%mesh\nassert not os.path.exists('/tmp/never')")
     session = own.magics_manager.registry["MeshMagics"].session
-    session.journal.record_cell("raise RuntimeError('only fails on replay')", 99)
-    with pytest.raises(UsageError, match=r"replay stopped at In \[99\].*only fails on replay"):
+    first, last = (e.number for e in session.journal.entries)
+    session.journal.record_cell("\n# on replay only\nraise RuntimeError('only on replay')", 99)
+    session.journal.record_cell("y = 2", 100)
+    with pytest.raises(ReplayError) as failed:
         own.run_line_magic("mesh", "restart")
+    assert str(failed.value) == (
+        "%mesh restart stopped at In [99] `# on replay only`, which failed on replay:\n"
+        "  [ranks 0-1] RuntimeError: only on replay\n"
+        "Not replayed: In [100].\n"
+        f"The 2 ranks are up and hold the state of what was replayed before it (In [{first}], "
+        f"[{last}]).\n"
+        f"To go on: fix the cause and run `%mesh restart` again, or `%mesh restart --upto {last}` "
+        f"to replay only up to In [{last}] and leave out the rest (run what you need of it by "
+        "hand).")
     assert own.run_line_magic("mesh", "pull x") == {0: 1, 1: 1}
+    with capture_output():  # the way on it names works
+        own.run_line_magic("mesh", f"restart --upto {last}")
+    assert own.run_line_magic("mesh", "pull x") == {0: 1, 1: 1}
+
+
+@pytest.mark.notebook
+def test_a_failed_replay_is_a_cell_error_that_stops_run_all(test_profile: Path,
+                                                             tmp_path: Path) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    data = tmp_path / "input.txt"
+    data.write_text("tokens")
+    cells = [f"%load_ext meshlab\n%mesh start 2 --profile {test_profile}",  # In [1]
+             "%%mesh\nimport os",                                            # In [2]
+             f"%%mesh\ntext = open({str(data)!r}).read()",                  # In [3]
+             "%%mesh\nn = len(text)",                                        # In [4]
+             f"import os\nos.remove({str(data)!r})",                        # In [5]
+             "%mesh restart",                                                 # In [6]
+             "print('Run All went on')",                                      # In [7]
+             "%mesh stop"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    with pytest.raises(CellExecutionError):
+        NotebookClient(nb, timeout=120, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    restart, after = nb.cells[5], nb.cells[6]
+    error = next(o for o in restart.outputs if o.output_type == "error")
+    assert error.ename == "ReplayError"
+    shown = strip_ansi("\n".join(error.traceback))
+    assert "ReplayError: %mesh restart stopped at In [3] `text = open(" in shown, shown
+    assert ("`, which failed on replay:\n  [ranks 0-1] FileNotFoundError: [Errno 2] No such "
+            f"file or directory: {str(data)!r}\nNot replayed: In [4].\nThe 2 ranks are up and "
+            "hold the state of what was replayed before it (In [2]).\nTo go on: fix the cause "
+            "and run `%mesh restart` again, or `%mesh restart --upto 2`") in shown, shown
+    assert after.execution_count is None and not after.outputs
