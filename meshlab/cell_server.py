@@ -68,7 +68,7 @@ class CellServer:
 
     def __init__(self, shell: Any, address: str, rank: int, key: bytes) -> None:
         self.shell, self.key = shell, key
-        self._socket = _connect(address, cell_wire.cell_identity(rank))
+        self._socket = _connect(address, cell_wire.cell_identity(rank), key)
         self._stream = ZMQStream(self._socket)  # on the engine's loop: the main thread
         self._stream.on_recv(self._receive)
         self._socket.send_multipart(cell_wire.pack(key, {"kind": cell_wire.HELLO}))
@@ -145,7 +145,7 @@ class OutputRelay:
         return taken
 
     def _relay(self, address: str, identity: bytes) -> None:
-        notebook = _connect(address, identity)
+        notebook = _connect(address, identity, self.key)
         try:
             while not self._closed.is_set():
                 self._wake.wait()
@@ -164,8 +164,9 @@ class OutputRelay:
             notebook.close()
 
 
-def _connect(address: str, identity: bytes) -> zmq.Socket[bytes]:
+def _connect(address: str, identity: bytes, key: bytes) -> zmq.Socket[bytes]:
     socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    cell_wire.secure_client(socket, key)
     socket.setsockopt(zmq.IDENTITY, identity)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(address)

@@ -5,7 +5,9 @@ otherwise); each rank connects twice, for cells and replies with its rank as ide
 for a running cell's output as "rank/output". A cell goes to each of its ranks
 once; what comes back is filed under the cell's id as it arrives, while someone polls (the
 cell in flight, or a wait for a stuck one). No thread: the notebook spends nothing between
-cells. Frames that are not signed with the cluster's key are dropped unread.
+cells. A peer without the cluster's key fails the CurveZMQ handshake, so nothing it sends is
+buffered; no frame is longer than cell_wire.FRAME_MAX; frames not signed with the key are
+dropped unread.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class CellChannel:
     def __init__(self, ip: str, key: bytes) -> None:
         self.key = key
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        cell_wire.secure_server(self._socket, key)  # no handshake, no frame, without the key
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not connected: an error
         if ":" in ip:

@@ -1,8 +1,10 @@
-"""The direct cell channel: signed frames only, loopback by default, output in order."""
+"""The direct cell channel: CurveZMQ with the cluster's key, frames of bounded size, signed
+messages only, loopback by default, output in order."""
 
 from __future__ import annotations
 
 import ipaddress
+import time
 
 import pytest
 import zmq
@@ -19,9 +21,16 @@ def test_unpack_takes_only_frames_signed_with_the_key() -> None:
     assert cell_wire.unpack(KEY, frames) == ({"kind": "reply", "id": "cell:1"}, [b"\x80blob"])
     assert cell_wire.unpack(b"another key", frames) is None
     assert cell_wire.unpack(KEY, [b"", *frames[1:]]) is None  # unsigned
-    assert cell_wire.unpack(KEY, [frames[0], frames[1], b"\x80other blob"]) is None
+    assert cell_wire.unpack(KEY, [*frames[:3], b"\x80other blob"]) is None
     # moving bytes across a frame edge changes the signature too
-    assert cell_wire.unpack(KEY, [frames[0], frames[1] + b"\x80", b"blob"]) is None
+    assert cell_wire.unpack(KEY, [*frames[:2], frames[2] + b"\x80", b"blob"]) is None
+
+
+def test_a_header_or_blob_longer_than_a_frame_travels_in_parts() -> None:
+    text, blob = "z" * (cell_wire.FRAME_MAX + 5), bytes(2 * cell_wire.FRAME_MAX + 1)
+    frames = cell_wire.pack(KEY, {"stdout": text}, blob, b"")
+    assert max(map(len, frames)) <= cell_wire.FRAME_MAX
+    assert cell_wire.unpack(KEY, frames) == ({"stdout": text}, [blob, b""])
 
 
 @pytest.fixture
@@ -31,8 +40,10 @@ def channel():  # type: ignore[no-untyped-def]
     ch.close()
 
 
-def _peer(channel: CellChannel, identity: bytes) -> zmq.Socket[bytes]:
+def _peer(channel: CellChannel, identity: bytes, key: bytes = KEY) -> zmq.Socket[bytes]:
+    """A rank's socket, made as a rank makes it, holding ``key``."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    cell_wire.secure_client(sock, key)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(channel.address)
@@ -41,20 +52,41 @@ def _peer(channel: CellChannel, identity: bytes) -> zmq.Socket[bytes]:
 
 def test_a_peer_without_the_key_is_never_heard(channel: CellChannel) -> None:
     assert ipaddress.ip_address(channel.address.split("//")[1].rsplit(":", 1)[0]).is_loopback
-    intruder = _peer(channel, b"0")
+    # a guessed key fails the handshake: the channel never hears it, nor sends it a cell
+    guesser, plain = _peer(channel, b"0", key=b"a guess"), zmq.Context.instance().socket(
+        zmq.DEALER)
+    # one that signs with the key but knows no handshake (the channel before CurveZMQ)
+    plain.setsockopt(zmq.IDENTITY, b"1")
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(channel.address)
     try:
-        intruder.send_multipart(cell_wire.pack(b"a guess", {"kind": "hello"}))
-        assert channel.wait_connected([0], timeout=1.0) == [0]
-        cell = channel.send([0], "1", number=1, keep=True)
-        assert intruder.poll(5000)  # the cell reached the socket named rank 0 ...
-        intruder.recv_multipart()
-        forged = {"kind": "reply", "id": cell.id, "status": "ok", "result": "'forged'"}
-        intruder.send_multipart(cell_wire.pack(b"a guess", forged, b"cos\nsystem\n"))
-        intruder.send_multipart([b"", *cell_wire.pack(b"", forged)[1:]])
-        channel.wait(cell, timeout=1.0)
-        assert not cell.ready() and cell.replies[0].value is None  # ... and nothing it said
+        guesser.send_multipart(cell_wire.pack(b"a guess", {"kind": "hello"}))
+        plain.send_multipart(cell_wire.pack(KEY, {"kind": "hello"}))
+        assert channel.wait_connected([0, 1], timeout=1.0) == [0, 1]
+        cell = channel.send([0, 1], "1", number=1, keep=True)
+        assert not guesser.poll(500) and not plain.poll(500)
+        assert cell.replies[0].reply is not None and cell.replies[0].reply["ename"] == "RankDied"
     finally:
-        intruder.close()
+        guesser.close()
+        plain.close()
+
+
+def test_a_frame_past_the_cap_drops_its_sender_not_the_channel(channel: CellChannel) -> None:
+    """Even a peer with the key cannot make the notebook hold a frame past FRAME_MAX: zmq
+    reads its length first and drops the connection; the other ranks go on."""
+    big, rank = _peer(channel, b"3"), _peer(channel, b"2")
+    try:
+        big.send_multipart(cell_wire.pack(KEY, {"kind": "hello"}))
+        rank.send_multipart(cell_wire.pack(KEY, {"kind": "hello"}))
+        assert channel.wait_connected([2, 3], timeout=5.0) == []
+        big.send(bytes(cell_wire.FRAME_MAX + 2048))
+        time.sleep(0.5)
+        cell = channel.send([2, 3], "1", number=1, keep=False)
+        assert cell.replies[3].reply is not None and cell.replies[3].reply["ename"] == "RankDied"
+        assert rank.poll(5000)  # rank 2 still gets its cell
+    finally:
+        big.close()
+        rank.close()
 
 
 def test_output_and_the_reply_are_filed_under_their_cell(channel: CellChannel) -> None:

@@ -377,3 +377,38 @@ def test_a_dead_kernels_output_folders_are_swept_and_no_one_elses(intruder: str,
     made = private_dir(tmp_path)
     assert not dead.exists() and alive.exists() and theirs.exists()
     assert made.name.startswith(f"meshlab-output-{os.getpid()}-")
+
+
+def rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+@pytest.mark.cluster
+def test_frames_from_another_user_to_the_cell_channel_are_never_buffered(
+        intruder: str, cluster: Cluster) -> None:
+    """Three 200 MB frames, sent as a ZeroMQ peer would (ZMTP 3.0, the NULL mechanism: what
+    any client library speaks), by a user who does not hold the cluster's key."""
+    port = int(cluster.cell_channel.address.rsplit(":", 1)[1])
+    before = rss(os.getpid())
+    flood = as_intruder(intruder, f"""
+import socket, struct
+s = socket.create_connection(("127.0.0.1", {port}))
+s.sendall(b"\\xff" + bytes(8) + b"\\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\\0") + bytes(32))
+ready = b"\\x05READY" + b"\\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+sent, chunk = 0, bytes(2**20)
+try:
+    s.sendall(bytes([0x04, len(ready)]) + ready)
+    for frame in range(3):
+        s.sendall(b"\\x02" + struct.pack(">Q", 200 * 2**20))  # a long frame, the last part
+        for _ in range(200):
+            s.sendall(chunk)
+            sent += len(chunk)
+except OSError as e:
+    print("cut off:", type(e).__name__)
+print("sent", sent)
+""")
+    assert flood.returncode == 0, flood.stderr
+    cluster.cell_channel.poll(0.5)  # what a cell would read first
+    grown = rss(os.getpid()) - before
+    assert "cut off" in flood.stdout and grown < 100 * 2**20, (flood.stdout, grown)
+    assert cluster.run("rank").outputs[3].result == "3"
