@@ -7,18 +7,23 @@ batch job. Plain torch only: no IPython, ipyparallel or widgets.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import ipaddress
 import os
 import random
+import shutil
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from meshlab.private_files import STORE_PREFIX, open_private, private_dir
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class RankState:
 
 
 _store: dist.Store | None = None  # one long-lived rendezvous store per cluster
+_store_file: str | None = None  # its path, when it is a file (every rank on one host)
 _state: RankState | None = None
 optimizer_steps = 0  # optimizer.step() calls in this process: which cells trained
 _step_hook: Any = None  # the global hook that counts them, installed once
@@ -74,8 +80,46 @@ def ephemeral_port_floor() -> int:
         return 32768
 
 
+def private_store(timeout: float = 60.0) -> str:
+    """Start the rendezvous store on this rank (rank 0) as a file only this user can open,
+    for ranks that all run on this host; returns its path, which they pass to ``setup``.
+
+    Not a TCPStore: it has no authentication, and any local user can connect to a port on
+    loopback, then list, read and write its keys. The file sits in a folder made by
+    ``mkdtemp`` (0700, this process's pid in its name), removed when this process exits, or
+    by the next store or cut-output folder this user makes after it died.
+    """
+    global _store, _store_file
+    if _store is not None:
+        if _store_file is None:
+            raise RuntimeError("this rank already has a TCP rendezvous store: a cluster uses "
+                               "one store, a file (one host) or TCP (several), never both")
+        return _store_file
+    folder = private_dir(prefix=STORE_PREFIX)
+    atexit.register(_remove_folder, folder, os.getpid())
+    path = folder / "store"
+    open_private(path).close()  # 0600 (torch would make it 0644), there before a rank looks
+    _store, _store_file = _file_store(str(path), timeout), str(path)
+    return str(path)
+
+
+def _remove_folder(folder: Path, owner: int) -> None:
+    # a process a cell forks inherits this handler: only rank 0 itself removes the folder
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _file_store(path: str, timeout: float) -> dist.FileStore:
+    # world_size -1: torch never deletes the file, which a later reform() still needs
+    store = dist.FileStore(path, -1)
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
+
+
 def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
-    """Start the rendezvous store on this rank (rank 0) and return its port.
+    """Start the rendezvous store on this rank (rank 0) as a TCPStore on ``host`` and return
+    its port: for ranks on several hosts (on one, ``private_store`` is not reachable by
+    other local users).
 
     The port is chosen right before binding and below the ephemeral range: ports
     picked earlier can be taken by gloo's own connections in the meantime. When ``host``
@@ -84,6 +128,9 @@ def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
     """
     global _store
     if _store is not None:
+        if _store_file is not None:
+            raise RuntimeError(f"this rank already has a file rendezvous store ({_store_file}):"
+                               " a cluster uses one store, a file (one host) or TCP (several)")
         return int(_store.port)  # type: ignore[attr-defined]
     address = bind_address(host)
     floor = ephemeral_port_floor()
@@ -157,8 +204,9 @@ def setup(
     rank: int,
     world_size: int,
     local_rank: int,
-    master_addr: str,
-    master_port: int,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    store_file: str | None = None,
     backend: str = "auto",
     timeout: float = 60.0,
     debug: bool = False,
@@ -166,15 +214,31 @@ def setup(
     env: dict[str, str] | None = None,
     interface: str | None = None,
 ) -> dict[str, Any]:
-    """Bootstrap one cluster rank; returns the names a %%mesh cell sees. ``interface`` is the
-    one facing the other hosts: gloo binds there, unless the profile's env names another."""
-    global _store, _state
+    """Bootstrap one cluster rank; returns the names a %%mesh cell sees. The store is rank 0's
+    ``store_file`` (``private_store``: every rank on this host) or its TCPStore at
+    ``master_addr:master_port`` (``serve_store``). ``interface`` is the one facing the other
+    hosts: gloo binds there, unless the profile's env names another."""
+    global _store, _store_file, _state
+    if store_file is None and (master_addr is None or master_port is None):
+        raise ValueError(f"setup(rank={rank}) got no rendezvous store (master_addr="
+                         f"{master_addr!r}, master_port={master_port!r}, store_file=None): "
+                         "pass rank 0's private_store() path, or its serve_store() address")
+    # torch would wait out the whole timeout for a file that is not there
+    if store_file is not None and not Path(store_file).is_file():
+        raise RuntimeError(
+            f"rank {rank} on {socket.gethostname()}: rank 0's rendezvous store {store_file} is "
+            "not on this machine. Ranks that report one host name share a file store, so "
+            "hosts that share a name must share the temp directory too: give each its own name")
     os.environ.update(env or {})
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-        MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-    )
-    if is_loopback(master_addr):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    if store_file is not None:
+        # No TCP store listens: an env:// rendezvous in a cell fails at once, naming the
+        # variable, rather than dialling a port another local user may have taken since.
+        os.environ.pop("MASTER_ADDR", None)
+        os.environ.pop("MASTER_PORT", None)
+    else:
+        os.environ.update(MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port))
+    if store_file is not None or is_loopback(master_addr or ""):
         # every rank is on this machine: keep gloo off the address the hostname resolves to
         os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     elif interface:
@@ -189,7 +253,9 @@ def setup(
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     _count_optimizer_steps()
     device = pin_device(local_rank)
-    if _store is None:
+    if _store is None and store_file is not None:
+        _store, _store_file = _file_store(store_file, timeout), store_file
+    elif _store is None and master_addr is not None and master_port is not None:
         _store = dist.TCPStore(
             master_addr, master_port, is_master=False, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=timeout),

@@ -228,6 +228,33 @@ def test_nothing_listens_where_the_profile_did_not_say(hosts_cluster: Cluster) -
     assert LOGIN in {ip for ip, _ in seen["notebook"]}
 
 
+ONE_HOST_FACTS = """
+import os
+import meshlab.runtime
+(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ["GLOO_SOCKET_IFNAME"],
+ meshlab.runtime._store_file)
+"""
+
+
+def test_ranks_that_all_land_on_one_host_rendezvous_through_a_file(test_hosts: list[str],
+                                                                  tmp_path: Path) -> None:
+    profile = profile_file("ssh", tmp_path)
+    profile.write_text(profile.read_text().replace('hosts = ["node1", "node2"]',
+                                                   'hosts = ["node1"]'))
+    with Cluster(profile=profile) as one_host:
+        assert one_host.host_of == ["node1", "node1"]
+        facts = one_host.run(ONE_HOST_FACTS, keep_values=True).values
+        store = facts[0][3]
+        # no TCP store and gloo on the host's loopback: nothing of theirs on the network
+        assert facts == {r: (None, None, "lo", store) for r in range(2)}, facts
+        assert Path(store).parent.name.startswith(f"meshlab-store-{one_host._hosts[0]['pid']}-")
+        assert all(ipaddress.ip_address(ip).is_loopback
+                   for h in one_host._hosts for ip, _ in listening_sockets(h["pid"]))
+        one_host.regroup()  # a second generation on the same file
+        total = one_host.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()", keep_values=True)
+        assert total.values == {0: 2.0, 1: 2.0}
+
+
 def test_the_connection_key_is_in_no_command_line(hosts_cluster: Cluster) -> None:
     key = hosts_cluster._client.session.key.decode()
     assert len(key) >= 16

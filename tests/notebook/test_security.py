@@ -13,6 +13,7 @@ import ipaddress
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -70,19 +71,19 @@ def is_loopback(ip: str) -> bool:
 
 
 @ipp.interactive
-def _rank_env() -> tuple[int, str | None]:
+def _rank_env() -> dict[str, str | None]:
     import os
 
-    return int(os.environ["MASTER_PORT"]), os.environ.get("GLOO_SOCKET_IFNAME")
+    return {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")}
 
 
 # -- 1. everything listens on loopback only ----------------------------------------------------
 
 
 @pytest.mark.cluster
-def test_controller_engines_store_and_gloo_listen_on_loopback_only(cluster: Cluster) -> None:
+def test_controller_engines_and_gloo_listen_on_loopback_only(cluster: Cluster) -> None:
     cluster.run("dist.all_reduce(torch.ones(1))")  # gloo has connected every pair
-    store_port, ifname = cluster._client[cluster._engines[0]].apply_sync(_rank_env)
+    env = cluster._client[cluster._engines[0]].apply_sync(_rank_env)
     exposed, ports, by_role = [], {}, {}
     for role, processes in cluster_processes(cluster).items():
         by_role[role] = set()
@@ -94,9 +95,9 @@ def test_controller_engines_store_and_gloo_listen_on_loopback_only(cluster: Clus
                         f"listens on {ip}:{port}" for ip, port in found if not is_loopback(ip)]
     assert not exposed, "\n".join(exposed)
     # gloo binds the hostname's address unless told: told, in case the hostname is not loopback
-    assert ifname == runtime.LOOPBACK_INTERFACE
-    # not vacuous: the store and the controller's client-facing ports are among those checked
-    assert ("127.0.0.1", store_port) in ports[cluster._hosts[0]["pid"]]
+    assert env["GLOO_SOCKET_IFNAME"] == runtime.LOOPBACK_INTERFACE
+    # not vacuous: every rank's gloo and the controller's client-facing ports are checked
+    assert all(ports[h["pid"]] for h in cluster._hosts), ports
     client = connection(cluster)
     assert {("127.0.0.1", client[k]) for k in ("registration", "mux", "task", "control")} \
         <= by_role["controller"]
@@ -124,12 +125,11 @@ dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 plain = listening()
 dist.destroy_process_group()
 before = listening()
-port = runtime.serve_store("127.0.0.1", 30)
-runtime.setup(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port,
+# as a cluster whose ranks are all on this host bootstraps them
+runtime.setup(rank=0, world_size=1, local_rank=0, store_file=runtime.private_store(30),
               backend="gloo", timeout=30)
 dist.all_reduce(torch.ones(1))
-print(json.dumps({"plain": sorted(plain), "meshlab": sorted(listening() - before),
-                  "store": port}))
+print(json.dumps({"plain": sorted(plain), "meshlab": sorted(listening() - before)}))
 """
 
 
@@ -150,8 +150,7 @@ def test_gloo_stays_on_loopback_when_the_hostname_resolves_elsewhere() -> None:
     seen = json.loads(done.stdout.splitlines()[-1])
     # the hazard is real here: without meshlab, gloo listens on the outer address
     assert address in {ip for ip, _ in seen["plain"]}, seen
-    assert ["127.0.0.1", seen["store"]] in seen["meshlab"], seen
-    assert len(seen["meshlab"]) >= 2, seen  # the store and gloo's own listener
+    assert seen["meshlab"], seen  # gloo's own listener
     assert all(is_loopback(ip) for ip, _ in seen["meshlab"]), seen
 
 
@@ -366,17 +365,20 @@ for n in range(1, 60):
 
 def test_a_dead_kernels_output_folders_are_swept_and_no_one_elses(intruder: str,
                                                                   tmp_path: Path) -> None:
-    from meshlab.notebook.private_files import private_dir
+    from meshlab.private_files import STORE_PREFIX, private_dir
 
     dead = tmp_path / "meshlab-output-999999999-abc"  # a pid no process has
     alive = tmp_path / f"meshlab-output-{os.getpid()}-abc"
     theirs = tmp_path / "meshlab-output-999999998-abc"
-    for folder in (dead, alive, theirs):
+    dead_rank = tmp_path / "meshlab-store-999999999-abc"  # a rank 0 killed with its store
+    for folder in (dead, alive, theirs, dead_rank):
         folder.mkdir()
     shutil.chown(theirs, user=intruder)
     made = private_dir(tmp_path)
     assert not dead.exists() and alive.exists() and theirs.exists()
+    assert not dead_rank.exists()
     assert made.name.startswith(f"meshlab-output-{os.getpid()}-")
+    assert private_dir(tmp_path, STORE_PREFIX).name.startswith(f"meshlab-store-{os.getpid()}-")
 
 
 def rss(pid: int) -> int:
@@ -412,3 +414,173 @@ print("sent", sent)
     grown = rss(os.getpid()) - before
     assert "cut off" in flood.stdout and grown < 100 * 2**20, (flood.stdout, grown)
     assert cluster.run("rank").outputs[3].result == "3"
+
+
+# -- 6. the rendezvous store ---------------------------------------------------------------
+
+# What another user with no torch runs: every TCP socket this uid listens on (any user may
+# read /proc/net/tcp), each spoken to as torch's TCPStore client does: validate, ping, then
+# set a key and read it back. Prints the sockets it tried, and what each that answered said.
+STORE_PROBE = r"""
+import ipaddress, json, os, socket, struct, sys
+from concurrent.futures import ThreadPoolExecutor
+
+VALIDATE, SET, GET, GETNUMKEYS, PING = 0, 1, 3, 7, 13
+MAGIC = 0x3C85F7CE  # torch's TCPStore validation number
+KEY, VALUE = b"/meshlab-intruder", b"written by another user"
+
+
+def listeners(uid):
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or int(fields[7]) != uid:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # little-endian 32-bit words
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
+                                                   for i in range(0, len(raw), 4)))
+                if ip.version == 6 and ip.ipv4_mapped:
+                    ip = ip.ipv4_mapped
+                if ip.is_unspecified:  # every interface: loopback too
+                    ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+                yield str(ip), int(port, 16)
+
+
+def exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def sized(data):
+    return struct.pack("<Q", len(data)) + data
+
+
+def as_store(address):
+    nonce = os.getpid() & 0x7FFFFFFF
+    try:
+        with socket.create_connection(address, timeout=2) as sock:
+            sock.sendall(struct.pack("<BI", VALIDATE, MAGIC) + struct.pack("<BI", PING, nonce))
+            if exactly(sock, 4) != struct.pack("<I", nonce):
+                return None
+            sock.sendall(bytes([SET]) + sized(KEY) + sized(VALUE) + bytes([GET]) + sized(KEY))
+            read = exactly(sock, struct.unpack("<Q", exactly(sock, 8))[0])
+            sock.sendall(bytes([GETNUMKEYS]))
+            keys = struct.unpack("<q", exactly(sock, 8))[0]
+            return {"read back": read.decode(), "keys": keys}
+    except OSError:
+        return None
+
+
+found = sorted(set(listeners(int(sys.argv[1]))))
+with ThreadPoolExecutor(16) as pool:
+    said = dict(zip(found, pool.map(as_store, found)))
+print(json.dumps({"probed": [f"{ip}:{port}" for ip, port in found],
+                  "stores": {f"{ip}:{port}": s for (ip, port), s in said.items() if s}}))
+"""
+
+
+def stores_another_user_reaches(user: str) -> tuple[set[str], dict[str, dict[str, Any]]]:
+    """The sockets of this uid ``user`` tried ("ip:port"), and those that answered as a
+    TCPStore, with what each said."""
+    done = subprocess.run(["runuser", "-u", user, "--", SYSTEM_PYTHON, "-c", STORE_PROBE,
+                           str(os.getuid())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    return set(seen["probed"]), seen["stores"]
+
+
+def loopback_store() -> Any:
+    """A TCPStore this test serves on loopback: the probe must find it and use it."""
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
+def cluster_sockets(cluster: Cluster) -> dict[str, str]:
+    """"ip:port" -> which process of the cluster (or the notebook) listens there."""
+    owners = {h["pid"]: f"rank {r}" for r, h in enumerate(cluster._hosts)}
+    ours = {}
+    for role, processes in cluster_processes(cluster).items():
+        for process in [*processes, psutil.Process()]:  # the notebook: the cell channel
+            who = owners.get(process.pid, "the notebook" if process.pid == os.getpid()
+                             else role)
+            ours |= {f"{ip}:{port}": f"{who} (pid {process.pid})"
+                     for ip, port in listening(process)}
+    return ours
+
+
+@ipp.interactive
+def _store_file() -> str | None:
+    import meshlab.runtime
+
+    return meshlab.runtime._store_file
+
+
+@pytest.mark.cluster
+def test_no_socket_of_the_cluster_answers_another_user_as_a_store(
+        cluster: Cluster, intruder: str) -> None:
+    cluster.run("dist.all_reduce(torch.ones(1))")  # gloo has connected every pair
+    ours = cluster_sockets(cluster)
+    control = loopback_store()
+    probed, stores = stores_another_user_reaches(intruder)
+    # not vacuous: the probe wrote to the test's own store and read it back, and it tried
+    # every socket of the cluster
+    assert stores.get(f"127.0.0.1:{control.port}") == {
+        "read back": "written by another user", "keys": 1}, stores
+    assert control.get("meshlab-intruder") == b"written by another user"
+    assert set(ours) <= probed, sorted(set(ours) - probed)
+    reached = [f"{ours[where]} at {where} answered as a TCPStore: {said}"
+               for where, said in stores.items() if where in ours]
+    assert not reached, "\n".join(reached)
+
+
+@pytest.mark.cluster
+def test_another_user_cannot_open_the_store_file(cluster: Cluster, intruder: str) -> None:
+    path = Path(cluster._client[cluster._engines[0]].apply_sync(_store_file))
+    # the store the ranks rendezvous on: their process group's keys are in it
+    assert b"meshlab/gen" in path.read_bytes()
+    for item, mode in [(path.parent, 0o700), (path, 0o600)]:
+        info = item.lstat()
+        assert (stat.S_IMODE(info.st_mode), info.st_uid) == (mode, os.getuid()), item
+    assert path.parent.name.startswith(f"meshlab-store-{cluster._hosts[0]['pid']}-")
+    for attempt in (f"open({str(path)!r}, 'rb')", f"open({str(path)!r}, 'ab')",
+                    f"os.listdir({str(path.parent)!r})"):
+        tried = as_intruder(intruder, f"import os; {attempt}")
+        assert tried.returncode != 0 and "PermissionError" in tried.stderr, (attempt, tried)
+
+
+@ipp.interactive
+def _rendezvous_env() -> dict[str, str | None]:
+    import os
+
+    return {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+@pytest.mark.cluster
+def test_ranks_on_one_host_name_no_rendezvous_port(cluster: Cluster) -> None:
+    # no TCP store listens: a port named here could since be another user's listener
+    envs = cluster._client[cluster._engines].apply_sync(_rendezvous_env)
+    assert envs == [{"MASTER_ADDR": None, "MASTER_PORT": None}] * cluster.world_size
+
+
+@pytest.mark.cluster
+def test_the_store_folder_goes_with_the_cluster(test_profile: Path) -> None:
+    with Cluster(2, profile=test_profile) as ranks:
+        path = Path(ranks._client[ranks._engines[0]].apply_sync(_store_file))
+        assert path.is_file()
+        ranks.regroup()  # a new generation of keys in the same file
+        assert ranks.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()",
+                         keep_values=True).values == {0: 2.0, 1: 2.0}
+    assert not path.parent.exists()

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from meshlab import runtime
+from meshlab.private_files import STORE_PREFIX
 
 SCRIPT = """
 from meshlab import runtime
+from meshlab.private_files import STORE_PREFIX
 ns = runtime.init_from_env()
 t = ns["torch"].ones(1) * ns["rank"]
 ns["dist"].all_reduce(t)
@@ -51,3 +53,47 @@ def test_ports_we_pick_stay_below_the_ephemeral_range() -> None:
     port = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               check=True).stdout)
     assert low - 12000 <= port < low, (low, port)
+
+
+def test_setup_without_a_store_says_which_to_pass() -> None:
+    with pytest.raises(ValueError, match=r"no rendezvous store .*: pass rank 0's "
+                                         r"private_store\(\) path, or its serve_store\(\)"):
+        runtime.setup(rank=1, world_size=2, local_rank=1)
+
+
+def test_a_rank_that_cannot_see_rank_0s_store_file_says_so_at_once(tmp_path: Path) -> None:
+    # not torch's wait for the file to appear, the whole timeout long
+    missing = tmp_path / "meshlab-store-1-abc" / "store"
+    with pytest.raises(RuntimeError, match=rf"rank 1 on .*: rank 0's rendezvous store "
+                                           rf"{re.escape(str(missing))} is not on this machine"):
+        runtime.setup(rank=1, world_size=2, local_rank=1, store_file=str(missing), timeout=600)
+
+
+STORE_OWNER = """
+import os, stat
+from meshlab import runtime
+from meshlab.private_files import STORE_PREFIX
+path = runtime.private_store(timeout=5)
+print(path, oct(stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)),
+      oct(stat.S_IMODE(os.stat(path).st_mode)))
+child = os.fork()
+if child == 0:  # as a process a cell forks: its exit runs the handlers it inherited
+    import atexit
+    atexit._run_exitfuncs()
+    os._exit(0)
+os.waitpid(child, 0)
+print(os.path.exists(path), flush=True)
+"""
+
+
+def test_rank_0s_store_file_is_private_and_goes_when_rank_0_exits_not_its_child() -> None:
+    done = subprocess.run([sys.executable, "-c", STORE_OWNER], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    made, after_child = done.stdout.splitlines()
+    path, folder_mode, file_mode = made.split()
+    assert (folder_mode, file_mode) == ("0o700", "0o600")
+    assert Path(path).parent.name.startswith(STORE_PREFIX)
+    assert after_child == "True"
+    assert not Path(path).parent.exists()
+

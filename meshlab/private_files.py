@@ -4,8 +4,9 @@ The temp directory is shared with every user of the machine, so a folder there m
 have a name another user can guess and create first (with a symlink inside pointing at a
 file of ours), nor be readable by them: each session's folder is made atomically by
 ``mkdtemp`` (0700, a random name), and its files are created new, 0600, without following
-links. The folder's name carries the notebook's pid, so folders left by kernels that died
-are found and removed by the next session of the same user.
+links. The folder's name carries the pid of the process that made it (the notebook for cut
+output, rank 0 for the rendezvous store), so folders left by processes that died are found
+and removed by the next session of the same user. Plain Python: ranks use it too.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-PREFIX = "meshlab-output-"
+PREFIX = "meshlab-output-"  # a notebook's cut output
+STORE_PREFIX = "meshlab-store-"  # rank 0's rendezvous store
+PREFIXES = (PREFIX, STORE_PREFIX)
 
 
-def private_dir(parent: str | Path | None = None) -> Path:
+def private_dir(parent: str | Path | None = None, prefix: str = PREFIX) -> Path:
     """A new folder only this user can enter (0700, a name no one can guess), in
-    ``parent`` or the temp directory; first, this user's folders of dead kernels go."""
+    ``parent`` or the temp directory; first, this user's folders of dead processes go."""
+    if prefix not in PREFIXES:
+        raise ValueError(f"prefix {prefix!r} is not one of {PREFIXES}: sweep() would never "
+                         "find its folders")
     parent = Path(parent or tempfile.gettempdir())
     sweep(parent)
-    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent))
 
 
 def subfolder(folder: Path, name: str) -> Path:
@@ -43,15 +49,19 @@ def open_private(path: Path) -> IO[str]:
 
 
 def sweep(parent: Path) -> None:
-    """Remove this user's session folders whose kernel is gone (another user's: never)."""
-    for folder in parent.glob(f"{PREFIX}*-*"):
-        pid = folder.name[len(PREFIX):].split("-", 1)[0]
-        with contextlib.suppress(OSError, ValueError):
-            info = folder.lstat()
-            if (folder.is_symlink() or info.st_uid != os.getuid() or not pid.isdigit()
-                    or _alive(int(pid))):
-                continue
-            shutil.rmtree(folder, ignore_errors=True)
+    """Remove this user's session folders whose process is gone (another user's: never)."""
+    for prefix in PREFIXES:
+        for folder in parent.glob(f"{prefix}*-*"):
+            _sweep_one(folder, folder.name[len(prefix):].split("-", 1)[0])
+
+
+def _sweep_one(folder: Path, pid: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        info = folder.lstat()
+        if (folder.is_symlink() or info.st_uid != os.getuid() or not pid.isdigit()
+                or _alive(int(pid))):
+            return
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
