@@ -29,6 +29,31 @@ from meshlab import runtime
 _transformed: dict[str, str] = {}  # cell text -> IPython's static transform of it
 _TRANSFORMED_KEPT = 1024
 
+# meshlab's second, stronger stop (README, "When a cell will not stop"), for a cell that
+# caught Ctrl-C's KeyboardInterrupt and went on. Not SIGUSR1: Slurm's --signal, Lightning's
+# requeue and faulthandler.register conventionally use that one.
+STOP_SIGNAL = signal.SIGUSR2
+running = False  # a cell is running on the main thread (read by the probe thread)
+interrupts = 0  # SIGINTs the running cell has seen: one still running after one caught it
+
+
+class CellStopped(BaseException):
+    """Raised in a cell that caught KeyboardInterrupt and went on, when meshlab sends it
+    STOP_SIGNAL: neither an Exception nor a KeyboardInterrupt, so that ``except Exception:``
+    and ``except KeyboardInterrupt:`` let it through."""
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    global interrupts
+    interrupts += 1  # counted: a cell that outlives this caught it
+    raise KeyboardInterrupt
+
+
+def _on_stop(signum: int, frame: Any) -> None:
+    if running:  # a late signal after the cell ended is no one's business
+        raise CellStopped(f"meshlab stopped the cell with {signal.Signals(signum).name}: it "
+                          "caught Ctrl-C's KeyboardInterrupt and went on")
+
 
 def run_cell(shell: Any, code: str, number: int, keep: bool,
              streams: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
@@ -52,11 +77,16 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
     saved = sys.stdout, sys.stderr, shell.display_trap.hook
     sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
     shell.display_trap.hook, shell._showtraceback = displayhook, showtraceback
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C reaches it
+    global running, interrupts
+    running, interrupts = True, 0
+    previous = signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C reaches it
+    signal.signal(STOP_SIGNAL, _on_stop)
     try:
         failure = execute(shell, code, number)
     finally:
+        running = False
         signal.signal(signal.SIGINT, previous)
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # an idle engine never dies of it
         sys.stdout, sys.stderr, shell.display_trap.hook = saved
         with contextlib.suppress(KeyError):
             del vars(shell)["_showtraceback"]  # the kernel's own again
@@ -96,7 +126,9 @@ def execute(shell: Any, code: str, number: int) -> BaseException | None:
                 for compiled_code in codes:
                     exec(compiled_code, shell.user_global_ns, shell.user_ns)
         finally:  # the code is over: a Ctrl-C sent again for it must not cut its traceback
+            # (a stop signal already pending is raised here, and reported as the cell's)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(STOP_SIGNAL, signal.SIG_IGN)
     except SystemExit as e:
         failure = e
         shell.showtraceback(exception_only=True)

@@ -9,6 +9,11 @@ socket, owned by a thread that sleeps until a cell first prints and then sends e
 seconds while the main thread is in the user's code. The reply carries the rest of the
 output and how many batches went before it, so the notebook knows when it has them all.
 
+sys.stdout and sys.stderr stay meshlab's between cells too, so nothing printed is lost: what
+the running cell's own threads print (its main thread, threads it started) is the cell's;
+what any other thread prints (one an earlier cell started, a library's) is sent apart, named
+by its thread, whether a cell runs or not, and never mixed into a cell's output.
+
 Plain Python and ZeroMQ: the shell is the engine's, handed in, never imported.
 """
 
@@ -24,6 +29,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 from meshlab import cell_exec, cell_wire
 
 FLUSH = 0.05  # seconds between batches of a running cell's output
+THREADS_KEPT = 8 * 2**20  # characters of other threads' printing a rank holds between cells
 _server: CellServer | None = None
 
 
@@ -37,7 +43,7 @@ def serve(shell: Any, address: str, rank: int, key: bytes) -> None:
 
 
 class RankStream:
-    """sys.stdout or sys.stderr while a cell runs: text waits here for the next batch."""
+    """sys.stdout or sys.stderr of a rank: text waits here for the next batch."""
 
     def __init__(self, name: str, original: Any, relay: OutputRelay) -> None:
         self.name, self._original, self._relay = name, original, relay
@@ -73,8 +79,14 @@ class CellServer:
         self._stream.on_recv(self._receive)
         self._socket.send_multipart(cell_wire.pack(key, {"kind": cell_wire.HELLO}))
         self.output = OutputRelay(address, cell_wire.output_identity(rank), key)
+        # the engine's own streams, kept for fileno() and restored on close
+        self._original = {name: _unwrapped(getattr(sys, name)) for name in ("stdout", "stderr")}
+        self._streams = {name: RankStream(name, stream, self.output)
+                         for name, stream in self._original.items()}
+        sys.stdout, sys.stderr = self._streams["stdout"], self._streams["stderr"]
 
     def close(self) -> None:
+        sys.stdout, sys.stderr = self._original["stdout"], self._original["stderr"]
         self.output.close()
         self._stream.close(linger=1000)
 
@@ -88,49 +100,67 @@ class CellServer:
         self.output.start(cell["id"])
         try:
             header, blobs = cell_exec.run_cell(self.shell, cell["code"], cell["number"],
-                                               cell["keep"], self._streams())
+                                               cell["keep"], self._streams)
         except BaseException as e:  # a Ctrl-C between statements, outside the user's code
             header, blobs = {"status": "error", "ename": type(e).__name__, "evalue": str(e),
                              "traceback": []}, []
-        tail, batches = self.output.finish()  # the rest rides on the reply
+        # the rest rides on the reply, and what other threads printed that was not sent
+        tail, batches, threads = self.output.finish()
         header.update(tail, kind=cell_wire.REPLY, id=cell["id"], batches=batches)
+        if threads is not None:
+            header.update(threads)
         self._socket.send_multipart(cell_wire.pack(self.key, header, *blobs))
-
-    def _streams(self) -> dict[str, RankStream]:
-        return {name: RankStream(name, getattr(sys, name), self.output)
-                for name in ("stdout", "stderr")}
 
 
 class OutputRelay:
-    """Sends a running cell's printing in batches from its own thread and socket. It sleeps
-    until a cell first prints, so a cell that prints nothing costs it nothing."""
+    """Sends what a rank prints in batches from its own thread and socket: the running cell's
+    under its id, other threads' under their names. It sleeps until something is printed, so a
+    cell that prints nothing costs it nothing."""
 
     def __init__(self, address: str, identity: bytes, key: bytes) -> None:
         self.key = key
         self._lock = threading.Lock()  # guards everything below but the thread
         self._pending: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._cell: str | None = None  # the running cell: its output's tag
+        self._before: set[int] = set()  # threads alive when it started, but the main one
         self._sent = 0  # batches of it sent (or being sent) from the thread
+        # other threads' printing: thread name -> stream -> text, sent while a cell runs (the
+        # notebook reads only then) and held between cells; past THREADS_KEPT counted only
+        self._threads: dict[str, dict[str, list[str]]] = {}
+        self._threads_size, self._threads_dropped = 0, 0
         self._wake, self._closed = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._relay, args=(address, identity),
                                         name="meshlab-output", daemon=True)
         self._thread.start()
 
     def start(self, cell: str) -> None:
+        main = threading.main_thread()
+        before = {t.ident for t in threading.enumerate() if t is not main and t.ident}
         with self._lock:
-            self._cell, self._sent = cell, 0
+            self._cell, self._sent, self._before = cell, 0, before
+            held = bool(self._threads or self._threads_dropped)
+        if held:  # other threads printed since the last cell: the notebook reads now
+            self._wake.set()
 
     def write(self, name: str, text: str) -> None:
         with self._lock:
-            self._pending[name].append(text)
+            if self._cell is not None and threading.get_ident() not in self._before:
+                self._pending[name].append(text)  # the cell's own thread, or one it started
+            elif self._threads_size + len(text) <= THREADS_KEPT:
+                thread = threading.current_thread().name
+                self._threads.setdefault(thread, {}).setdefault(name, []).append(text)
+                self._threads_size += len(text)
+            else:
+                self._threads_dropped += len(text)
         if not self._wake.is_set():
             self._wake.set()
 
-    def finish(self) -> tuple[dict[str, str], int]:
-        """What the cell printed that was not sent, and how many batches were."""
+    def finish(self) -> tuple[dict[str, str], int, dict[str, Any] | None]:
+        """What the cell printed that was not sent, how many batches were, and what other
+        threads printed that was not sent (None: nothing)."""
         with self._lock:
             self._cell = None
-            return self._take(), self._sent
+            return self._take(), self._sent, self._take_threads()
 
     def close(self) -> None:
         self._closed.set()
@@ -144,6 +174,16 @@ class OutputRelay:
             parts.clear()
         return taken
 
+    def _take_threads(self) -> dict[str, Any] | None:
+        """Other threads' printing not sent yet, for a message (hold the lock)."""
+        if not self._threads and not self._threads_dropped:
+            return None
+        threads = {thread: {name: "".join(parts) for name, parts in streams.items()}
+                   for thread, streams in self._threads.items()}
+        taken = {"threads": threads, "threads_dropped": self._threads_dropped}
+        self._threads, self._threads_size, self._threads_dropped = {}, 0, 0
+        return taken
+
     def _relay(self, address: str, identity: bytes) -> None:
         notebook = _connect(address, identity, self.key)
         try:
@@ -152,16 +192,27 @@ class OutputRelay:
                 self._wake.clear()
                 while not self._closed.wait(FLUSH):  # let a batch gather
                     with self._lock:
-                        cell, taken = self._cell, self._take()
+                        cell = self._cell
                         if cell is None:
-                            break  # the cell ended: the reply took the rest
+                            # the cell ended (the reply took the rest); other threads' text
+                            # waits for the next, when the notebook reads: held here, bounded
+                            break
+                        taken, threads = self._take(), self._take_threads()
                         if taken:
                             self._sent += 1
                     if taken:
                         notebook.send_multipart(cell_wire.pack(
                             self.key, {"kind": cell_wire.OUTPUT, "id": cell, **taken}))
+                    if threads is not None:
+                        notebook.send_multipart(cell_wire.pack(
+                            self.key, {"kind": cell_wire.THREADS, **threads}))
         finally:
             notebook.close()
+
+
+def _unwrapped(stream: Any) -> Any:
+    """The engine's stream under a RankStream a previous server left."""
+    return stream._original if isinstance(stream, RankStream) else stream
 
 
 def _connect(address: str, identity: bytes, key: bytes) -> zmq.Socket[bytes]:

@@ -13,10 +13,12 @@ be larger than FRAME_MAX (``secure_server``), so even a peer with the key cannot
 notebook hold a frame larger than that.
 
 Kinds: the notebook sends ``cell`` (id, code, number, keep); a rank sends ``hello`` once it
-listens, ``output`` (what the running cell printed since the last, from a second socket)
-and ``reply`` (how the cell ended, with what the notebook keeps: the rest of the output,
-how many output batches went before, the value's text, error, optimizer steps, the pickled
-value when asked). Plain Python and ZeroMQ.
+listens, ``output`` (what the running cell printed since the last, from a second socket),
+``threads`` (what other threads printed, by thread name, and how many characters the rank
+could not keep for the notebook) and ``reply`` (how the cell ended, with what the notebook
+keeps: the rest of the output, how many output batches went before, the value's text, error,
+optimizer steps, what other threads printed that was not sent, the pickled value when
+asked). Plain Python and ZeroMQ.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import zmq
 import zmq.utils.z85
 
-CELL, HELLO, OUTPUT, REPLY = "cell", "hello", "output", "reply"
+CELL, HELLO, OUTPUT, REPLY, THREADS = "cell", "hello", "output", "reply", "threads"
 
 FRAME_MAX = 32 * 2**20
 """The largest frame either end sends or accepts; longer headers and blobs travel in parts."""

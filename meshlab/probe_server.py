@@ -8,9 +8,11 @@ collective. Plain Python and torch only.
 from __future__ import annotations
 
 import json
+import linecache
 import os
 import re
 import rlcompleter
+import signal
 import socket
 import sys
 import threading
@@ -36,6 +38,45 @@ def main_thread_stack(limit: int = 60) -> str:
     cell = [i for i, line in enumerate(lines)
             if line.lstrip().startswith(('Cell In[', 'File "cell '))]
     return "".join(lines[cell[0]:] if cell else lines).rstrip()
+
+
+def stop_ignored() -> dict[str, Any]:
+    """Where the main thread is, once meshlab's SIGINTs have not ended its cell; a cell that
+    caught one and went on is sent meshlab's stop signal (cell_exec.STOP_SIGNAL) here.
+
+    ``state`` says which: "collective" (in torch.distributed: the SIGINT waits until the
+    collective returns, at the process-group timeout, and a stop pending then would cut
+    short what the cell does about it, so none is sent), "ignored" (signalled), "native" (a
+    call that has not returned to Python since the SIGINT came) or "no cell" (not in a
+    cell: busy with something else, or done).
+    ``place`` is the innermost frame, "`time.sleep(.1)` (Cell In[5], line 3)" (in a
+    collective, the call that got there: "`dist.all_reduce(t)` (Cell In[5], line 2)").
+    """
+    from meshlab import cell_exec
+
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    place = _place(frame) if frame is not None else "(no main thread frame)"
+    if not cell_exec.running:
+        state = "no cell"
+    elif frame is not None and "/torch/distributed/" in frame.f_code.co_filename:
+        state = "collective"
+        caller = frame  # the place is the call that got there: `dist.all_reduce(t)`
+        while caller.f_back is not None and "/torch/" in caller.f_code.co_filename:
+            caller = caller.f_back
+        place = _place(caller)
+    elif cell_exec.interrupts:  # its SIGINT handler ran, yet the cell goes on: it caught it
+        state = "ignored"
+        signal.pthread_kill(threading.main_thread().ident or 0, cell_exec.STOP_SIGNAL)
+    else:
+        state = "native"
+    return {"state": state, "place": place, "stack": main_thread_stack()}
+
+
+def _place(frame: Any) -> str:
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    name = _short_paths(f'File "{path}"').removeprefix('File "').strip('"')
+    code = linecache.getline(path, line).strip()
+    return f"`{code}` ({name}, line {line})" if code else f"{name}, line {line}"
 
 
 def _short_paths(line: str) -> str:
@@ -86,6 +127,8 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
     what = request.get("what")
     if what == "stack":
         return main_thread_stack()
+    if what == "stop":
+        return stop_ignored()
     if what == "status":
         return rank_status(runtime._state)
     if what == "complete":
@@ -98,8 +141,8 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         return postmortem()
     if what == "defined":
         return [n for n in request.get("names", []) if n in namespace]
-    raise ValueError(f"unknown probe {what!r}: expected stack, status, complete, collectives, "
-                     "optimizer_steps, postmortem or defined")
+    raise ValueError(f"unknown probe {what!r}: expected stack, stop, status, complete, "
+                     "collectives, optimizer_steps, postmortem or defined")
 
 
 def serve(kernel: Any, namespace: dict[str, Any],

@@ -10,13 +10,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import pickle
+import re
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from meshlab.cell_exec import STOP_SIGNAL
 from meshlab.notebook.cell_channel import SentCell
 from meshlab.notebook.output import CellResult, RankError, RankOutput
-from meshlab.notebook.private_files import open_private, subfolder
+from meshlab.private_files import open_private, subfolder
 
 if TYPE_CHECKING:
     from meshlab.notebook.cluster import Cluster
@@ -30,18 +34,24 @@ class CellRun:
     """Waits for one cell on some ranks and turns what they sent into a CellResult."""
 
     def __init__(self, cluster: Cluster, sent: SentCell, timeout: float | None,
-                 on_output: Callable[[CellResult], None] | None = None) -> None:
+                 on_output: Callable[[CellResult], None] | None = None,
+                 spent: float = 0.0) -> None:
+        """``spent``: seconds of ``timeout`` used before the cell was sent (waiting for ranks
+        an earlier cell left stuck)."""
         self.cluster, self.sent, self.on_output = cluster, sent, on_output
         ranks = sent.ranks
         self.result = CellResult(ranks, {r: RankOutput(r) for r in ranks}, timeout=timeout)
-        self.deadline = time.monotonic() + timeout if timeout else None
+        self.deadline = time.monotonic() + max(timeout - spent, GRACE) if timeout else None
         self.stuck: dict[int, str] = {}  # rank -> id of the cell it is still running
+        self.places: dict[int, str] = {}  # rank still running -> its innermost frame
+        self.deaf: set[int] = set()  # still running after meshlab's stop signal too
+        self._stopped: dict[int, str] = {}  # rank ended by the stop signal -> why, as shown
         self.dist_failed = False  # a rank raised from torch.distributed: re-form the group
         self.max_lines = getattr(cluster, "max_output_lines", 5000)
         self.max_bytes = getattr(cluster, "max_output_bytes", 2**20)
         self.number = next(_CELLS)
-        self._lines: dict[tuple[int, str], int] = {}  # lines kept
-        self._files: dict[tuple[int, str], IO[str]] = {}  # the whole output, once cut
+        self._lines: dict[tuple[str, str], int] = {}  # (file stem, stream) -> lines kept
+        self._files: dict[tuple[str, str], IO[str]] = {}  # the whole output, once cut
 
     def wait(self) -> CellResult:
         """Block until every rank is done, dead, timed out or interrupted."""
@@ -92,23 +102,31 @@ class CellRun:
         return self.sent.done(r)
 
     def _stream(self) -> None:
-        """Take what each rank printed since the last look; hand on_output the result."""
+        """Take what each rank printed since the last look, and what other threads printed
+        (this cell's threads' is the cell's); hand on_output the result."""
         changed = False
         for r, got in self.sent.replies.items():
             for name in ("stdout", "stderr"):
                 text = getattr(got, name)
                 if text:  # taken, not copied: the cell holds only what its caps keep
                     setattr(got, name, "")
-                    self._keep(r, name, text)
+                    self._keep(self.result.outputs[r], f"rank{r}", name, text)
                     changed = True
+        threads, dropped = self.cluster.cell_channel.take_threads()
+        for r, thread, streams in threads:
+            out = self.result.threads.setdefault(thread, {}).setdefault(r, RankOutput(r))
+            for name, text in streams.items():
+                self._keep(out, f"rank{r}.thread-{_file_safe(thread)}", name, text)
+            changed = True
+        for r, n in dropped.items():
+            self.result.threads_dropped[r] = self.result.threads_dropped.get(r, 0) + n
         if changed and self.on_output:
             self.on_output(self.result)
 
-    def _keep(self, r: int, name: str, new: str) -> None:
+    def _keep(self, out: RankOutput, stem: str, name: str, new: str) -> None:
         """Keep ``new`` up to the cell's cap of lines and bytes; past it, count the lines
-        and write them (with everything before) to the rank's file."""
-        out = self.result.outputs[r]
-        kept, lines = getattr(out, name), self._lines.get((r, name), 0)
+        and write them (with everything before) to the file ``stem.name``."""
+        kept, lines = getattr(out, name), self._lines.get((stem, name), 0)
         cut = 0 if name in out.dropped else len(new)
         if cut:
             cut = 0
@@ -124,19 +142,36 @@ class CellRun:
                     break
                 lines += 1
             setattr(out, name, kept + new[:cut])
-            self._lines[r, name] = lines
+            self._lines[stem, name] = lines
         rest = new[cut:]
         if not rest:
             return
         out.dropped[name] = out.dropped.get(name, 0) + rest.count("\n")  # whole lines
         out.dropped_bytes[name] = out.dropped_bytes.get(name, 0) + len(rest)
-        file = self._files.get((r, name))
+        file = self._files.get((stem, name))
         if file is None:  # in the cluster's private folder: no other user reads or redirects it
-            folder = subfolder(self.cluster.cut_output_folder(), f"cell-{self.number}")
+            folder = self._cut_folder()
             self.result.full_output = str(folder)
-            file = self._files[r, name] = open_private(folder / f"rank{r}.{name}")
+            file = self._files[stem, name] = open_private(folder / f"{stem}.{name}")
             file.write(kept + new[:cut])
         file.write(rest)
+
+    def _cut_folder(self) -> Path:
+        """This cell's folder of cut output, in the cluster's. A long session must not fill
+        the disk: first the oldest cells' folders go while the rest hold more than the
+        cluster's max_cut_output_bytes."""
+        parent = self.cluster.cut_output_folder()
+        budget = getattr(self.cluster, "max_cut_output_bytes", 2**30)
+        older = sorted((p for p in parent.glob("cell-*") if p.name[5:].isdigit()),
+                       key=lambda p: int(p.name[5:]))
+        sizes = [sum(f.stat().st_size for f in p.iterdir()) for p in older]
+        total = sum(sizes)
+        for folder, size in zip(older, sizes, strict=True):
+            if total <= budget:
+                break
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= size
+        return subfolder(parent, f"cell-{self.number}")
 
     def _notice_deaths(self) -> bool:
         dead = self.cluster.dead()
@@ -147,30 +182,58 @@ class CellRun:
         return died
 
     def _stop(self, why: str) -> None:
-        """Timeout or Ctrl-C: note stacks, SIGINT the ranks still running, give them a moment."""
+        """Timeout or Ctrl-C: note stacks, then the ladder (README, "When a cell will not
+        stop"): SIGINT; after GRACE, meshlab's stop signal to the ranks whose cell caught it
+        and went on, SIGINT again to the rest; after GRACE, say what each rank still does."""
         running = [r for r in self.result.ranks
                    if not self._done(r) and self.result.outputs[r].status != "died"]
         if not running:  # the only rank still running just died
             return
         stacks = self.cluster.stacks(running) if why == "timeout" else {}
+        found: dict[int, dict[str, Any]] = {}  # rank -> meshlab.probe_server.stop_ignored's
         self.cluster.interrupt(running)
         with contextlib.suppress(KeyboardInterrupt):
             self.cluster.cell_channel.wait(self.sent, GRACE)
-            # A rank still busy with something else (a probe, a push) when the SIGINT came
-            # starts the cell after it, uninterrupted: once more. A rank stuck in native
-            # code still holds the first, and the two count as one.
             late = [r for r in running if not self._done(r)]
-            if late:
-                self.cluster.interrupt(late)
+            for _ in range(2):
+                if not late:
+                    break
+                found.update(self.cluster.stop_ignored(late))  # signals those that caught it
+                # A rank still busy with something else (a probe, a push) when the SIGINT came
+                # starts the cell after it, uninterrupted: once more. A rank stuck in native
+                # code still holds the first, and the two count as one.
+                again = [r for r in late if _state(found, r) != "ignored"]
+                if again:
+                    self.cluster.interrupt(again)
                 self.cluster.cell_channel.wait(self.sent, GRACE)
+                # one that was not in the cell yet may since have caught this SIGINT
+                late = [r for r in again if not self._done(r) and _state(found, r) == "no cell"]
         stuck = [r for r in running if not self._done(r)]
         if why == "interrupted" and stuck:
             stacks = self.cluster.stacks(stuck)
+        limit = (f"still running after the {self.result.timeout:g} s time limit; "
+                 if why == "timeout" else "")
         for r in running:
-            if not self._ok(r):  # not finished within the grace period
-                self.result.outputs[r].status = why
-                self.result.outputs[r].stack = stacks.get(r)
-        if stacks:  # a hang: what each rank last asked of the process group, finished or not
+            if self._ok(r):
+                continue
+            out, place = self.result.outputs[r], found.get(r, {}).get("place", "")
+            out.stack = stacks.get(r)
+            ignored = _state(found, r) == "ignored"
+            reply = self.sent.replies[r].reply
+            if ignored and reply is not None and reply.get("ename") == "CellStopped":
+                self._stopped[r] = (f"{limit}ignored Ctrl-C: its stack is in {place}; meshlab's "
+                                    f"stop signal ({STOP_SIGNAL.name}) ended the cell")
+                continue  # an error like any other: _classify takes it from the reply
+            out.status = why
+            if not self._done(r):
+                self.places[r] = place
+                if ignored:
+                    self.deaf.add(r)
+                    out.reason = (f"{limit}ignored Ctrl-C and meshlab's stop signal "
+                                  f"({STOP_SIGNAL.name}): its stack is in {place}; only "
+                                  "`%mesh restart` frees it")
+        if stacks and any(_state(found, r) != "ignored" for r in running if not self._ok(r)):
+            # a hang: what each rank last asked of the process group, finished or not
             self.result.collectives = self.cluster.collectives(self.result.ranks)
 
     def _ok(self, r: int) -> bool:
@@ -192,6 +255,17 @@ class CellRun:
                 out.optimizer_steps = reply.get("optimizer_steps")
             else:
                 out.status = "error"
-                out.error = RankError(reply.get("ename", "Error"), reply.get("evalue", ""),
+                out.error = RankError(reply.get("ename", "Error"),
+                                      self._stopped.get(r, reply.get("evalue", "")),
                                       list(reply.get("traceback") or []))
                 self.dist_failed |= out.error.from_backend()  # any class gloo/NCCL raise
+
+
+def _state(found: dict[int, dict[str, Any]], r: int) -> str | None:
+    """Where the rank's probe found its cell: collective, ignored, native, no cell."""
+    return found.get(r, {}).get("state")
+
+
+def _file_safe(thread: str) -> str:
+    """A thread's name as part of a file name."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", thread)[:60] or "_"

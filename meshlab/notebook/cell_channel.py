@@ -73,6 +73,10 @@ class CellChannel:
         self._ids = itertools.count(1)
         self._cells: dict[str, SentCell] = {}
         self._connected: set[int] = set()
+        # what threads other than a running cell's printed, as it came: (rank, thread name,
+        # {stream: text}), and characters a rank could not keep; taken by the next cell
+        self._threads: list[tuple[int, str, dict[str, str]]] = []
+        self._threads_dropped: dict[int, int] = {}
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -118,6 +122,13 @@ class CellChannel:
             self.poll(min(left, 1.0))
         return True
 
+    def take_threads(self) -> tuple[list[tuple[int, str, dict[str, str]]], dict[int, int]]:
+        """What other threads printed since the last call (filed while anyone polled), and
+        by rank the characters the ranks dropped for want of a reader."""
+        taken, self._threads = self._threads, []
+        dropped, self._threads_dropped = self._threads_dropped, {}
+        return taken, dropped
+
     def cell(self, cell_id: str) -> SentCell | None:
         return self._cells.get(cell_id)
 
@@ -144,6 +155,14 @@ class CellChannel:
         if kind == cell_wire.HELLO:
             self._connected.add(rank)
             return
+        if kind in (cell_wire.THREADS, cell_wire.REPLY):  # a reply brings what was held
+            self._threads += [(rank, str(thread), streams)
+                              for thread, streams in header.pop("threads", {}).items()]
+            dropped = int(header.pop("threads_dropped", 0))
+            if dropped:
+                self._threads_dropped[rank] = self._threads_dropped.get(rank, 0) + dropped
+            if kind == cell_wire.THREADS:
+                return
         cell = self._cells.get(header.get("id", ""))
         if cell is None or rank not in cell.replies:
             return  # a cell the notebook already let go of

@@ -27,16 +27,17 @@ from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
-from meshlab.notebook.private_files import private_dir
 from meshlab.notebook.probes import RankProbes
 from meshlab.notebook.ranks import host_by_host, label, parse_ranks, ranks_are
-from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery
+from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery, Stuck
 from meshlab.notebook.transfers import PULL_WARN_BYTES, Transfers
+from meshlab.private_files import STORE_PREFIX, private_dir
 from meshlab.sharding import ModuleReport, ShardingReport, merge
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
 MAX_OUTPUT_BYTES = 2**20
+MAX_CUT_OUTPUT_BYTES = 2**30  # the cut output kept on disk; the oldest cells' go first
 
 
 class Cluster(RankProbes, GroupRecovery, Transfers):
@@ -76,13 +77,16 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         self._needs_regroup = False
         self._diverged: str | None = None  # ranks made different groups: why, till regroup
         self._wedged = False  # stuck ranks outlived the process-group timeout: restart
+        self._stuck: dict[int, Stuck] = {}  # ranks in _busy, as their cell found them
         self._recovered: list[str] = []  # one line per recovery made before the next cell
         self._dead: dict[int, str] = {}
         self.pull_warn_bytes = PULL_WARN_BYTES  # pull() warns above this many bytes in all
         # a cell keeps this much of each rank's stdout and stderr; the rest goes to a file
         self.max_output_lines, self.max_output_bytes = MAX_OUTPUT_LINES, MAX_OUTPUT_BYTES
+        self.max_cut_output_bytes = MAX_CUT_OUTPUT_BYTES
         self.output_dir: Path | None = None  # where cut output goes; None: the temp directory
         self._cut_output: Path | None = None  # this cluster's private folder there
+        self._store_dir: Path | None = None  # rank 0's store folder, where it is on this machine
         self.start_phases = ""  # 'controller 1.1 s, engines 5.0 s, process group 4.1 s'
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -153,10 +157,13 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         if self._cut_output is not None:
             shutil.rmtree(self._cut_output, ignore_errors=True)
             self._cut_output = None
+        if self._store_dir is not None:  # a forked rank 0 leaves by os._exit, skipping atexit
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
     def cut_output_folder(self) -> Path:
         """The folder the output cells cut goes to: made on first use, private to this user
-        (meshlab.notebook.private_files), removed when the cluster stops."""
+        (meshlab.private_files), removed when the cluster stops."""
         if self._cut_output is None:
             self._cut_output = private_dir(self.output_dir)
         return self._cut_output
@@ -175,10 +182,20 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
                              self.profile.hosts)
         self._engines = [self._engines[r] for r in order]
         self._hosts = [hosts[r] for r in order]
-        # rank 0 serves the store, on its address facing the others
-        master = "127.0.0.1" if loopback else self._hosts[0]["addr"]
-        port = self._client[self._engines[0]].apply_sync(
-            runtime.serve_store, master, self.profile.pg_timeout)
+        rank0 = self._client[self._engines[0]]
+        store: dict[str, Any]
+        if len({h["host"] for h in self._hosts}) == 1:
+            # a file in rank 0's private folder: no socket another local user could reach
+            path = rank0.apply_sync(runtime.private_store, self.profile.pg_timeout)
+            store = {"store_file": path}
+            folder = Path(path).parent
+            if loopback and folder.name.startswith(STORE_PREFIX):  # on this machine
+                self._store_dir = folder
+        else:
+            # a TCPStore (no authentication) on rank 0's address facing the others only
+            master = "127.0.0.1" if loopback else self._hosts[0]["addr"]
+            port = rank0.apply_sync(runtime.serve_store, master, self.profile.pg_timeout)
+            store = {"master_addr": master, "master_port": port}
         per_host: dict[str, list[int]] = {}
         for r, h in enumerate(self._hosts):
             per_host.setdefault(h["host"], []).append(r)
@@ -189,10 +206,9 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
             threads = None if host["gpus"] else max(1, host["cpus"] // len(peers))
             return dict(
                 rank=r, world_size=self.world_size, local_rank=peers.index(r),
-                master_addr=master, master_port=port, backend=self.backend,
-                timeout=self.profile.pg_timeout, debug=self.debug, threads=threads,
-                env=self.profile.env, cwd=os.getcwd(), cells=self.cell_channel.address,
-                interface=host["iface"],
+                backend=self.backend, timeout=self.profile.pg_timeout, debug=self.debug,
+                threads=threads, env=self.profile.env, cwd=os.getcwd(),
+                cells=self.cell_channel.address, interface=host["iface"], **store,
             )
 
         self._apply_each(on_ranks.setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)
@@ -227,15 +243,17 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         and stacks name it; without it, the count of cells this cluster ran.
         """
         ranks = self._ranks(ranks)
-        self._recover(creates_groups=bool(GROUP_CREATION.search(code)))
         timeout = timeout if timeout is not None else self.profile.cell_timeout
+        # the cell's limit bounds the wait for ranks an earlier cell left stuck too
+        spent = self._recover(creates_groups=bool(GROUP_CREATION.search(code)),
+                              timeout=timeout or None)
         if comms:  # started before the cell is sent: the two travel on different channels
             self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(
                 meshlab.comms.start)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),
-                       timeout, on_output)
+                       timeout, on_output, spent=spent)
         result = cell.wait()
         if comms:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])

@@ -60,6 +60,7 @@ class RankOutput:
     dropped: dict[str, int] = field(default_factory=dict)  # stream -> lines past the cap
     dropped_bytes: dict[str, int] = field(default_factory=dict)  # stream -> characters
     optimizer_steps: int | None = None  # optimizer.step() calls so far, sent as the cell ended
+    reason: str | None = None  # its summary line, where not the usual (it ignored Ctrl-C)
 
 
 @dataclass(slots=True)
@@ -74,6 +75,10 @@ class CellResult:
     comms: dict[int, list[Any]] = field(default_factory=dict)  # traced collectives, if asked
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # on a hang
     full_output: str | None = None  # folder with each rank's whole output, if some was cut
+    # what threads other than the cell's printed meanwhile (or since the last cell): thread
+    # name -> rank -> its text; and characters a rank dropped, holding them between cells
+    threads: dict[str, dict[int, RankOutput]] = field(default_factory=dict)
+    threads_dropped: dict[int, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -96,16 +101,29 @@ class CellResult:
     def stderr(self) -> str:
         return render_groups({r: o.stderr for r, o in self.outputs.items()})
 
+    def thread_output(self, name: str) -> str:
+        """``[ranks 0-3] thread 'ticker': tick 4``: what other threads printed on ``name``."""
+        return "\n".join(render_groups({r: getattr(o, name) for r, o in by_rank.items()},
+                                        suffix=f" thread {thread!r}:")
+                         for thread, by_rank in sorted(self.threads.items()))
+
     def truncated(self) -> str:
         """``[ranks 0-3] … 195,000 more stdout lines not shown`` and where they went."""
         lines = []
-        for name in ("stdout", "stderr"):
-            counts = {r: _not_shown(name, o.dropped.get(name, 0), o.dropped_bytes[name])
-                      for r, o in self.outputs.items() if o.dropped_bytes.get(name)}
-            lines += [f"{label(ranks)} {text}" for ranks, text in group(counts)]
+        sources = [("", self.outputs), *((f" thread {t!r}", by_rank)
+                                         for t, by_rank in sorted(self.threads.items()))]
+        for source, outputs in sources:
+            for name in ("stdout", "stderr"):
+                counts = {r: _not_shown(name, o.dropped.get(name, 0), o.dropped_bytes[name])
+                          for r, o in outputs.items() if o.dropped_bytes.get(name)}
+                lines += [f"{label(ranks)}{source} {text}" for ranks, text in group(counts)]
         if lines and self.full_output:
             lines.append(f"full output of each rank: {self.full_output}/rank<N>.stdout "
-                         "(and .stderr)")
+                         "(and .stderr; rank<N>.thread-<name>.stdout for other threads)")
+        lost = {r: f"… {n:,} characters printed by other threads while no cell ran were not "
+                   "kept (a rank holds 8 MB of them between cells)"
+                for r, n in self.threads_dropped.items() if n}
+        lines += [f"{label(ranks)} {text}" for ranks, text in group(lost)]
         return "\n".join(lines)
 
     def results(self) -> str:
@@ -131,6 +149,8 @@ class CellResult:
         for r, o in self.outputs.items():
             if o.status == "error" and o.error is not None:
                 reasons[r] = o.error.headline()
+            elif o.reason:
+                reasons[r] = o.reason
             elif o.status == "timeout":
                 reasons[r] = f"still running after the {self.timeout:g} s time limit"
             elif o.status == "interrupted":
@@ -159,7 +179,8 @@ class CellResult:
         return []
 
     def __str__(self) -> str:
-        parts = [self.stdout(), self.stderr(), self.truncated(), self.results(), self.summary()]
+        parts = [self.thread_output("stdout"), self.thread_output("stderr"), self.stdout(),
+                 self.stderr(), self.truncated(), self.results(), self.summary()]
         return "\n".join(p for p in parts if p)
 
 
@@ -186,11 +207,12 @@ def group(values: dict[int, str]) -> list[tuple[list[int], str]]:
     return sorted(((ranks, text) for text, ranks in by_text.items()), key=lambda g: g[0][0])
 
 
-def render_groups(values: dict[int, str], prefix: str = "", colon: bool = False) -> str:
+def render_groups(values: dict[int, str], prefix: str = "", colon: bool = False,
+                  suffix: str = "") -> str:
     """``[ranks 0-3] text``, or the label on its own line before multi-line text."""
     blocks = []
     for ranks, text in group(values):
-        head = f"{prefix}{label(ranks)}{':' if colon else ''}"
+        head = f"{prefix}{label(ranks)}{':' if colon else ''}{suffix}"
         body = text.rstrip("\n")
         blocks.append(f"{head} {body}" if "\n" not in body else f"{head}\n{body}")
     return "\n".join(blocks)
@@ -261,28 +283,35 @@ class LiveOutput:
     """
 
     def __init__(self) -> None:
-        self._shown: dict[tuple[int, str], int] = {}  # (rank, stream) -> characters shown
+        # (thread, or "" for the cell's own, rank, stream) -> characters shown
+        self._shown: dict[tuple[str, int, str], int] = {}
         self._live = False
         self.sent = 0
 
     def update(self, result: CellResult) -> None:
-        for name in ("stdout", "stderr"):
-            new: dict[int, str] = {}
-            for r, o in result.outputs.items():
-                text, shown = getattr(o, name), self._shown.get((r, name), 0)
-                end = text.rfind("\n") + 1  # whole lines only, so equal ranks group
-                if end > shown:
-                    new[r], self._shown[r, name] = text[shown:end], end
-            if new:
-                self._live = True
-                self._show(name, render_groups(new))
+        sources = [("", result.outputs), *((t, by_rank) for t, by_rank in
+                                           sorted(result.threads.items()))]
+        for thread, outputs in sources:
+            for name in ("stdout", "stderr"):
+                new: dict[int, str] = {}
+                for r, o in outputs.items():
+                    text, shown = getattr(o, name), self._shown.get((thread, r, name), 0)
+                    end = text.rfind("\n") + 1  # whole lines only, so equal ranks group
+                    if end > shown:
+                        new[r], self._shown[thread, r, name] = text[shown:end], end
+                if new:
+                    self._live = True
+                    self._show(name, render_groups(
+                        new, suffix=f" thread {thread!r}:" if thread else ""))
 
     def finish(self, result: CellResult) -> None:
         if self._live:
             from IPython.display import clear_output
 
             clear_output()
-        for name, text in (("stdout", result.stdout()), ("stderr", result.stderr()),
+        for name, text in (("stdout", result.thread_output("stdout")),
+                           ("stderr", result.thread_output("stderr")),
+                           ("stdout", result.stdout()), ("stderr", result.stderr()),
                            ("stderr", result.truncated()), ("stdout", result.results())):
             self._show(name, text)
         if result.ok and result.notes:  # a failed cell's notes close its error summary

@@ -41,6 +41,11 @@ class RankProbes:
         """The main-thread Python stack of each rank: where a running cell is right now."""
         return self._probe(self._ranks(ranks, check_dead=False), "stack")
 
+    def stop_ignored(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
+        """Where each rank's cell is after SIGINTs did not end it; those that caught it and
+        went on get meshlab's stop signal (meshlab.probe_server.stop_ignored says how)."""
+        return self._probe(self._ranks(ranks, check_dead=False), "stop")
+
     def collectives(self, ranks: str | list[int] | None = None, limit: int = 8
                     ) -> dict[int, list[dict[str, Any]]]:
         """The last collectives each rank issued (torch's flight recorder), oldest first."""

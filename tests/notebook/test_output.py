@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
+import pytest
+
+from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.output import (
     CellResult,
     RankError,
@@ -50,6 +54,9 @@ class _ChunkedChannel:
 
     def forget(self, cell: object) -> None:
         self.forgotten = True
+
+    def take_threads(self) -> tuple[list[object], dict[int, int]]:
+        return [], {}
 
 
 class _FakeCluster:
@@ -117,3 +124,68 @@ def test_one_line_longer_than_the_cap_shows_its_start_and_announces_the_rest(
             "the cap)") in result.truncated()
     assert result.full_output is not None
     assert (Path(result.full_output) / "rank1.stdout").read_text() == line
+
+
+TICKER = """
+import threading, sys
+go, printed, later = threading.Event(), threading.Event(), threading.Event()
+def tick():
+    print('tick 0')  # still this cell's: a thread it started, while it runs
+    go.wait(30)
+    print('while the next cell runs')
+    print('to stderr', file=sys.stderr)
+    printed.set()
+    later.wait(30)
+    print('between cells')
+threading.Thread(target=tick, name='ticker', daemon=True).start()
+time.sleep(0.2)
+"""
+
+
+@pytest.mark.cluster
+def test_a_background_threads_printing_is_its_own_never_the_next_cells(cluster: Cluster) -> None:
+    first = cluster.run("import time" + TICKER, ranks="0-1")
+    assert first.outputs[0].stdout == "tick 0\n" and not first.threads
+    second = cluster.run("go.set(); printed.wait(30); print('own')", ranks="0-1")
+    assert {r: o.stdout for r, o in second.outputs.items()} == {0: "own\n", 1: "own\n"}
+    ticker = second.threads["ticker"]
+    assert ticker[1].stdout == "while the next cell runs\n" and ticker[1].stderr == "to stderr\n"
+    assert "[ranks 0-1] thread 'ticker': while the next cell runs" in str(second)
+    cluster.run("later.set()", ranks="0-1")
+    time.sleep(0.5)  # 'between cells' is printed while no cell runs: kept for the next one
+    third = cluster.run("print('own')", ranks="0-1")
+    assert third.outputs[0].stdout == "own\n"
+    printed_between = {r: o.stdout for r, o in third.threads.get("ticker", {}).items()}
+    assert printed_between == {0: "between cells\n", 1: "between cells\n"}
+
+
+@pytest.mark.cluster
+def test_a_thread_flooding_between_cells_is_held_up_to_a_cap_and_the_rest_counted(
+        cluster: Cluster) -> None:
+    cluster.run("import meshlab.cell_server as cs, threading; cs.THREADS_KEPT = 1000\n"
+                "def flood(): print('x' * 4999)\n"
+                "threading.Timer(0.2, flood).start()", ranks="2")
+    try:
+        time.sleep(0.6)  # the timer's thread prints while no cell runs
+        result = cluster.run("print('own')", ranks="2")
+    finally:
+        cluster.run("cs.THREADS_KEPT = 8 * 2**20", ranks="2")
+    assert result.outputs[2].stdout == "own\n" and result.threads_dropped == {2: 4999}
+    assert ("[rank 2] … 4,999 characters printed by other threads while no cell ran were not "
+            "kept") in result.truncated()
+
+
+def test_cut_output_kept_on_disk_stays_within_its_budget(tmp_path: Path) -> None:
+    """A long session's floods do not fill the disk: the oldest cells' files go first."""
+    from meshlab.notebook.cell import CellRun
+    from meshlab.notebook.cell_channel import RankReply, SentCell
+
+    folders = []
+    for _ in range(4):
+        cell = SentCell("cell:1", [0, 1], {r: RankReply() for r in range(2)})
+        cluster = _FakeCluster(tmp_path, _ChunkedChannel(cell, ["x\n" * 3000]))
+        cluster.max_cut_output_bytes = 25_000  # each cell cuts 2 x 6,000 characters
+        result = CellRun(cluster, cell, None, None).wait()  # type: ignore[arg-type]
+        folders.append(Path(result.full_output or ""))
+    assert [f.exists() for f in folders] == [False, True, True, True]
+    assert (folders[-1] / "rank1.stdout").read_text() == "x\n" * 3000

@@ -1,11 +1,17 @@
 """Recovery after a cell breaks the process group: meshlab notices, re-forms it (whatever the
-backend raised) and says so, or names `%mesh restart`; the root-cause rank comes first."""
+backend raised) and says so, or names `%mesh restart`; the root-cause rank comes first. A cell
+that will not stop climbs the ladder: SIGINT, meshlab's stop signal, `%mesh restart`."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+from pathlib import Path
+
 import pytest
 
-from meshlab import Cluster, MeshError
+from meshlab import Cluster, ClusterError, MeshError
 from meshlab.notebook.export.journal import Journal
 from meshlab.notebook.output import CellResult, RankError, RankOutput, strip_ansi
 from meshlab.notebook.restore import destroys_default_group, plan
@@ -77,3 +83,91 @@ def test_the_root_cause_rank_comes_before_the_backend_errors_it_caused() -> None
     summary = CellResult([0, 1, 2, 3], outputs).summary().splitlines()
     assert summary[1] == "  [rank 2] MemoryError: out of memory"
     assert summary[2].startswith("  [ranks 0-1,3] RuntimeError")
+
+
+# a cell that catches Ctrl-C's KeyboardInterrupt and goes on; with BaseException, one that
+# catches meshlab's stop signal as well
+SWALLOWS = "while True:\n    try:\n        time.sleep(.1)\n    except {}:\n        pass"
+
+
+@pytest.mark.cluster
+def test_a_rank_that_swallows_ctrl_c_is_named_with_its_stack_not_called_native_code(
+        cluster: Cluster) -> None:
+    code = ("import time\nif rank == 2:\n    while True:\n        try:\n"
+            "            time.sleep(.1)\n        except KeyboardInterrupt:\n            pass\n"
+            "else:\n    time.sleep(60)")
+    with pytest.raises(MeshError) as info:
+        cluster.run(code, timeout=1)
+    summary = info.value.result.summary()
+    assert ("[rank 2] CellStopped: still running after the 1 s time limit; ignored Ctrl-C: its "
+            "stack is in `time.sleep(.1)` (Cell In[") in summary, summary
+    assert "[ranks 0-1,3] still running after the 1 s time limit\n" in summary, summary
+    assert "native code" not in summary and "process-group timeout" not in summary, summary
+
+
+@pytest.mark.cluster
+def test_the_stop_signal_ends_a_cell_that_swallows_ctrl_c_and_the_ranks_run_the_next(
+        cluster: Cluster) -> None:
+    with pytest.raises(MeshError) as info:
+        cluster.run("import time\n" + SWALLOWS.format("(KeyboardInterrupt, Exception)"),
+                    timeout=1)
+    result = info.value.result
+    assert {o.error.ename for o in result.outputs.values() if o.error} == {"CellStopped"}
+    assert "meshlab's stop signal (SIGUSR2) ended the cell" in result.summary()
+    assert "CellStopped: meshlab stopped the cell with SIGUSR2" in strip_ansi(
+        "\n".join(result.first_traceback()))
+    assert cluster.run(ALL_REDUCE, timeout=30).results() == "Out[ranks 0-3]: 4.0"
+
+
+@pytest.mark.cluster
+def test_ctrl_c_on_ranks_that_swallow_it_stops_them_with_the_stop_signal(
+        cluster: Cluster) -> None:
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(MeshError) as info:
+        cluster.run("import time\n" + SWALLOWS.format("KeyboardInterrupt"))
+    assert "[ranks 0-3] CellStopped: ignored Ctrl-C: its stack is in `time.sleep(.1)`" in \
+        info.value.result.summary()
+    assert cluster.run("rank", timeout=30).results().startswith("Out[rank 0]: 0")
+
+
+@pytest.mark.cluster
+def test_ranks_that_ignore_the_stop_signal_too_need_restart_and_the_next_cell_says_so_at_once(
+        test_profile: Path) -> None:
+    with Cluster(2, profile=test_profile) as pair:  # its own: it needs a restart after
+        with pytest.raises(MeshError) as info:
+            pair.run("import time\n" + SWALLOWS.format("BaseException"), timeout=1)
+        summary = info.value.result.summary()
+        assert ("[ranks 0-1] still running after the 1 s time limit; ignored Ctrl-C and "
+                "meshlab's stop signal (SIGUSR2): its stack is in `time.sleep(.1)` (Cell In["
+                in summary), summary
+        assert "only `%mesh restart` frees them" in summary
+        # no time limit: before, the next cell waited out the process-group timeout first
+        with pytest.raises(ClusterError, match=r"ranks 0-1 are still running an earlier cell "
+                           r"that ignored Ctrl-C and meshlab's stop signal \(SIGUSR2\): its "
+                           r"stack is in `time.sleep\(.1\)` .*only `%mesh restart` frees them"):
+            pair.run("rank")
+        pair.restart(progress=False)
+        assert pair.run("rank").results() == "Out[rank 0]: 0\nOut[rank 1]: 1"
+
+
+@pytest.mark.cluster
+def test_the_next_cells_timeout_bounds_its_wait_for_ranks_stuck_in_a_collective(
+        cluster: Cluster) -> None:
+    with pytest.raises(MeshError):
+        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=1)
+    with pytest.raises(ClusterError) as info:
+        cluster.run("rank", timeout=1)
+    message = str(info.value)
+    assert message.startswith("rank 1 is still stuck in native code (usually a collective) "
+                              "from an earlier cell, at `dist.all_reduce(torch.ones(1))` "
+                              "(Cell In["), message
+    assert "this cell's 1 s time limit ran out" in message and "`--timeout` longer" in message
+    assert "`%mesh restart`" in message
+    assert not cluster._wedged  # a longer limit still waits it out: both ways on are open
+    after = cluster.run(ALL_REDUCE, timeout=60)
+    assert after.results() == "Out[ranks 0-3]: 4.0"
+    # rank 1 ended that cell on the SIGINT it saw when the collective returned: in a
+    # collective, it was never sent the stop signal, which would have cut that short
+    last = cluster.postmortem(1)
+    assert last is not None and last["error"].startswith("KeyboardInterrupt"), last

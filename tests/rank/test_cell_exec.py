@@ -5,7 +5,9 @@ it can: each cell here runs on two fresh shells, once by the lean path and once 
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 from typing import Any
 
 import pytest
@@ -108,6 +110,28 @@ def test_listeners_on_every_cell_get_ipythons_own_path() -> None:
     header, _ = cell_exec.run_cell(shell, "40 + 2", 1, False,
                                    {"stdout": io.StringIO(), "stderr": io.StringIO()})
     assert header["result"] == "42" and seen == ["40 + 2"]
+
+
+def test_a_cell_that_catches_ctrl_c_is_ended_by_the_stop_signal_which_it_cannot_catch() -> None:
+    """meshlab's stop signal raises CellStopped, which `except KeyboardInterrupt` and
+    `except Exception` let through; between cells the signal is ignored, not fatal."""
+    plain = "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)"
+    caught = ("import os, signal, time\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(5)\nexcept KeyboardInterrupt:\n    pass\n"
+              f"os.kill(os.getpid(), {int(cell_exec.STOP_SIGNAL)})\nwhile True:\n    try:\n"
+              "        time.sleep(5)\n    except (KeyboardInterrupt, Exception):\n        pass")
+    shell, streams = _shell(), {"stdout": io.StringIO(), "stderr": io.StringIO()}
+    before = signal.getsignal(cell_exec.STOP_SIGNAL)
+    try:
+        header, _ = cell_exec.run_cell(shell, plain, 1, False, streams)
+        assert header["ename"] == "KeyboardInterrupt"
+        header, _ = cell_exec.run_cell(shell, caught, 2, False, streams)
+        assert header["ename"] == "CellStopped"
+        assert "meshlab stopped the cell with SIGUSR2" in header["evalue"]
+        assert signal.getsignal(cell_exec.STOP_SIGNAL) is signal.SIG_IGN
+        os.kill(os.getpid(), cell_exec.STOP_SIGNAL)  # an idle engine: nothing happens
+    finally:
+        signal.signal(cell_exec.STOP_SIGNAL, before)
 
 
 class _nothing:
