@@ -41,7 +41,9 @@ class CellRun:
         self.cluster, self.sent, self.on_output = cluster, sent, on_output
         ranks = sent.ranks
         self.result = CellResult(ranks, {r: RankOutput(r) for r in ranks}, timeout=timeout)
-        self.deadline = time.monotonic() + max(timeout - spent, GRACE) if timeout else None
+        # what is left of the limit once stuck ranks were waited for, but at least a grace
+        left = max(timeout - spent, GRACE) if timeout and spent else timeout
+        self.deadline = time.monotonic() + left if left else None
         self.stuck: dict[int, str] = {}  # rank -> id of the cell it is still running
         self.places: dict[int, str] = {}  # rank still running -> its innermost frame
         self.deaf: set[int] = set()  # still running after meshlab's stop signal too
