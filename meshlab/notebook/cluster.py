@@ -144,7 +144,10 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
 
     def stop(self) -> None:
         """Stop the engines and the controller; the cluster object can start again."""
-        live = [self._engines[r] for r in range(self.world_size) if r not in self._dead]
+        # a rank still busy with a cell cannot take a shutdown request: the launcher stops it,
+        # without waiting for it to leave on its own
+        live = [self._engines[r] for r in range(self.world_size)
+                if r not in self._dead and r not in self._busy]
         launch.stop(self._ipp, self._client, live)
         if self.cell_channel is not None:
             self.cell_channel.close()

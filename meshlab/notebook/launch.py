@@ -105,7 +105,7 @@ def start(profile: Profile, n: int, progress: StartProgress
         progress.phase("engines")
         _wait_for_engines(client, processes, n, profile.start_timeout, progress)
     except BaseException:
-        stop(cluster, client, [])
+        stop(cluster, client, None)
         raise
     return cluster, client, processes
 
@@ -159,12 +159,14 @@ def slurm_engine_script(profile: Profile, per_host: int) -> str:
                       "srun {program_and_args}", ""])
 
 
-def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int]) -> None:
-    """Shut ``engines`` down cleanly, then stop the controller and whatever is left."""
+def stop(cluster: ipp.Cluster | None, client: Any, engines: list[int] | None) -> None:
+    """Shut ``engines`` (None: all) down cleanly, then stop the controller and whatever is
+    left (engines busy with a cell cannot take a shutdown request)."""
     if client is not None:
         try:  # a clean exit first; the launcher's SIGTERM would dump every engine's log
-            leaving = set(engines or client.ids)
-            client.shutdown(targets=engines or None, hub=False, block=False)
+            leaving = set(client.ids if engines is None else engines)
+            if leaving:
+                client.shutdown(targets=engines, hub=False, block=False)
             # not ipyparallel's blocking wait: an engine the hub no longer hears never
             # replies, and that wait has no end; whatever is left is the launcher's to stop
             deadline = time.monotonic() + SHUTDOWN_WAIT
