@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from IPython.core.completer import (
@@ -15,7 +16,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from meshlab.mesh import crossing_hosts
-from meshlab.notebook import commands, transfers
+from meshlab.notebook import commands
 from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
     bench_chart,
@@ -118,7 +119,7 @@ class MeshMagics(Magics):
 
     def _pull(self, args: Any) -> dict[int, Any]:
         return self.session.pull(args.name, args.ranks,
-                                 shown_as=transfers.shown_as(self.shell, args.name))
+                                 shown_as=shown_as(self.shell, args.name))
 
     def _auto(self, args: Any) -> None:
         if args.state == "on":
@@ -286,3 +287,27 @@ def rank_matcher(magics: MeshMagics) -> Any:
 
 
 __all__ = ["ClusterError", "MeshMagics", "rank_matcher"]
+
+
+def shown_as(shell: Any, name: str) -> int | None:
+    """The Out[n] IPython will show and keep ``%mesh pull NAME`` as, when the running cell
+    ends with it (or shows every expression); None when its value is assigned or not shown."""
+    result = getattr(shell.displayhook, "exec_result", None)
+    info = getattr(result, "info", None)
+    if info is None or info.silent:
+        return None
+    try:
+        body = ast.parse(shell.transform_cell(info.raw_cell)).body
+    except SyntaxError:
+        return None
+    shown = {"all": body, "none": []}.get(shell.ast_node_interactivity, body[-1:])
+    for node in shown:
+        call = node.value if isinstance(node, ast.Expr) else None
+        # %mesh LINE is get_ipython().run_line_magic('mesh', LINE) once IPython transformed it
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "run_line_magic"):
+            continue
+        args = [a.value for a in call.args if isinstance(a, ast.Constant)]
+        if len(args) == 2 and args[0] == "mesh" and str(args[1]).split()[:2] == ["pull", name]:
+            return int(shell.displayhook.prompt_count)
+    return None

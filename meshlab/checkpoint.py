@@ -21,7 +21,6 @@ Plain torch only: this also runs inside exported torchrun scripts.
 from __future__ import annotations
 
 import datetime
-import errno
 import glob
 import json
 import os
@@ -29,9 +28,7 @@ import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -48,6 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from meshlab import checkpoint_failures as failure
+from meshlab.checkpoint_failures import CheckpointError
 
 MANIFEST = "meshlab.json"
 """Written last, by rank 0: a folder without it is a save that did not finish."""
@@ -58,10 +57,6 @@ FORMAT = 1
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled.*single process")
 
 __all__ = ["MANIFEST", "CheckpointError", "load", "manifest", "save", "wait"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is incomplete or does not fit what was asked; the message says why."""
 
 
 _pending: tuple[Future[None], Path] | None = None  # this rank's background save and its target
@@ -109,13 +104,13 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
     info = {"format": FORMAT, "names": list(kinds), "kinds": kinds, "optimizers": pairs,
             "world_size": dist.get_world_size() if group is not None else 1,
             "torch": torch.__version__, "extra": extra or {}}
-    writer = _Writer(partial)
+    writer = failure.Writer(partial)
     if not async_save:
         try:
             dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
         except CheckpointException as e:  # a BaseException: `except Exception` misses it
             # DCP's own text is every failing rank's whole traceback (~14,000 characters)
-            raise _not_saved(_failures(e), target, partial, group, rank) from None
+            raise _not_saved(failure.failures(e), target, partial, group, rank) from None
         _commit(partial, target, info, group, rank)
         return
     # the tensors are copied to CPU here; writing runs on a background thread, whose
@@ -124,14 +119,14 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
         upload = dcp.async_save(state, storage_writer=writer, process_group=group,
                                 no_dist=group is None)
     except CheckpointException as e:
-        raise _not_saved(_failures(e), target, partial, group, rank) from None
+        raise _not_saved(failure.failures(e), target, partial, group, rank) from None
     done = upload.upload_completion if isinstance(upload, AsyncSaveResponse) else upload
 
     def finish() -> None:
         try:
             done.result()  # DCP has written every rank's shards and its .metadata
         except CheckpointException as e:
-            raise _not_saved(_failures(e), target, partial, group, rank) from None
+            raise _not_saved(failure.failures(e), target, partial, group, rank) from None
         _commit(partial, target, info, group, rank)
 
     global _background
@@ -336,12 +331,12 @@ def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank:
                 f.flush()
                 os.fsync(f.fileno())
         except Exception as e:
-            failed = ("manifest", f"{_reason(e)} writing {partial / MANIFEST}")
+            failed = ("manifest", f"{failure.reason_of(e)} writing {partial / MANIFEST}")
         else:
             try:
                 _swap(partial, target)
             except Exception as e:
-                failed = ("swap", f"{_reason(e)} moving {partial} into place")
+                failed = ("swap", f"{failure.reason_of(e)} moving {partial} into place")
     failed = _from_rank0(failed, group)
     if failed is None:
         return
@@ -384,78 +379,6 @@ def _fsync_dir(folder: Path) -> None:
 
 # -- when a save fails ------------------------------------------------------------------------
 
-class _FileFailed(CheckpointError):
-    """One rank's failed file operation, as plain data: DCP pickles a rank's error to rank 0
-    and back, which drops the OSError it came from."""
-
-    def __init__(self, doing: str, path: str, reason: str, written: int | None) -> None:
-        super().__init__(doing, path, reason, written)  # pickling rebuilds it from these
-        self.doing, self.path, self.reason, self.written = doing, path, reason, written
-
-    def __str__(self) -> str:
-        after = "" if self.written is None else f" after {_size(self.written)}"
-        return f"{self.reason} {self.doing} {self.path}{after}"
-
-
-class _FileSystem(FileSystem):
-    """DCP's local file system, whose failures name the OS error, the file and how much of it
-    reached the disk. Caught here, on the rank that wrote, while the OSError is still there."""
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        except Exception as e:
-            raise _FileFailed("writing", str(path), _reason(e), _file_size(path)) from e
-
-    def mkdir(self, path: str | os.PathLike[str]) -> None:
-        try:
-            super().mkdir(path)
-        except Exception as e:
-            raise _FileFailed("creating", str(path), _reason(e), None) from e
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        try:
-            super().rename(path, new_path)
-        except Exception as e:
-            raise _FileFailed("renaming", f"{path} to {new_path}", _reason(e), None) from e
-
-
-class _Writer(dcp.FileSystemWriter):
-    """DCP's writer on ``_FileSystem``."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.fs = _FileSystem()
-
-
-def _reason(error: BaseException) -> str:
-    """The OS error behind ``error``, as ``no space left on device (ENOSPC)``; else its class
-    and first line.
-
-    A short write inside torch.save surfaces as ``[enforce fail at inline_container.cc]
-    unexpected pos 704 vs 598``, a RuntimeError without errno; the OSError the file's write
-    raised (ENOSPC, EFBIG) is that error's __context__, found here by walking the chain."""
-    seen: set[int] = set()
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        code = cause.errno if isinstance(cause, OSError) else None
-        if code is not None and code in errno.errorcode:
-            text = os.strerror(code)
-            return f"{text[:1].lower()}{text[1:]} ({errno.errorcode[code]})"
-        cause = cause.__cause__ or cause.__context__
-    first = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
-
-
-def _failures(error: CheckpointException) -> dict[int, str]:
-    """What failed on each rank that failed, from DCP's exception (the same on every rank)."""
-    return {r: str(e) if isinstance(e, _FileFailed) else _reason(e)
-            for r, (e, _) in error.failures.items()}
-
-
 def _not_saved(failures: dict[int, str], target: Path, partial: Path, group: Any,
                rank: int) -> CheckpointError:
     """The error every rank raises when ranks agree a save failed; its first line names the
@@ -469,7 +392,7 @@ def _not_saved(failures: dict[int, str], target: Path, partial: Path, group: Any
     the folder stays, and the next save to ``target`` removes it."""
     outcome: tuple[str, str] | None = None
     if rank == 0:
-        outcome = (_removed(partial), f"{target} still holds the previous checkpoint"
+        outcome = (failure.removed(partial), f"{target} still holds the previous checkpoint"
                    if (target / MANIFEST).is_file() else f"nothing was saved at {target}")
     left, before = _from_rank0(outcome, group)
     first, *others = sorted(failures)
@@ -479,42 +402,6 @@ def _not_saved(failures: dict[int, str], target: Path, partial: Path, group: Any
     if len(others) > 3:
         lines.append(f"and {len(others) - 3} more ranks")
     return CheckpointError("\n".join(lines))
-
-
-def _removed(partial: Path) -> str:
-    """Remove the partial folder of a failed save; say what became of it."""
-    if not partial.exists():
-        return "no partial folder was left"
-    size = _size(_bytes_in(partial))
-    try:
-        shutil.rmtree(partial)
-    except OSError as e:
-        return (f"the partial folder {partial} holds {size} and could not be removed "
-                f"({_reason(e)}): remove it to free the space")
-    return f"the partial folder {partial} ({size} written) is removed"
-
-
-def _file_size(path: str | os.PathLike[str]) -> int | None:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return None
-
-
-def _bytes_in(folder: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            total += _file_size(os.path.join(root, name)) or 0
-    return total
-
-
-def _size(n: int) -> str:
-    """Bytes as people read them: ``598 B``, ``4.0 kB``, ``1.2 MB``."""
-    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 # -- collectives ------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ Notebook side; a mixin of Cluster (the engines, ranks and failure helpers are it
 
 from __future__ import annotations
 
-import ast
 import pickle
 import warnings
 from collections.abc import Callable, Mapping
@@ -90,27 +89,3 @@ def cached_text(name: str, out: int) -> str:
             f"_{out}, _) after you drop it: only `%reset -f` (every variable) frees it; "
             f"`%reset -f out` keeps hidden references, and `;` after a magic is passed to the "
             f"magic. Assign it instead: `{name} = %mesh pull {name}`; `del {name}` then frees it")
-
-
-def shown_as(shell: Any, name: str) -> int | None:
-    """The Out[n] IPython will show and keep ``%mesh pull NAME`` as, when the running cell
-    ends with it (or shows every expression); None when its value is assigned or not shown."""
-    result = getattr(shell.displayhook, "exec_result", None)
-    info = getattr(result, "info", None)
-    if info is None or info.silent:
-        return None
-    try:
-        body = ast.parse(shell.transform_cell(info.raw_cell)).body
-    except SyntaxError:
-        return None
-    shown = {"all": body, "none": []}.get(shell.ast_node_interactivity, body[-1:])
-    for node in shown:
-        call = node.value if isinstance(node, ast.Expr) else None
-        # %mesh LINE is get_ipython().run_line_magic('mesh', LINE) once IPython transformed it
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                and call.func.attr == "run_line_magic"):
-            continue
-        args = [a.value for a in call.args if isinstance(a, ast.Constant)]
-        if len(args) == 2 and args[0] == "mesh" and str(args[1]).split()[:2] == ["pull", name]:
-            return int(shell.displayhook.prompt_count)
-    return None

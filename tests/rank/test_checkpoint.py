@@ -10,8 +10,10 @@ bytes, and removes its partial folder; a background save's failure is raised und
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +111,11 @@ def test_a_folder_without_manifest_is_an_interrupted_save(tmp_path: Path) -> Non
 
 def test_a_short_write_is_named_by_the_os_error_behind_it() -> None:
     # torch.save on a full device raises its own RuntimeError ("unexpected pos ..."), no errno
-    from meshlab.checkpoint import _FileSystem
+    from meshlab.checkpoint_failures import ReportingFileSystem
 
     full = r"^no space left on device \(ENOSPC\) writing /dev/full after 0 B$"
     with pytest.raises(CheckpointError, match=full), \
-            _FileSystem().create_stream("/dev/full", "wb") as stream:
+            ReportingFileSystem().create_stream("/dev/full", "wb") as stream:
         torch.save(torch.zeros(1000), stream)
 
 
@@ -246,21 +248,28 @@ def test_a_save_failing_on_one_rank_keeps_the_previous_checkpoint(cluster: Clust
     assert [p.name for p in Path(path).parent.iterdir()] == ["ckpt"]
 
 
-@pytest.mark.cluster
-def test_a_save_past_the_file_size_limit_says_efbig_and_removes_its_partial_folder(
-        shell: Any, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def writes_limited_on_rank_2(shell: Any) -> Iterator[Any]:
+    """The shell's session, a ZeRO-3 model trained a step on dp=4, and rank 2's files capped
+    (lifted again on the way out)."""
     from meshlab.notebook.export import Journal
 
     session = shell.magics_manager.registry["MeshMagics"].session
     session.journal = Journal(4, "gloo")
-    path = tmp_path / "ckpt"
     session.cluster.init_mesh("dp=4")
     session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n" + FILE_SIZE_LIMIT)
     try:
-        with pytest.raises(MeshError) as failed:
-            session.checkpoint("save", path)
+        yield session
     finally:
         session.cluster.run(NO_FILE_SIZE_LIMIT)
+
+
+@pytest.mark.cluster
+def test_a_save_past_the_file_size_limit_says_efbig_and_removes_its_partial_folder(
+        shell: Any, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    with writes_limited_on_rank_2(shell) as session, pytest.raises(MeshError) as failed:
+        session.checkpoint("save", path)
     # every rank raises the same error; its first line says it all
     lines = failed.value.result.summary().splitlines()
     assert re.fullmatch(rf"  \[ranks 0-3\] CheckpointError: checkpoint {path} not saved: file "
@@ -275,19 +284,12 @@ def test_a_save_past_the_file_size_limit_says_efbig_and_removes_its_partial_fold
 @pytest.mark.cluster
 def test_a_failed_background_save_is_reported_under_its_own_path(shell: Any,
                                                                  tmp_path: Path) -> None:
-    from meshlab.notebook.export import Journal
-
-    session = shell.magics_manager.registry["MeshMagics"].session
-    session.journal = Journal(4, "gloo")
     d2, d3 = tmp_path / "D2", tmp_path / "D3"
-    session.cluster.init_mesh("dp=4")
-    session.cluster.run(SETUP.format(plan="data_parallel='zero3'") + "fit(1)\n" + FILE_SIZE_LIMIT)
-    try:  # the limit holds until the background save is over: the next save waits for it
+    # the limit holds until the background save is over: the next save waits for it
+    with writes_limited_on_rank_2(shell) as session:
         assert session.checkpoint("save", d2, background=True).startswith("saving")
         with pytest.raises(MeshError) as failed:
             session.checkpoint("save", d3)
-    finally:
-        session.cluster.run(NO_FILE_SIZE_LIMIT)
     lines = failed.value.result.summary().splitlines()
     assert re.fullmatch(rf"  \[ranks 0-3\] CheckpointError: checkpoint {d2} not saved: file "
                         rf"too large \(EFBIG\) writing {d2}\.partial-\w+/__2_0\.distcp after "
