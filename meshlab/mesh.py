@@ -229,7 +229,7 @@ def build(spec: MeshSpec | str) -> DeviceMesh:
     if built is not None and built[0] is dist.group.WORLD:
         return built[1]
     dims = spec.mesh_axes()
-    mesh = init_device_mesh(runtime.state().device.type, tuple(dims.values()),
+    mesh = init_device_mesh(runtime.device().type, tuple(dims.values()),
                             mesh_dim_names=tuple(dims))
     for view, span in spec.views().items():
         mesh[span]._flatten(view)

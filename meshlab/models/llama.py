@@ -67,6 +67,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
@@ -167,6 +170,12 @@ class Transformer(nn.Module):
         self.register_buffer("freqs", rope_frequencies(cfg.head_dim, cfg.max_seq_len,
                                                        cfg.rope_theta), persistent=False)
         self.seq_offset = 0  # first position of this rank's tokens (context parallelism)
+
+    def reset_parameters(self) -> None:
+        """The model's own tensors (its blocks reset their own): the RoPE table, which a
+        model built on the meta device lacks."""
+        cfg = self.cfg
+        self.freqs.copy_(rope_frequencies(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -27,17 +27,23 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        scale = cfg.dim ** -0.5
-        self.w1 = nn.Parameter(torch.randn(cfg.n_experts, cfg.ffn_hidden, cfg.dim) * scale)
-        self.w3 = nn.Parameter(torch.randn(cfg.n_experts, cfg.ffn_hidden, cfg.dim) * scale)
-        self.w2 = nn.Parameter(torch.randn(cfg.n_experts, cfg.dim, cfg.ffn_hidden)
-                               * cfg.ffn_hidden ** -0.5)
+        self.w1 = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_hidden, cfg.dim))
+        self.w3 = nn.Parameter(torch.empty(cfg.n_experts, cfg.ffn_hidden, cfg.dim))
+        self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_hidden))
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.long),
                              persistent=False)
+        self.reset_parameters()
         # Set by expert parallelism (meshlab.parallel.expert): (self, tokens, expert ids,
         # weights) -> combined outputs, each pair run on the rank that holds its expert.
         self.dispatch: Callable[[MoE, torch.Tensor, torch.Tensor, torch.Tensor],
                                 torch.Tensor] | None = None
+
+    def reset_parameters(self) -> None:
+        """Experts drawn from N(0, 1/fan_in); the routing counts zeroed."""
+        with torch.no_grad():
+            for w in (self.w1, self.w3, self.w2):
+                w.normal_(0.0, w.shape[-1] ** -0.5)
+        self.tokens_per_expert.zero_()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, dim) tokens -> top-k expert ids (N, k) and their weights (N, k)."""

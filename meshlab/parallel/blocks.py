@@ -64,6 +64,12 @@ def shallow_copy(module: Any) -> Any:
     return clone
 
 
+def clean_name(name: str) -> str:
+    """The plain model's name of a parameter seen through DDP or checkpoint wrappers."""
+    name = name.replace("_checkpoint_wrapped_module.", "")
+    return name.removeprefix("module.")
+
+
 def holds(model: nn.Module, path: str) -> bool:
     """Whether ``model`` has a module at ``path`` (a pipeline stage lacks some)."""
     try:

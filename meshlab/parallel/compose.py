@@ -7,7 +7,7 @@ ZeRO-2/3 and HSDP) last, as torchtitan does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from meshlab.parallel.context import IMPLEMENTATIONS
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.local_sgd import ReplicaSync
+from meshlab.parallel.materialize import Origins, materialize, on_meta, record
 from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
@@ -158,10 +159,16 @@ class ParallelPlan:
                      virtual=self.virtual)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed: int = 0,
+                init: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Split pipeline stages (with a pp axis: then ``model.pipeline.step(x, y)`` trains),
     then on each stage expert, context and tensor parallel, activation checkpointing and
-    data parallel, in that order."""
+    data parallel, in that order.
+
+    A model built on the meta device is sharded first, then each rank allocates only its
+    shards and fills them as ``materialize`` fills the whole model in one process: the
+    model's own init (or ``init(module)``), seeded by ``seed`` and each module's name
+    (meshlab.parallel.materialize)."""
     tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
     if tp > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
         raise ValueError(f"{plan.data_parallel} with tp={tp}: DDP does not take tensor-parallel "
@@ -202,11 +209,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Mo
                          "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
                          "%mesh init dp=2 tp=2")
     _check_model_supports(model, mesh, plan)
+    origins = record(model, init) if on_meta(model) else None
+    stage = partial(_parallelize_stage, mesh=mesh, plan=plan, origins=origins, seed=seed)
     if axis_size(mesh, "pp") > 1:
-        return apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
-                        split_points=plan.split_points,
-                        parallelize_stage=partial(_parallelize_stage, mesh=mesh, plan=plan))
-    return _parallelize_stage(model, mesh=mesh, plan=plan)
+        model = apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
+                         split_points=plan.split_points, parallelize_stage=stage)
+        # what no stage holds: the model's own tensors (meshlab's RoPE table)
+        return model if origins is None else materialize(model, origins, seed=seed)
+    return stage(model)
 
 
 def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> None:
@@ -248,9 +258,10 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
                              "checkpointing take any model of repeated blocks)")
 
 
-def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
-                       ) -> nn.Module:
-    """Expert, context and tensor parallel, activation checkpointing, data parallel."""
+def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan,
+                       origins: Origins | None = None, seed: int = 0) -> nn.Module:
+    """Expert, context and tensor parallel, activation checkpointing, data parallel; a
+    model on meta gets its memory after FSDP shards it, or before DDP needs it whole."""
     tp = axis_size(mesh, "tp")
     if axis_size(mesh, "ep") > 1:
         from meshlab.parallel.expert import apply_ep
@@ -264,11 +275,13 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
-    if plan.mixed_precision and not (plan.data_parallel in ("zero2", "zero3")
-                                     and data_parallel_ranks(mesh, plan) > 1):
-        model = apply_autocast(model)
+    fsdp = plan.data_parallel in ("zero2", "zero3") and data_parallel_ranks(mesh, plan) > 1
+    if plan.mixed_precision and not fsdp:
+        model = apply_autocast(model, mesh.device_type)
     if plan.offload_activations:
         model = apply_activation_offload(model, blocks=plan.blocks)
+    if origins is not None and not fsdp:
+        model = materialize(model, origins, seed=seed)
     alone = plan.replica_sync != "every_step"  # the replicas reduce nothing between syncs
     within = "dp_shard_cp" if axis_size(mesh, "cp") > 1 else "dp_shard"
     if plan.data_parallel != "none" and data_parallel_ranks(mesh, plan) > 1:
@@ -286,14 +299,15 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
                                reduce_dtype=torch.float32 if mixed else None,
                                blocks=plan.blocks, replicate=not alone,
                                offload=plan.offload_params)
+    if origins is not None and fsdp:
+        model = materialize(model, origins, seed=seed)
     return model
 
 
-def apply_autocast(model: nn.Module) -> nn.Module:
+def apply_autocast(model: nn.Module, device_type: str) -> nn.Module:
     """bf16 compute where FSDP's mixed precision does not reach: the model's forward runs
     under torch.autocast (weights, gradients and optimizer stay fp32)."""
-    device = next(model.parameters()).device.type
-    model.forward = torch.autocast(device, dtype=torch.bfloat16)(model.forward)
+    model.forward = torch.autocast(device_type, dtype=torch.bfloat16)(model.forward)
     return model
 
 

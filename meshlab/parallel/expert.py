@@ -34,6 +34,7 @@ from torch import nn
 
 from meshlab.mesh import axis_size
 from meshlab.models.moe import MoE
+from meshlab.parallel.materialize import mark_slice
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -81,6 +82,7 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Modu
             full = getattr(moe, name)
             setattr(moe, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local]
                                             .clone()))
+            mark_slice(moe, name, dim=0, start=rank * local)
         moe.dispatch = partial(dispatch_and_combine, group=ep.get_group(), ranks=size,
                                local=local)
         moe.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
@@ -144,6 +146,7 @@ def _apply_ep_transformers(model: nn.Module, group: Any, size: int, rank: int) -
             piece = nn.Parameter(param.detach()[rank * local:(rank + 1) * local].clone(),
                                  requires_grad=param.requires_grad)
             setattr(experts, pname, piece)
+            mark_slice(experts, pname, dim=0, start=rank * local)
             kept.add(id(piece))
         experts.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
                                 persistent=False)

@@ -36,7 +36,9 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
+from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import OPTIMIZERS, ParallelPlan, build_optimizer, parallelize
+from meshlab.parallel.materialize import materialize
 from meshlab.parallel.ties import tied_groups
 
 if TYPE_CHECKING:
@@ -77,12 +79,6 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
         if axis_size(mesh, name) > 1:
             return mesh[name].get_local_rank(), axis_size(mesh, name)
     return 0, 1
-
-
-def clean_name(name: str) -> str:
-    """The plain model's name of a parameter seen through DDP or checkpoint wrappers."""
-    name = name.replace("_checkpoint_wrapped_module.", "")
-    return name.removeprefix("module.")
 
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -161,8 +157,8 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
                                 dtype: torch.dtype = torch.float32, loss: LossFn = next_token_loss,
                                 vocab: int | None = None, seed: int = 0,
                                 optimizer: str = "adamw",
-                                batch_schedule: Callable[[int], int] | None = None
-                                ) -> Comparison:
+                                batch_schedule: Callable[[int], int] | None = None,
+                                on_meta: bool = False) -> Comparison:
     """Train ``steps`` AdamW steps both ways (on every rank) and compare.
 
     ``model`` is a meshlab ModelConfig or a factory of any model (a transformers model from
@@ -174,7 +170,10 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     algorithm in one process: one model per replica, each on its replica's rows.
     ``batch_schedule(step)`` is the global batch at each step (a multiple of ``batch``, e.g.
     meshlab.parallel.accumulate.warmup): the parallel run takes more micro-steps of
-    ``batch`` rows where it grows, the reference one step on the whole batch."""
+    ``batch`` rows where it grows, the reference one step on the whole batch.
+    ``on_meta``: both models are built on the meta device; the reference is materialized
+    whole in one process, the parallel one sharded by parallelize, and their initial
+    parameters must be equal exactly (a note says where not)."""
     if isinstance(model, ModelConfig):
         cfg = model
         seed, vocab = cfg.seed, cfg.vocab_size
@@ -184,11 +183,17 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     else:
         factory = model
 
-    def build() -> torch.nn.Module:
+    def build(whole: bool = True) -> torch.nn.Module:
         torch.manual_seed(seed)  # the same weights for the reference and the parallel run
-        return factory().to(dtype)
+        if not on_meta:
+            return factory().to(dtype)
+        with torch.device("meta"):
+            built = factory().to(dtype)
+        return materialize(built, device="cpu", seed=seed) if whole else built
 
     reference = build()
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()} if on_meta \
+        else {}
     vocab = vocab or _vocab_size(reference)
     shape = {"seq": seq, "vocab": vocab, "seed": seed}
     precision, notes = dtype, []
@@ -247,7 +252,9 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         batches = [(sequence_slice(x, mesh), sequence_slice(y, mesh)) for x, y in batches]
         group = mesh["dp_cp"].get_group()
     # with a pp axis the model is this rank's stages and train() steps its pipeline
-    parallel = parallelize(build(), mesh, plan)
+    parallel = parallelize(build(whole=False), mesh, plan, seed=seed)
+    if initial:
+        notes += _initial_differences(parallel, initial, mesh)
     opt = build_optimizer(parallel, mesh, plan, lr=lr, kind=optimizer)
     # a larger batch is more micro-steps of the same size, as a batch-size warm-up runs
     losses = train(parallel, opt, batches, average_over=group, loss=loss,
@@ -258,19 +265,42 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     expected = dict(replicas[replica].named_parameters(remove_duplicate=False))
     worst, worst_error = "", 0.0
     for name, value in full_parameters(parallel).items():
-        ref = expected[name].detach()
-        if value.shape != ref.shape and axis_size(mesh, "ep") > 1:  # this rank's experts
-            n = value.shape[0]
-            ref = ref[mesh["ep"].get_local_rank() * n:][:n]
+        ref = _mine(value, expected[name].detach(), mesh)
         error = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
         if error >= worst_error:
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
     result = Comparison(losses, ref_losses, loss_error, worst_error, worst, loss_rtol,
                         param_rtol, notes=notes)
+    if any(note.startswith(_UNEQUAL_START) for note in notes):
+        result.ok = False
     if not result.ok:
         result.notes += _suspects(reference, worst)
     return result
+
+
+def _mine(value: torch.Tensor, ref: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The part of a reference parameter this rank's parameter is: this rank's experts
+    under expert parallelism, else all of it."""
+    if value.shape != ref.shape and axis_size(mesh, "ep") > 1:
+        n = value.shape[0]
+        return ref[mesh["ep"].get_local_rank() * n:][:n]
+    return ref
+
+
+_UNEQUAL_START = "initialized unlike one process"
+
+
+def _initial_differences(parallel: torch.nn.Module, initial: dict[str, torch.Tensor],
+                         mesh: DeviceMesh) -> list[str]:
+    """Where the sharded meta-device init differs from the whole model's in one process
+    (it must not differ at all: both draw the same numbers)."""
+    unequal = [name for name, value in full_parameters(parallel).items()
+               if not torch.equal(value, _mine(value, initial[name], mesh))]
+    if not unequal:
+        return ["initialized on the meta device: every parameter equal to one process's "
+                "materialize, exactly"]
+    return [f"{_UNEQUAL_START}: {', '.join(unequal[:4])} (of {len(unequal)})"]
 
 
 def _reordering_floor(build: Callable[[], torch.nn.Module], reference: torch.nn.Module,

@@ -142,6 +142,8 @@ STRATEGIES: dict[str, tuple[str, str, str]] = {
                                      "max_grad_norm=0.5", FP64),
     "EP×DP, AC, clip": ("dp=4 ep=2", "data_parallel='none', activation_checkpoint='selective', "
                                      "max_grad_norm=0.5", FP64),
+    # built on the meta device, sharded, then filled: equal to one process at the start, too
+    "meta init, TP": ("dp=2 tp=2", "data_parallel='zero3'", FP64 + ", on_meta=True"),
 }
 
 # (family or "*", strategy) -> what the refusal must say. Anything else must match one process.
