@@ -166,18 +166,38 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
                 if name in names:
                     _local(t).copy_(kept[names[name]][1])
         return
-    made: dict[int, torch.Tensor] = {}
+    done: set[int] = set()
     for module in model.modules():
         tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for table in tables:
             for attr, t in table.items():
-                if t is None or t.device.type != "meta":
+                if t is None or t.device.type != "meta" or id(t) in done:
                     continue
-                if id(t) not in made:
-                    new = torch.empty_like(t, device=device)
-                    made[id(t)] = (nn.Parameter(new, t.requires_grad)
-                                   if isinstance(t, nn.Parameter) else new)
-                table[attr] = made[id(t)]
+                done.add(id(t))
+                if isinstance(t, nn.Parameter):
+                    _give_memory(t, device)
+                else:
+                    table[attr] = torch.empty_like(t, device=device)
+
+
+def _give_memory(param: nn.Parameter, device: torch.device) -> None:
+    """Memory for a meta parameter, keeping it the same object: what parallelisms put on it
+    (expert parallel's gradient-averaging hooks and marks) stays, and so do ties."""
+    hooks = list((getattr(param, "_backward_hooks", None) or {}).values())
+    after = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
+    kept = {k: v for k, v in param.__dict__.items()
+            if k not in ("_backward_hooks", "_post_accumulate_grad_hooks")}
+    # swap_tensors keeps the Python object and moves the new storage in; the autograd hooks
+    # stay with the old storage, so they are registered again
+    torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device=device),
+                                                 param.requires_grad))
+    param.__dict__.clear()
+    param.__dict__.update(kept)
+    param._backward_hooks = param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+    for hook in hooks:
+        param.register_hook(hook)
+    for hook in after:
+        param.register_post_accumulate_grad_hook(hook)
 
 
 def _fill(model: nn.Module, origins: Origins, names: set[str], device: torch.device,

@@ -192,7 +192,8 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         return materialize(built, device="cpu", seed=seed) if whole else built
 
     reference = build()
-    initial = {n: p.detach().clone() for n, p in reference.named_parameters()} if on_meta \
+    initial = {n: p.detach().clone()
+               for n, p in reference.named_parameters(remove_duplicate=False)} if on_meta \
         else {}
     vocab = vocab or _vocab_size(reference)
     shape = {"seq": seq, "vocab": vocab, "seed": seed}

@@ -26,6 +26,7 @@ LAYOUTS = {
     "pp=2 dp=2": "data_parallel='zero3'",
     "dp_replicate=2 dp=2": "data_parallel='ddp'",
     "dp=4 ep=2": "data_parallel='none'",
+    "tp=4": "data_parallel='none'",
 }
 
 CELL = '''
@@ -172,3 +173,36 @@ def test_a_meta_model_meshlab_cannot_initialize_is_refused_on_every_rank(cluster
                 in lopsided, lopsided
         else:
             assert "another rank could not initialize" in lopsided, lopsided
+
+
+TRAINED = '''
+import meshlab.mesh, torch
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.verify import compare_with_single_process
+
+def _trained(family, spec, plan):
+    r = compare_with_single_process(FAMILIES[family], meshlab.mesh.build(spec),
+                                    eval(f"ParallelPlan({plan})"), steps=3, dtype=torch.float64,
+                                    optimizer="sgd", on_meta=True)
+    return (r.ok, r.max_loss_error, r.max_param_error, r.notes)
+
+{(family, spec): _trained(family, spec, plan) for family, spec, plan in CASES}
+'''
+
+# What a parallelism puts on a parameter before it has memory must survive getting it: expert
+# parallel's gradient-averaging hooks and clipping marks, a tie split over pipeline stages,
+# DDP's replicas.
+CASES = [("Mixtral", "dp=4 ep=2", "data_parallel='none', max_grad_norm=0.5"),
+         ("Qwen3-MoE", "dp=4 ep=2", "data_parallel='none'"),
+         ("Llama (tied)", "pp=2 tp=2", "data_parallel='zero3', activation_checkpoint='full'"),
+         ("GPT in a cell", "dp_replicate=2 dp=2", "data_parallel='ddp'")]
+
+
+@pytest.mark.cluster
+def test_models_built_on_meta_train_like_one_process_where_parallelisms_hook_parameters(
+        cluster: Cluster) -> None:
+    result = cluster.run(f"{FAMILIES_SOURCE}\nCASES = {CASES!r}\n{TRAINED}", timeout=600)
+    for rank, out in result.outputs.items():
+        for case, (ok, loss_error, param_error, notes) in ast.literal_eval(out.result).items():
+            assert ok, (rank, case, loss_error, param_error, notes)
+            assert any("equal to one process's materialize, exactly" in n for n in notes), notes
