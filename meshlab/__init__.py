@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "ClusterError", "MeshError", "ParallelPlan", "Session", "SessionError",
-           "bench", "calibrate_profile", "load_ipython_extension", "parallelize",
-           "unload_ipython_extension"]
+           "bench", "calibrate_profile", "load_ipython_extension", "load_pretrained",
+           "parallelize", "save_pretrained", "unload_ipython_extension"]
 
 if TYPE_CHECKING:
     from meshlab.kernels.bench import bench
@@ -36,6 +36,8 @@ _LAZY = {
     "bench": "meshlab.kernels.bench",  # rank side: a kernel benchmark on this rank
     "ParallelPlan": "meshlab.parallel",
     "parallelize": "meshlab.parallel",
+    "load_pretrained": "meshlab.pretrained",  # rank side: a save_pretrained folder into shards
+    "save_pretrained": "meshlab.pretrained",  # rank side: the shards out as one such folder
 }
 
 
