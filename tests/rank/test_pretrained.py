@@ -46,6 +46,18 @@ FAMILIES = {
         num_experts_per_tok=2, **EAGER)),
     "Mixtral": lambda: T.MixtralForCausalLM(_tiny(T.MixtralConfig, num_local_experts=4,
                                                   num_experts_per_tok=2, **EAGER)),
+    # the rest of the model matrix's transformers families, each once, built on meta
+    "Qwen2": lambda: T.Qwen2ForCausalLM(_tiny(T.Qwen2Config, tie_word_embeddings=True)),
+    "Qwen3": lambda: T.Qwen3ForCausalLM(_tiny(T.Qwen3Config, head_dim=8,
+                                              tie_word_embeddings=True)),
+    "Mistral": lambda: T.MistralForCausalLM(_tiny(T.MistralConfig)),
+    "Gemma2": lambda: T.Gemma2ForCausalLM(_tiny(T.Gemma2Config, head_dim=8,
+                                                attn_implementation="eager")),
+    "Gemma3": lambda: T.Gemma3ForCausalLM(_tiny(T.Gemma3TextConfig, head_dim=8,
+                                                sliding_window=4)),
+    "Phi-3": lambda: T.Phi3ForCausalLM(_tiny(T.Phi3Config)),
+    "OLMoE": lambda: T.OlmoeForCausalLM(_tiny(T.OlmoeConfig, num_experts=4,
+                                              num_experts_per_tok=2, **EAGER)),
 }
 '''
 # (family, mesh, data_parallel, where the model is built: "cpu", or "meta" as at real size);
@@ -56,7 +68,10 @@ CASES = [("Llama", "dp=4", "zero3", "cpu"), ("Llama", "dp=2 tp=2", "zero3", "cpu
          ("GPT-2", "dp=4", "zero3", "cpu"), ("GPT-2", "dp=2 tp=2", "zero3", "cpu"),
          ("Qwen3-MoE", "dp=4 ep=2", "none", "cpu"), ("Qwen3-MoE", "dp=4", "zero3", "cpu"),
          ("Qwen3-MoE", "dp=2 tp=2", "zero3", "cpu"), ("Mixtral", "dp=4 ep=2", "none", "cpu"),
-         ("Llama-tied", "dp=2 tp=2", "zero3", "meta"), ("Qwen3-MoE", "dp=4 ep=2", "none", "meta")]
+         ("Llama-tied", "dp=2 tp=2", "zero3", "meta"), ("Qwen3-MoE", "dp=4 ep=2", "none", "meta"),
+         *[(f, "dp=2 tp=2", "zero3", "meta") for f in ("Qwen2", "Qwen3", "Mistral", "Gemma2",
+                                                       "Gemma3", "Phi-3")],
+         ("OLMoE", "dp=4 ep=2", "none", "meta")]
 CASES_KEYS = {case[:2] + case[3:] for case in CASES}
 SMALL_SHARDS = 30_000  # every other case saves in shards this small: an index and many files
 
