@@ -30,6 +30,7 @@ from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
+from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
@@ -207,11 +208,21 @@ class MeshMagics(Magics):
             self.shell.user_ns.get(args.model, args.model), gpus=args.gpus,
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
-            precision=args.precision, top=args.top, tokens=args.tokens)
+            precision=args.precision, top=args.top, tokens=args.tokens, verify=args.verify or 0)
         display(plan_summary(result), plan_table(result),
                 plan_memory_chart(result.memory_frame()), plan_comm_chart(result.comm_frame()))
+        if result.verified:
+            display(verified_table(result))
         if args.output:
             self.shell.user_ns[args.output] = result
+
+    def _dryrun(self, args: Any) -> None:
+        dry = self.session.dryrun(
+            self.shell.user_ns.get(args.model, args.model), commands.unquote(args.layout) or "",
+            hardware=args.hardware, ranks=args.ranks, batch=args.batch, seq=args.seq)
+        display(*dryrun_views(dry, args.hardware))
+        if args.output:
+            self.shell.user_ns[args.output] = dry
 
     def _export(self, args: Any) -> None:
         written = self.session.export(args.path, sbatch=args.sbatch, nodes=args.nodes,

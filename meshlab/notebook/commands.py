@@ -213,10 +213,33 @@ def calibrate(line: str) -> None:
           help="compute precision (default bf16)")
 @argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")
 @argument("--top", type=int, default=10, help="layouts to show from the search (default 10)")
+@argument("--verify", type=int, nargs="?", const=3, metavar="K",
+          help="also dry-run the best K layouts (default 3) on fake ranks: what torch "
+          "allocates and sends beside what the planner predicts")
 @output_option("the Plan")
 def plan(line: str) -> None:
     """%mesh plan: predict memory per GPU, communication per axis and step time of a model on
     many GPUs, for one layout or the best layouts found."""
+
+
+@magic_arguments()
+@argument("model", help="a notebook variable holding a model factory (called on the meta "
+          "device), a ModelShape or a meshlab ModelConfig; or a preset (" + ", ".join(MODELS)
+          + "), built as meshlab's Transformer")
+@argument("--layout", required=True, help='the layout, e.g. "pp=4 dp_shard=32 tp=8" (mesh '
+          "degrees, and the planner's keys: zero, schedule, v, m, mbs, ac, sp)")
+@argument("--batch", type=int, help="sequences per data-parallel rank per step (default "
+          "mbs x m)")
+@argument("--seq", type=int, help="sequence length (default: the preset's)")
+@argument("--hardware", default="h100-sxm", help="whose memory the fit is checked against: "
+          "a profile (" + ", ".join(HARDWARE) + ") or a .toml file (default h100-sxm)")
+@argument("--ranks", help="the ranks to run, e.g. 0,1023 (default: one per distinct role, "
+          "each pipeline stage)")
+@output_option("the DryRun")
+def dryrun(line: str) -> None:
+    """%mesh dryrun: one training step of your own model and layout on thousands of fake
+    ranks, in this process (no cluster): memory by category and bytes per mesh axis of each
+    representative rank, beside the planner's prediction."""
 
 
 @magic_arguments()
@@ -247,7 +270,7 @@ SUBCOMMANDS = {"start": start, "stop": stop, "restart": restart, "status": statu
                "init": init, "inspect": inspect, "memory": memory, "push": push,
                "pull": pull, "auto": auto, "schedule": schedule, "pipeline": pipeline,
                "step": step, "bench": bench, "calibrate": calibrate, "plan": plan,
-               "export": export, "checkpoint": checkpoint, "stacks": stacks,
+               "dryrun": dryrun, "export": export, "checkpoint": checkpoint, "stacks": stacks,
                "debug": debug}
 
 

@@ -17,6 +17,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from meshlab.schedules import Costs, Schedule
 if TYPE_CHECKING:
     import pandas as pd
 
+    from meshlab.dry_run import DryRun
     from meshlab.notebook.calibrate import CalibrationReport
     from meshlab.plan.report import Plan
     from meshlab.sharding import ModuleReport, ShardingReport
@@ -326,9 +328,11 @@ class Session:
         return calibrate_profile(self.need_cluster(), path, name=name, sizes=sizes,
                                  quick=quick)
 
-    def plan(self, model: Any, *, gpus: int | None = None, **options: Any) -> Plan:
+    def plan(self, model: Any, *, gpus: int | None = None, verify: int = 0, **options: Any
+             ) -> Plan:
         """Memory, communication and step time of ``model`` on ``gpus`` GPUs (default: this
-        cluster's ranks); options as meshlab.plan.report.plan takes them."""
+        cluster's ranks); options as meshlab.plan.report.plan takes them. ``verify``: dry-run
+        the best ``verify`` layouts too (``Plan.verified``)."""
         from meshlab.plan.hardware import with_nodes_of
         from meshlab.plan.report import plan
 
@@ -340,7 +344,30 @@ class Session:
         if live is not None:  # this cluster's nodes: as many GPUs on one as it has ranks there
             options["hardware_profile"] = with_nodes_of(
                 options.get("hardware_profile") or "h100-sxm", live.host_of)
-        return plan(model, gpus=gpus, **options)
+        found = plan(model, gpus=gpus, **options)
+        if verify:  # what torch would allocate and send, for the best layouts
+            found.verified = [self.dryrun(found.model, e.layout.describe(),
+                                          hardware=found.hardware)
+                              for e in found.estimates[:verify]]
+        return found
+
+    def dryrun(self, model: Any, layout: str, *, hardware: Any = "h100-sxm",
+               ranks: str | None = None, **options: Any) -> DryRun:
+        """One training step of ``model`` on ``layout`` as its representative ranks (or
+        ``ranks``, e.g. "0,1023") would run it on that many GPUs, in this process on fake
+        ranks: no cluster needed (meshlab.dry_run). ``model``: a factory, a ModelShape, a
+        meshlab ModelConfig or a preset name; options as dryrun takes them (batch, seq)."""
+        from meshlab.dry_run import dryrun
+        from meshlab.models import ModelConfig, Transformer
+        from meshlab.plan.hardware import hardware as find_hardware
+        from meshlab.plan.layout import Layout
+
+        if isinstance(model, ModelConfig):
+            model = partial(Transformer, model)
+        chosen = None
+        if ranks is not None:
+            chosen = parse_ranks(ranks, Layout.parse(layout).gpus)
+        return dryrun(model, layout, hardware=find_hardware(hardware), ranks=chosen, **options)
 
     def export(self, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
                gpus_per_node: int | None = None, cells: str | None = None) -> list[Path]:

@@ -111,7 +111,7 @@ def _reset(module: nn.Module) -> None:
 @contextmanager
 def fake_tensors() -> Iterator[Any]:
     """Inside, ``materialize`` allocates fake tensors (shapes, no memory) in the
-    FakeTensorMode it yields and initializes nothing: a dry run (meshlab.dryrun) then runs
+    FakeTensorMode it yields and initializes nothing: a dry run (meshlab.dry_run) then runs
     a step in that mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -166,38 +166,54 @@ def _allocate(model: nn.Module, device: torch.device) -> None:
                 if name in names:
                     _local(t).copy_(kept[names[name]][1])
         return
-    done: set[int] = set()
+    made: dict[int, torch.Tensor] = {}
     for module in model.modules():
         tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
         for table in tables:
             for attr, t in table.items():
-                if t is None or t.device.type != "meta" or id(t) in done:
+                if t is None or t.device.type != "meta":
                     continue
-                done.add(id(t))
-                if isinstance(t, nn.Parameter):
-                    _give_memory(t, device)
-                else:
-                    table[attr] = torch.empty_like(t, device=device)
+                if id(t) not in made:
+                    made[id(t)] = (_give_memory(t, device) if isinstance(t, nn.Parameter)
+                                   else _empty(t, device))
+                table[attr] = made[id(t)]
 
 
-def _give_memory(param: nn.Parameter, device: torch.device) -> None:
-    """Memory for a meta parameter, keeping it the same object: what parallelisms put on it
-    (expert parallel's gradient-averaging hooks and marks) stays, and so do ties."""
+def _give_memory(param: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """Memory for a meta parameter, keeping what parallelisms put on it (expert parallel's
+    gradient-averaging hooks and marks): the same object where it can be (swap_tensors), a
+    new one carrying them in a fake mode (whose tensors swap_tensors refuses)."""
     hooks = list((getattr(param, "_backward_hooks", None) or {}).values())
     after = list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values())
     kept = {k: v for k, v in param.__dict__.items()
             if k not in ("_backward_hooks", "_post_accumulate_grad_hooks")}
-    # swap_tensors keeps the Python object and moves the new storage in; the autograd hooks
-    # stay with the old storage, so they are registered again
-    torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device=device),
-                                                 param.requires_grad))
-    param.__dict__.clear()
-    param.__dict__.update(kept)
-    param._backward_hooks = param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+    new = nn.Parameter(_empty(param, device), param.requires_grad)
+    if _fake is None:
+        # the Python object stays, the new memory moves in; the autograd hooks stay with
+        # the old memory, so they are registered again
+        torch.utils.swap_tensors(param, new)
+        new = param
+        new.__dict__.clear()  # the swap brought the new tensor's (empty) attributes
+    new.__dict__.update(kept)
+    new._backward_hooks = new._post_accumulate_grad_hooks = None  # type: ignore[assignment]
     for hook in hooks:
-        param.register_hook(hook)
+        new.register_hook(hook)
     for hook in after:
-        param.register_post_accumulate_grad_hook(hook)
+        new.register_post_accumulate_grad_hook(hook)
+    return new
+
+
+def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Memory shaped like ``t``, made without passing ``t`` in (a fake mode would keep a
+    weak reference to it, and swap_tensors refuses tensors that have one)."""
+    local = _local(t)
+    memory = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
+    if not _is_dtensor(t):
+        return memory
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(memory, t.device_mesh, t.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=t.shape, stride=t.stride())
 
 
 def _fill(model: nn.Module, origins: Origins, names: set[str], device: torch.device,

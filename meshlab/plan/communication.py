@@ -119,17 +119,18 @@ class Communication:
         parts = [(dense, group), (expert, group // lay.ep)]
         # one unit per layer (FSDP2) or per weight matrix (DeepSpeed ZeRO-3: 4 or 5 a layer)
         units = s.layers * (1 if lay.shard_unit == "layer" else 5 if s.model.gated_ffn else 4)
+        kept = s.fsdp_units_kept  # under a pipeline: once a step (Stage.fsdp_units_kept)
         fwd = bwd = 0.0
         for params, ranks in parts:
             if not params or ranks == 1:
                 continue
-            gather, calls = params * dt.params / units, units * mb
+            gather, calls = params * dt.params / units, units * (1 if kept else mb)
             # ZeRO-2 keeps the gathered parameters for the whole step (its memory counts
             # them unsharded): one gather per step; ZeRO-3 gathers for every micro-batch
             fwd += self.add(axis, "FSDP all-gather of parameters (forward)", "all_gather",
                             ranks, stride, gather, calls if lay.zero == 3 else units,
                             overlapped=True)
-            if lay.zero == 3:
+            if lay.zero == 3 and not kept:
                 bwd += self.add(axis, "FSDP all-gather of parameters (backward)",
                                 "all_gather", ranks, stride, gather, calls, overlapped=True)
             bwd += self.add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
@@ -180,8 +181,16 @@ class Communication:
         dp_all = (lay.dp_shard if alone else lay.dp) * lay.cp
         if lay.zero <= 1 and dp_all > 1:
             axis = ("dp_shard" if alone else "dp") + ("+cp" if lay.cp > 1 else "")
+            # an expert's gradient already holds its ep group's tokens: it is summed over
+            # its replicas in the other ep groups only (torchtitan's dp_shard_mod_ep)
+            summed = dense if lay.ep > 1 else params
             ar = self.add(axis, "gradient all-reduce", "all_reduce", dp_all, lay.tp,
-                          params * dt.grads, 1, overlapped=True)
+                          summed * dt.grads, 1, overlapped=True)
+            if lay.ep > 1 and dp_all > lay.ep:
+                replicas = ("dp_replicate+" if lay.dp_replicate > 1 else "") + "dp_shard_mod_ep"
+                ar += self.add(replicas, "gradient all-reduce of the experts", "all_reduce",
+                               dp_all // lay.ep, lay.tp * lay.ep, expert * dt.grads, 1,
+                               overlapped=True)
             # overlaps the last micro-batch's backward, bucket by bucket; the last bucket
             # always waits (without overlap: all of it waits)
             bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * dt.grads))

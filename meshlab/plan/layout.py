@@ -31,6 +31,12 @@ class Precision:
     """Adam states per parameter (and fp32 master weights where params are 16-bit)."""
     activations: int
 
+    @property
+    def master_weights(self) -> bool:
+        """The optimizer states hold an fp32 copy of the parameters (Adam's two moments
+        are 8 bytes; more is that copy)."""
+        return self.optimizer > 8
+
 
 # fp32: Adam's two fp32 moments; bf16 and fp8: ZeRO's mixed-precision 2 + 2 + 12 bytes
 # (FSDP2's MixedPrecisionPolicy keeps fp32 sharded parameters and gathers bf16 copies:

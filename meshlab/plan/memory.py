@@ -60,10 +60,19 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
         activations += layer_bytes(stage, "none")
     # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
     activations += 2 * 4 * stage.tokens * m.vocab / lay.tp
-    if lay.zero == 3:  # a unit gathered, the next prefetched, its gradients unsharded
-        buffers = float(stage.shard_unit_params * (2 * dt.params + dt.grads))
+    unit, layer_units = stage.shard_unit_params, lay.shard_unit == "layer"
+    if lay.zero == 3 and stage.fsdp_units_kept:
+        # under a pipeline the stage stays gathered and its gradients unsharded all step
+        # (Stage.fsdp_units_kept); at the end each unit is resharded before its gradients
+        # are copied out to be reduce-scattered
+        buffers = float(sum(stage.params) * (dt.params + dt.grads))
+    elif lay.zero == 3:  # a unit gathered, the next prefetched, its gradients unsharded
+        buffers = float(unit * (2 * dt.params + dt.grads))
     elif lay.zero == 2:  # parameters stay gathered (counted above): a unit's gradients
-        buffers = float(stage.shard_unit_params * dt.grads)
+        buffers = float(unit * dt.grads)
+        if layer_units and not dt.master_weights:  # FSDP2 keeps its shard beside them,
+            # unless that shard is the optimizer's master copy (counted there)
+            states["params"] += sharded_params(stage)
     else:  # DDP buckets
         buffers = 2.0 * DDP_BUCKET_BYTES
     out = {"params": states["params"], "grads": states["grads"],

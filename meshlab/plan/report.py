@@ -36,6 +36,9 @@ class Plan:
     """Training tokens, for days and GPU-hours."""
     notes: list[str] = field(default_factory=list)
     """What ``plan`` assumed that the caller did not say (e.g. the ZeRO stage)."""
+    verified: list[Any] = field(default_factory=list)
+    """Dry runs (meshlab.dry_run.DryRun) of the best layouts, where asked for: what torch
+    allocates and sends for them, beside these estimates."""
 
     @property
     def best(self) -> Estimate:
@@ -120,7 +123,7 @@ class Plan:
         """A few lines on the best layout."""
         e = self.best
         host = e.memory["host"]
-        lines = [f"{self.model.name} ({_count(self.model.params)} parameters) on "
+        lines = [f"{self.model.name} ({count_text(self.model.params)} parameters) on "
                  f"{self.gpus} x {self.hardware.name}, global batch {e.layout.global_batch} "
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU"
@@ -206,7 +209,7 @@ def _whole(x: float) -> float | int:
     return round(_sig(x)) if abs(x) >= 100 else _sig(x)
 
 
-def _count(n: int) -> str:
+def count_text(n: int) -> str:
     """405.9B, 70.6B, 106.8K parameters."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:

@@ -57,6 +57,16 @@ class Stage:
             dense += m.vocab * m.hidden / lay.tp
         return dense, expert
 
+    @property
+    def fsdp_units_kept(self) -> bool:
+        """Under a pipeline, FSDP2's units stay gathered and their gradients unsharded from
+        a stage's first micro-batch to its last (torch's PipelineStage neither reshards nor
+        reduces until the last backward; torchtitan and meshlab do not reshard after the
+        forward): one all-gather and one reduce-scatter of each unit a step. ZeRO-3 with
+        per-layer units (FSDP2's) only: ZeRO-2 is Llama 3's FSDP, as the paper ran it."""
+        lay = self.layout
+        return lay.pp > 1 and lay.zero == 3 and lay.shard_unit == "layer"
+
     @cached_property
     def shard_units(self) -> list[float]:
         """Parameters of each unit FSDP gathers at once, in a layer's order, on one GPU: the

@@ -1,0 +1,271 @@
+"""A dry run: one training step of the user's own code, as chosen ranks of any world size run
+it, in this process, with no cluster.
+
+For each representative rank, torch's fake process group stands in for the world (every
+collective returns at once) and fake tensors for memory (shapes, no storage): the model is
+built on the meta device, parallelized by meshlab's own ``parallelize`` exactly as on a
+cluster, materialized as fake tensors, and runs one step (forward, backward, optimizer)
+under torch's memory tracker and meshlab's CommTracer. What the report holds is what that
+rank would allocate and send; meshlab.plan.reconcile sets the planner's prediction beside it.
+
+    >>> run = dryrun("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8")
+    >>> run.ranks[0].memory["total"] / 2**30
+
+What a fake step cannot know is stood in for (meshlab.fake_world): the pipeline's
+handshakes with its neighbours, and a router's choices (every expert gets an equal share).
+Plain torch, rank side: no IPython, ipyparallel, pandas or altair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from meshlab.dry_run_plan import describe, model_factory, plan_for, ran, shape_of
+from meshlab.mesh import MeshSpec
+from meshlab.plan.hardware import Hardware
+from meshlab.plan.hardware import hardware as find_hardware
+from meshlab.plan.layout import Layout, check
+from meshlab.plan.reconcile import planner_beside
+from meshlab.plan.shapes import ModelShape
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from meshlab.parallel import ParallelPlan
+
+__all__ = ["DryRun", "RankRun", "Traffic", "dryrun", "plan_for", "planner_beside",
+           "representative_ranks", "shape_of"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Traffic:
+    """One kind of collective on one mesh axis in the step, as this rank issued it."""
+
+    axis: str
+    """The group it ran on, named by the mesh axes it spans (tp, dp_shard+cp, ...), or ep,
+    world, other."""
+    op: str
+    calls: int
+    bytes: int
+    """Payload summed over the calls (the larger of what goes in and comes out)."""
+    wire_bytes: int
+    """What this rank sends with ring algorithms, summed (an estimate, not a measure)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RankRun:
+    """One representative rank's step."""
+
+    rank: int
+    coordinates: dict[str, int]
+    role: str
+    stages: list[int]
+    """The pipeline stages it holds, of ``DryRun.stages`` ([0] without a pipeline)."""
+    params: int
+    """Parameter elements this rank holds (its shards)."""
+    memory: dict[str, int]
+    """Bytes at the step's peak, in the planner's categories: params, grads, optimizer,
+    activations, buffers, total (and host, what offloading keeps off the device)."""
+    peaks: dict[str, int]
+    """Each of those categories' own peak over the step (their sum bounds the peak)."""
+    raw: dict[str, int]
+    """torch's tracker's own categories at the step's peak."""
+    collectives: list[Traffic]
+    fits: bool | None
+    """Whether the peak fits the hardware's usable memory (None: no hardware given)."""
+    seconds: float
+
+
+@dataclass(kw_only=True, slots=True)
+class DryRun:
+    """A dry run of one layout: what each representative rank allocates and sends."""
+
+    layout: str
+    """As given."""
+    planned: str
+    """The layout the run stands for, in the planner's words (``Layout.parse`` takes it)."""
+    world_size: int
+    model: str
+    family: str
+    """meshlab (its Transformer), transformers, or other: whose code ran."""
+    shape: dict[str, Any] | None
+    """The model's ``ModelShape`` fields (None: a model the planner cannot describe)."""
+    batch: int
+    """Sequences per data-parallel rank per step."""
+    seq: int
+    stages: int
+    """Pipeline stages of the schedule (1 without a pipeline)."""
+    hardware: str | None
+    ranks: list[RankRun]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
+           plan: ParallelPlan | None = None, batch: int | None = None, seq: int | None = None,
+           hardware: Hardware | str | None = None, ranks: Sequence[int] | None = None,
+           world_size: int | None = None, workers: int | None = None) -> DryRun:
+    """One training step of ``model`` (a factory called under ``torch.device("meta")``, a
+    ``ModelShape`` or a planner preset name, built as meshlab's Transformer) on ``layout``
+    (``"pp=4 dp_shard=32 tp=8 m=8"``: mesh degrees and planner keys), on each of ``ranks``
+    (default: ``representative_ranks``), in this process. ``plan`` defaults to
+    ``plan_for(layout)``; ``batch`` is sequences per data-parallel rank (default mbs x m);
+    ``world_size``, when given, must be the layout's product. ``workers``: processes that
+    run the ranks side by side (default: one per CPU when a factory can be sent to them;
+    1 runs them here, one after another)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    if dist.is_available() and dist.is_initialized():
+        raise ValueError("a process group already exists in this process "
+                         f"({dist.get_backend()}, {dist.get_world_size()} ranks): a dry run "
+                         "starts its own fake one per rank; run it in a fresh process (a "
+                         "notebook kernel or script without %mesh init), or call "
+                         "torch.distributed.destroy_process_group() first")
+    started = time.perf_counter()
+    lay = Layout.parse(layout)
+    spec = lay.mesh_spec
+    if world_size is not None:
+        spec.check(world_size)  # the mesh's own error, naming the product and the fix
+    build, shape, name, family = model_factory(model, seq)
+    seq = seq or (shape.seq_len if shape else None)
+    if seq is None:
+        raise ValueError(f"seq=None: give the sequence length for {name}, e.g. seq=4096")
+    rows = batch or lay.micro_batch * lay.microbatches
+    if rows % lay.microbatches:
+        raise ValueError(f"batch={rows} does not split into m={lay.microbatches} micro-batches: "
+                         f"give a multiple of {lay.microbatches}")
+    lay = dataclasses.replace(lay, micro_batch=rows // lay.microbatches)
+    if shape is not None:
+        shape = dataclasses.replace(shape, seq_len=seq)
+        check(shape, lay)
+    if family != "meshlab" and "sequence_parallel" not in Layout.stated(layout):
+        # the planner's default is Megatron's sequence parallelism; a model's own TP plan
+        # (transformers') has none unless asked for
+        lay = dataclasses.replace(lay, sequence_parallel=False)
+    made, notes = plan_for(lay, seq=seq)
+    plan = plan or made
+    lay = ran(lay)
+    hw = find_hardware(hardware) if isinstance(hardware, str) else hardware
+    chosen = ({r: _role(spec, lay, r) for r in ranks} if ranks is not None
+              else representative_ranks(lay, shape))
+    for r in chosen:
+        if not 0 <= r < spec.size:
+            raise ValueError(f"rank {r} is not in the {spec.size} ranks of {spec}: choose "
+                             f"ranks in 0..{spec.size - 1}")
+    schedule = _schedule(lay)
+    jobs = [dict(build=build, spec=spec, rank=r, role=role, plan=plan, layout=lay, rows=rows,
+                 seq=seq, vocab=shape.vocab if shape else None,
+                 hidden=shape.hidden if shape else None, usable=hw.usable_bytes if hw else None,
+                 stages=schedule.stages_of(r // (spec.size // lay.pp)) if schedule else [0])
+            for r, role in chosen.items()]
+    try:
+        runs = _run_all(jobs, workers)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise ValueError(f"{name}'s step takes a shape from its tensors' values ({e}: e.g. a "
+                         "router picking experts per token), and a dry run's fake tensors have "
+                         "no values: meshlab's own MoE (ModelConfig(n_experts=...)) is dry-run "
+                         "with every expert given an even share; for this model, %mesh plan "
+                         "estimates the layout") from None
+    if hw is not None:
+        notes += [f"rank {r.rank} ({r.role}) does not fit: its step's peak is "
+                  f"{r.memory['total'] / 2**30:.2f} GiB of the {hw.usable_bytes / 2**30:.2f} GiB "
+                  f"usable on a {hw.name}" for r in runs if r.fits is False]
+    return DryRun(layout=layout, planned=describe(lay), world_size=spec.size, model=name,
+                  family=family, shape=dataclasses.asdict(shape) if shape else None,
+                  batch=rows, seq=seq, stages=schedule.stages if schedule else 1,
+                  hardware=hw.name if hw else None, ranks=runs,
+                  seconds=time.perf_counter() - started, notes=notes)
+
+
+def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
+    """Each job's rank, here one after another, or in ``workers`` processes side by side
+    (each rank is a world of its own: nothing passes between them)."""
+    import os
+
+    from meshlab.dry_run_step import run_rank
+
+    if workers is None:
+        workers = (os.cpu_count() or 1) if _can_send(jobs[0]["build"]) else 1
+    workers = max(1, min(workers, len(jobs)))
+    if workers == 1:
+        return [run_rank(**job) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_run_job, jobs))
+
+
+def _can_send(build: Any) -> bool:
+    """Whether worker processes can run ``build`` by default: it pickles by a module they can
+    import (a function defined in a notebook or a script's ``__main__`` does not), and this
+    process is not a script (a spawned worker runs a script's top level again: a script
+    that wants workers passes ``workers=`` under ``if __name__ == "__main__":``)."""
+    import pickle
+    import sys
+
+    if hasattr(sys.modules.get("__main__"), "__file__"):
+        return False
+    try:
+        # what pickles by reference to __main__ names it in the bytes
+        return b"__main__" not in pickle.dumps(build)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return False  # a lambda or closure: it runs here
+
+
+def _run_job(job: dict[str, Any]) -> RankRun:
+    from meshlab.dry_run_step import run_rank
+
+    return run_rank(**job)
+
+
+def representative_ranks(layout: Layout, shape: ModelShape | None = None) -> dict[int, str]:
+    """rank -> role: the first rank of each pipeline stage, and where tensor parallelism
+    splits a size unevenly (the last rank's part is smaller), also each stage's last rank."""
+    spec = layout.mesh_spec
+    per_stage = spec.size // layout.pp
+    chosen = {p * per_stage: _role(spec, layout, p * per_stage) for p in range(layout.pp)}
+    if shape is not None and _uneven(shape, layout):
+        for p in range(layout.pp):
+            last = (p + 1) * per_stage - 1
+            chosen[last] = _role(spec, layout, last) + ", last shard of an uneven split"
+    return dict(sorted(chosen.items()))
+
+
+def _uneven(shape: ModelShape, layout: Layout) -> bool:
+    """Whether TP leaves its last rank a smaller part of some weight (FSDP2 pads its shards
+    to one size: every rank holds as much)."""
+    rows = [shape.vocab, shape.hidden, shape.ffn, shape.heads * shape.head_dim,
+            shape.n_kv_heads * shape.head_dim]
+    return any(r % layout.tp for r in rows)
+
+
+def _schedule(layout: Layout) -> Any:
+    """The pipeline schedule of ``layout`` (None without a pipeline)."""
+    from meshlab.schedules import build
+
+    if layout.pp == 1:
+        return None
+    return build(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
+                 virtual=layout.virtual)
+
+
+def _role(spec: MeshSpec, layout: Layout, rank: int) -> str:
+    schedule = _schedule(layout)
+    if schedule is None:
+        return "every rank alike" if spec.size > 1 else "the only rank"
+    stage_rank = rank // (spec.size // layout.pp)
+    mine = schedule.stages_of(stage_rank)
+    ends = (["embedding"] if 0 in mine else []) + (["output"] if schedule.stages - 1 in mine
+                                                   else [])
+    return (f"pp rank {stage_rank}: stage{'s' if len(mine) > 1 else ''} "
+            f"{', '.join(map(str, mine))} of {schedule.stages}"
+            + (f" ({' and '.join(ends)})" if ends else ""))

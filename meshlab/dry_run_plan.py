@@ -1,0 +1,153 @@
+"""From the planner's words to what meshlab runs, for a dry run (meshlab.dry_run): a planner
+``Layout`` becomes a ``ParallelPlan`` (and what it cannot map is said), a ``ModelShape``
+becomes meshlab's Transformer, and a model's config becomes the planner's shape again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from meshlab.plan.layout import Layout
+from meshlab.plan.shapes import ModelShape, model_shape
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from meshlab.parallel import ParallelPlan
+
+
+def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
+    """The ParallelPlan that runs a planner ``layout``, and what it cannot map (notes).
+
+    zero 0/1/2/3 -> ddp/zero1/zero2/zero3 (none without data ranks, and with ep, where
+    meshlab's expert parallelism reduces gradients itself); schedule, v, m -> the pipeline
+    (without one, m is gradient accumulation); recompute -> activation checkpointing;
+    bf16/fp8 -> mixed precision; offload and replica sync as they are. Not mapped:
+    fp8 matmuls (run as bf16: the same bytes), shard_unit=weight (FSDP2 shards per block),
+    flash_attention=0 (the model's own attention runs), overlap_grad_reduce (timing only)."""
+    from meshlab.parallel import ParallelPlan
+
+    notes = []
+    data_ranks = layout.dp * layout.cp
+    dp = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[layout.zero]
+    if layout.ep > 1:
+        if layout.zero:
+            notes.append(f"zero={layout.zero} with ep={layout.ep}: meshlab's expert parallel "
+                         "all-reduces each gradient itself, nothing sharded (zero=0)")
+        dp = "none"
+    elif data_ranks == 1:
+        dp = "none"
+    if layout.precision == "fp8":
+        notes.append("fp8: float8 matmuls are not applied; runs bf16 (the same bytes)")
+    if layout.shard_unit == "weight" and layout.zero >= 2:
+        notes.append("shard_unit=weight: FSDP2 shards one unit per block (shard_unit=layer)")
+    if not layout.flash_attention:
+        notes.append("flash_attention=0: the model's own attention kernel runs (SDPA keeps "
+                     "no score matrix)")
+    pipelined = layout.pp > 1
+    plan = ParallelPlan(
+        data_parallel=dp, seq_len=seq,
+        sequence_parallel=layout.sequence_parallel if layout.tp > 1 else None,
+        activation_checkpoint=layout.recompute, mixed_precision=layout.precision != "fp32",
+        pipeline_schedule=layout.schedule, virtual=layout.virtual,
+        microbatches=layout.microbatches if pipelined else 1,
+        grad_accum=1 if pipelined else layout.microbatches,
+        offload_params=layout.offload_params, offload_activations=layout.offload_activations,
+        replica_sync=layout.replica_sync, sync_every=layout.sync_every)
+    return plan, notes
+
+
+def ran(layout: Layout) -> Layout:
+    """The layout ``plan_for``'s plan runs, in the planner's words (what it changes: ep's
+    gradients reduced without ZeRO; FSDP2's units per block)."""
+    changes: dict[str, Any] = {}
+    if layout.ep > 1:
+        changes["zero"] = 0
+    if layout.shard_unit == "weight":
+        changes["shard_unit"] = "layer"
+    return dataclasses.replace(layout, **changes) if changes else layout
+
+
+def describe(layout: Layout) -> str:
+    """Every field that differs from its default, as ``Layout.parse`` takes it back."""
+    parts = []
+    for f in dataclasses.fields(Layout):
+        value = getattr(layout, f.name)
+        if value != f.default:
+            parts.append(f"{f.name}={int(value) if isinstance(value, bool) else value}")
+    return " ".join(parts)
+
+
+def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | None
+           ) -> tuple[Callable[[], nn.Module], ModelShape | None, str, str]:
+    """(factory, the planner's shape of it or None, a name, whose code: meshlab,
+    transformers or other)."""
+    if isinstance(model, (str, ModelShape)):
+        shape = model_shape(model)
+        return _meshlab_factory(shape, seq or shape.seq_len), shape, shape.name, "meshlab"
+    if not callable(model):
+        raise ValueError(f"model={model!r}: give a factory (a callable returning an "
+                         "nn.Module), a ModelShape or a preset name")
+    import torch
+
+    from meshlab.models import Transformer
+
+    with torch.device("meta"):
+        probe = model()
+    family = ("meshlab" if isinstance(probe, Transformer) else "transformers"
+              if type(probe).__module__.startswith("transformers.") else "other")
+    return model, shape_of(probe, seq), type(probe).__name__, family
+
+
+def _meshlab_factory(shape: ModelShape, seq: int) -> Callable[[], nn.Module]:
+    """meshlab's Transformer at ``shape``'s widths; ValueError for what it cannot build."""
+    lacks = [what for what, has in (("a GELU MLP", not shape.gated_ffn),
+                                    ("tied embeddings", shape.tied_embeddings),
+                                    ("learned positions", shape.learned_positions),
+                                    ("dropout", shape.dropout)) if has]
+    if lacks:
+        raise ValueError(f"{shape.name} has {', '.join(lacks)}, which meshlab's Transformer "
+                         "(Llama-style) does not: pass a factory that builds the model, e.g. "
+                         "lambda: transformers.AutoModelForCausalLM.from_config(config)")
+    from meshlab.models import ModelConfig
+
+    cfg = ModelConfig(dim=shape.hidden, n_layers=shape.layers, n_heads=shape.heads,
+                      n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab,
+                      ffn_hidden=shape.ffn, max_seq_len=seq, n_experts=shape.experts,
+                      top_k=shape.top_k if shape.experts else 2)
+    return partial(_transformer, cfg)  # a partial of a module's function: worker processes
+    # can be sent it
+
+
+def _transformer(cfg: Any) -> nn.Module:
+    from meshlab.models import Transformer
+
+    return Transformer(cfg)
+
+
+def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
+    """The planner's shape of a meshlab Transformer or a transformers decoder (from its
+    config); None for a model whose shape it cannot read."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and hasattr(cfg, "n_layers"):
+        return ModelShape.from_config(cfg, seq_len=seq, name=type(model).__name__)
+    c: Any = getattr(model, "config", None)
+    if c is None:
+        return None
+    try:
+        experts = int(getattr(c, "num_local_experts", None) or getattr(c, "num_experts", 0)
+                      or 0)
+        return ModelShape(
+            name=getattr(c, "model_type", type(model).__name__), layers=c.num_hidden_layers,
+            hidden=c.hidden_size, heads=c.num_attention_heads,
+            kv_heads=getattr(c, "num_key_value_heads", None),
+            ffn=(getattr(c, "moe_intermediate_size", None) if experts else None)
+            or c.intermediate_size, vocab=c.vocab_size,
+            seq_len=seq or c.max_position_embeddings, experts=experts,
+            top_k=getattr(c, "num_experts_per_tok", 1) if experts else 1,
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+    except (AttributeError, TypeError, ValueError):
+        return None

@@ -1,0 +1,322 @@
+"""What one process needs to run one rank's training step of a world it does not have.
+
+A dry run (meshlab.dry_run) runs a rank's real program on torch's fake process group and
+fake tensors: collectives return at once and tensors have shapes but no values. Three
+things in a step need what that world lacks, and this module stands in for each:
+
+- Peers' answers: torch's pipeline stages vote with their neighbours and receive the
+  shape of what the previous stage sends (``without_peers``). A stage's input is the
+  hidden state between blocks, whose shape the caller states; the backward's metadata is
+  the gradient of the stage's own outputs, as torch's static mode derives it.
+- Values: a top-k router's choices, and the token counts expert parallelism exchanges,
+  depend on values a fake tensor does not have (``balanced_routing``): every expert gets
+  the same share of the token-expert pairs, the planner's assumption too.
+- A memory tracker that takes what meshlab builds (``step_tracker``): torch's FSDP tracker
+  takes one FSDP root called once, and a pipeline rank holds several roots, each called
+  once per micro-batch; both trackers also keep each category's own peak.
+
+Plain torch, rank side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from functools import partial
+from types import MethodType, SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+
+class _CategoryPeaks:
+    """Each category's largest value over the forward and backward, beside the tracker's
+    peak of the total: torch's own categories (``peaks``) and the groups of them ``groups``
+    names (``group_peaks``: the planner's categories, meshlab.dry_run_step says which is
+    which). The optimizer step's temporaries are left out: states are what the planner
+    counts, and they exist before the step."""
+
+    peaks: dict[str, int]
+    group_peaks: dict[str, int]
+    groups: dict[str, str]
+
+    def _start_peaks(self, groups: dict[str, str]) -> None:
+        self.peaks, self.group_peaks, self.groups = {}, {}, groups
+
+    def _update_snap(self, u_type: Any, *args: Any, **kwargs: Any) -> None:
+        super()._update_snap(u_type, *args, **kwargs)  # type: ignore[misc]
+        # a total only falls; the optimizer step's temporaries are its own (states excepted)
+        if u_type.name == "DEL" or self._in_opt:  # type: ignore[attr-defined]
+            return
+        for snapshot in self._curr_mem_snap.values():  # type: ignore[attr-defined]
+            summed: dict[str, int] = {}
+            for key, value in snapshot.items():
+                name = getattr(key, "value", key)
+                if value > self.peaks.get(name, 0):
+                    self.peaks[name] = value
+                group = self.groups.get(name)
+                if group is not None:
+                    summed[group] = summed.get(group, 0) + value
+            for group, value in summed.items():
+                if value > self.group_peaks.get(group, 0):
+                    self.group_peaks[group] = value
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # torch's version also keeps every module's own peak, walking all of them after
+        # every op (a fifth of a large step's time); a dry run wants the step's peak only
+        for device, snapshot in self._curr_mem_snap.items():  # type: ignore[attr-defined]
+            total = snapshot[_TOTAL]
+            if self._peak_mem.get(device, 0) < total:  # type: ignore[attr-defined]
+                self._peak_mem[device] = total  # type: ignore[attr-defined]
+                self._peak_mem_snap[device] = dict(snapshot)  # type: ignore[attr-defined]
+
+    def snapshot(self) -> dict[str, int]:
+        """torch's categories at the step's peak (all devices: a CPU rank has one)."""
+        out: dict[str, int] = {}
+        for snapshot in self.get_tracker_snapshot("peak").values():  # type: ignore[attr-defined]
+            for key, value in snapshot.items():
+                name = getattr(key, "value", key)
+                out[name] = out.get(name, 0) + value
+        return out
+
+
+class _FSDPRoots(FSDPModule, nn.ModuleList):
+    """Several FSDP roots (a pipeline rank's stages) as one module for the tracker, which
+    asks every FSDP module for its parameter group: this one has none of its own."""
+
+    def _get_fsdp_state(self) -> Any:
+        return SimpleNamespace(_fsdp_param_group=None)
+
+
+class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
+    """torch's FSDP2 memory tracker over several roots, each called once per micro-batch."""
+
+    def __init__(self, roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                 groups: dict[str, str]) -> None:
+        root = roots[0]
+        if len(roots) > 1:  # FSDPModule's __new__ makes a plain ModuleList: cast it after
+            root = nn.ModuleList(roots)
+            root.__class__ = _FSDPRoots
+        super().__init__(root, optimizer)
+        self._start_peaks(groups)
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def each_microbatch(*args: Any, **kwargs: Any) -> Any:
+            # torch's tracker refuses a root's second forward (it takes it for a second
+            # step); a pipeline runs one per micro-batch: a fresh record for each
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return each_microbatch
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod: Any, orig: Any) -> Any:
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+        def labelled(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            # without gradient sync (a pipeline's micro-batches) and with mixed precision,
+            # FSDP2 accumulates the unsharded gradients in the reduce dtype, beside .grad,
+            # where torch's tracker does not look: they are unsharded gradients all the same
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else ():
+                kept = getattr(param, "unsharded_accumulated_grad", None)
+                if kept is not None:
+                    self._update_and_maybe_create_winfos(kept, _FSDPRefType.UNSHARDED_GRAD)
+            return out
+
+        return labelled
+
+
+class StepTracker(_CategoryPeaks, MemTracker):
+    """torch's memory tracker for a model without FSDP (DDP, ZeRO-1, TP or EP alone)."""
+
+    def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                 groups: dict[str, str]) -> None:
+        super().__init__()
+        self._start_peaks(groups)
+        # ZeRO-1 (ZeroRedundancyOptimizer) keeps its states in the optimizer it wraps
+        inner = getattr(optimizer, "optim", None)
+        wrapped = [inner] if isinstance(inner, torch.optim.Optimizer) else []
+        self.track_external(*modules, optimizer, *wrapped)
+
+
+def step_tracker(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
+                 groups: dict[str, dict[str, str]]) -> FSDPStepTracker | StepTracker:
+    """The tracker for these modules (a rank's model, or its pipeline stages);
+    ``groups["fsdp"]`` or ``groups["plain"]`` groups its categories."""
+    if all(isinstance(m, FSDPModule) for m in modules):
+        return FSDPStepTracker(modules, optimizer, groups["fsdp"])
+    return StepTracker(modules, optimizer, groups["plain"])
+
+
+# -- peers: DDP's reducer and the pipeline's handshakes ---------------------------------------
+
+
+def ddp_without_peers(model: nn.Module) -> int:
+    """A DDP model's gradient all-reduce, bucket by bucket, on the fake group (DDP's own
+    hook expects the group's answer, which a fake group does not give); the bytes of its
+    buckets, which DDP allocated when it was built (a copy of the gradients, unless they
+    are views into them): 0 for any other model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return 0
+
+    import torch.distributed as dist
+
+    def allreduce(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer()
+        dist.all_reduce(tensor, group=group)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+
+    # DDP checks a hook's annotations as objects (this module's are strings)
+    allreduce.__annotations__ = {"group": Any, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
+    model.register_comm_hook(model.process_group, allreduce)
+    data = model._get_ddp_logging_data()
+    if data.get("gradient_as_bucket_view"):
+        return 0
+    return sum(int(b) for b in str(data.get("bucket_sizes", "")).split(",") if b.strip())
+
+
+# -- peers: the pipeline's handshakes --------------------------------------------------------
+
+
+@contextlib.contextmanager
+def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
+    """torch's pipeline stages run without their neighbours: no vote (metadata is inferred,
+    torch's dynamic mode), a stage's input is a ``hidden`` tensor of ``dtype`` (what one
+    block hands the next), its output gradients those of its outputs; meshlab's executor
+    keeps the step's loss unknown (NaN) instead of reading a fake value."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _derive_grad_metas,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+        _TensorMeta,
+    )
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from meshlab.schedules.execute import Executor
+
+    stride = torch.empty(hidden, device="meta").stride()
+    boundary = _TensorMeta(shape=hidden, stride=stride, dtype=dtype, requires_grad=True)
+
+    def warmup(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.DYNAMIC
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage < self.stage_index:  # forward: the hidden state the blocks pass on
+            return _StageForwardMeta(forward_metas=(boundary,))
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        return None
+
+    original_finish = Executor._finish
+
+    def finish(self: Executor) -> None:
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        try:
+            original_finish(self)
+        except DataDependentOutputException:  # float() of the fake loss, its last line
+            self.loss = float("nan")
+
+    patches: list[tuple[Any, str, Any]] = [
+        (_PipelineScheduleRuntime, "_warmup_p2p", warmup),
+        (PipelineStage, "_recv_meta", recv_meta),
+        (PipelineStage, "_send_meta", send_meta),
+        (Executor, "_finish", finish)]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]
+    try:
+        for owner, name, fn in patches:
+            setattr(owner, name, fn)
+        yield
+    finally:
+        for owner, name, old in saved:
+            if old is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+# -- values: routing ------------------------------------------------------------------------
+
+
+def balanced_routing(model: nn.Module) -> int:
+    """Every meshlab MoE layer of ``model`` routes its token-expert pairs evenly (pair j to
+    expert j mod E), still running its router; under expert parallelism the exchange keeps
+    its two all-to-alls with the sizes that routing gives. The number of layers changed."""
+    from meshlab.models.moe import MoE
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in layers:
+        moe.route = MethodType(_route_evenly, moe)  # type: ignore[method-assign]
+        ep = moe.dispatch.keywords if isinstance(moe.dispatch, partial) else None
+        moe.dispatch = partial(_exchange_evenly, group=ep["group"] if ep else None,
+                               ranks=ep["ranks"] if ep else 1)
+    return len(layers)
+
+
+def _route_evenly(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = self.router(x).float()  # the router's own work; its choices need values
+    weights, _ = scores.topk(self.top_k, dim=-1)
+    weights = F.softmax(weights, dim=-1).type_as(x)
+    pairs = torch.arange(x.shape[0] * self.top_k, device=x.device)
+    return (pairs % self.n_experts).view(x.shape[0], self.top_k), weights
+
+
+def _shares(pairs: int, parts: int) -> list[int]:
+    """How many of ``pairs`` consecutive pair indices fall on each residue mod ``parts``."""
+    return [pairs // parts + (1 if e < pairs % parts else 0) for e in range(parts)]
+
+
+def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
+                     weights: torch.Tensor, *, group: Any, ranks: int) -> torch.Tensor:
+    """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
+    (every rank sends each expert the same count, so it receives what it sends)."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all_single
+
+    local = moe.n_experts // ranks
+    me = dist.get_rank(group) if ranks > 1 else 0
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
+    per_expert = _shares(flat.numel(), moe.n_experts)  # pairs each global expert gets
+    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
+    mine = per_expert[me * local:(me + 1) * local]  # from every source alike
+    routed = tokens[token_of_pair]
+    arrived = routed
+    if ranks > 1:
+        arrived = all_to_all_single(tokens.new_empty(sum(mine) * ranks, tokens.shape[1]),
+                                    routed, [sum(mine)] * ranks, send, group=group)
+        received = moe.get_buffer("tokens_received")
+        received.add_(torch.tensor(mine, device=received.device) * ranks)
+    pieces, start = [], 0
+    for _source in range(ranks):
+        for e in range(local):
+            pieces.append(moe.experts(arrived[start:start + mine[e]], e))
+            start += mine[e]
+    done = torch.cat(pieces)
+    returned = done
+    if ranks > 1:
+        returned = all_to_all_single(torch.empty_like(routed), done, send,
+                                     [sum(mine)] * ranks, group=group)
+    gate = weights.flatten()[order, None]
+    out = torch.zeros_like(tokens)
+    return out.index_add(0, token_of_pair, (returned * gate).to(out.dtype))

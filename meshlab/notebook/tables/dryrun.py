@@ -1,0 +1,134 @@
+"""A dry run as the notebook shows it: a few lines per representative rank, memory by
+category and bytes per mesh axis beside the planner's, and the planner's search checked."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from meshlab.notebook.tables.table import Lines, Table, sig
+from meshlab.plan.reconcile import Row, planner_beside
+from meshlab.plan.report import Plan, count_text
+
+if TYPE_CHECKING:
+    from meshlab.dry_run import DryRun
+    from meshlab.plan.hardware import Hardware
+
+GIB, MIB = 2**30, 2**20
+
+
+def dryrun_views(dry: DryRun, hardware: str | Hardware | None = None) -> list[Any]:
+    """What ``%mesh dryrun`` shows: the summary, then (for a model the planner can describe)
+    memory and bytes beside the planner's, and the memory chart."""
+    from meshlab.notebook.charts import dryrun_memory_chart
+    from meshlab.plan.hardware import hardware as find_hardware
+
+    hw = find_hardware(hardware) if hardware is not None else None
+    rows = planner_beside(dry, hw) if dry.shape is not None else []
+    if not rows:
+        return [dryrun_summary(dry)]
+    usable = hw.usable_bytes / GIB if hw is not None else None
+    return [dryrun_summary(dry, rows), dryrun_memory_table(rows), dryrun_bytes_table(dry, rows),
+            dryrun_memory_chart(dryrun_memory_frame(rows), usable_gib=usable)]
+
+
+def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
+    """What ran, and per rank: parameters held, peak memory beside the planner's, the fit."""
+    planned = _totals(rows or [])
+    lines = [f"{dry.model} on {dry.world_size:,} fake ranks ({dry.planned}), {dry.batch} "
+             f"sequences of {dry.seq:,} tokens per data-parallel rank: "
+             f"{len(dry.ranks)} representative rank{'s' if len(dry.ranks) > 1 else ''} ran a "
+             f"training step in {dry.seconds:.1f} s"]
+    for run in dry.ranks:
+        peak = run.memory["total"]
+        line = (f"rank {run.rank} ({run.role}): holds {count_text(run.params)} parameters, peak "
+                f"{peak / GIB:.3g} GiB")
+        if run.rank in planned and peak:
+            line += f" (planner {planned[run.rank] / GIB:.3g} GiB, x{planned[run.rank] / peak:.2f})"
+        if run.fits is not None:
+            line += f"; fits {dry.hardware}: {'yes' if run.fits else 'NO'}"
+        lines.append(line)
+    lines += [f"note: {note}" for note in dry.notes]
+    return Lines("\n".join(lines))
+
+
+def dryrun_memory_table(rows: list[Row]) -> Table:
+    """Memory per category and rank: the dry run's peak, the planner's, the planner's with
+    the differences it knows of applied, and what is left between them."""
+    return _beside(rows, "memory", "category", GIB, "GiB",
+                   "memory per GPU at the step's peak: the dry run (torch's tracker) beside the "
+                   "planner")
+
+
+def dryrun_bytes_table(dry: DryRun, rows: list[Row]) -> Table:
+    """Bytes each rank sent per mesh axis in the step, beside the planner's, with the
+    collectives the dry run saw there."""
+    ops: dict[tuple[int, str], list[str]] = {}
+    for run in dry.ranks:
+        for t in run.collectives:
+            ops.setdefault((run.rank, t.axis), []).append(f"{t.op} x{t.calls}")
+    table = _beside(rows, "bytes", "axis", MIB, "MiB",
+                    "bytes per step on each mesh axis: the dry run (every collective traced) "
+                    "beside the planner")
+    table.frame.insert(2, "collectives", [", ".join(ops.get((r, a), []))
+                                          for r, a in zip(table.frame["rank"],
+                                                          table.frame["axis"], strict=True)])
+    return table
+
+
+def _beside(rows: list[Row], what: str, name: str, unit: int, said: str, caption: str
+            ) -> Table:
+    frame = pd.DataFrame([
+        {"rank": r.rank, name: r.name, f"dry run ({said})": r.dry_run / unit,
+         f"planner ({said})": r.planner / unit,
+         f"planner, differences applied ({said})": r.explained / unit,
+         "left over": r.error if r.comparable else None,
+         "what differs": r.difference} for r in rows if r.what == what])
+    three = sig(3)
+    formats: dict[str, Any] = {c: three for c in frame.columns if said in c}
+    return Table(frame, caption=caption, formats={**formats, "left over": _percent},
+                 note="left over: the planner with the differences applied, against the dry "
+                      "run (blank where the dry run cannot run what the planner counts)")
+
+
+def _percent(value: Any) -> str:
+    return "" if value is None or value != value else f"{value:+.1%}"
+
+
+def dryrun_memory_frame(rows: list[Row]) -> pd.DataFrame:
+    """Long format for the chart: rank, source (dry run or planner), category, gib."""
+    return pd.DataFrame([
+        {"rank": r.rank, "source": source, "category": r.name, "gib": value / GIB}
+        for r in rows if r.what == "memory" and r.name != "total"
+        for source, value in (("dry run", r.dry_run), ("planner", r.planner))])
+
+
+def verified_table(plan: Plan, hardware: Hardware | None = None) -> Table:
+    """The search's best layouts, each dry-run: the planner's memory per GPU beside the peak
+    torch allocated on the busiest representative rank, and whether each says it fits."""
+    rows = []
+    for estimate, dry in zip(plan.estimates, plan.verified, strict=False):
+        busiest = max(dry.ranks, key=lambda run: run.memory["total"])
+        peak = busiest.memory["total"]
+        beside = planner_beside(dry, hardware or plan.hardware)
+        apart = [(r.name, error) for r in beside if r.rank == busiest.rank and r.comparable
+                 and (error := r.error) is not None and abs(error) > 0.1]
+        rows.append({"layout": estimate.layout.describe(),
+                     "planner (GiB)": estimate.memory["total"] / GIB,
+                     "dry run peak (GiB)": peak / GIB,
+                     "planner / dry run": estimate.memory["total"] / peak if peak else None,
+                     "fits (planner)": estimate.fits, "fits (dry run)": busiest.fits,
+                     "left over, above 10%": ", ".join(
+                         f"{name} {error:+.0%}" for name, error in
+                         sorted(apart, key=lambda a: -abs(a[1]))[:2]),
+                     "dry run (s)": dry.seconds})
+    three = sig(3)
+    return Table(pd.DataFrame(rows), caption=f"the best {len(rows)} layouts, dry-run on "
+                 f"{plan.gpus:,} fake ranks (the busiest representative rank of each)",
+                 formats={c: three for c in ("planner (GiB)", "dry run peak (GiB)",
+                                             "planner / dry run", "dry run (s)")})
+
+
+def _totals(rows: list[Row]) -> dict[int, float]:
+    return {r.rank: r.planner for r in rows if r.what == "memory" and r.name == "total"}

@@ -1,0 +1,243 @@
+"""What torch (and meshlab) do that the planner counts otherwise, each with its bytes: the
+known differences meshlab.plan.reconcile applies to the planner's figures before holding
+them to a dry run's. Each is a fact of an implementation (FSDP2's root unit, torch DDP's
+bucket copy, ZeroRedundancyOptimizer's whole-parameter partition, meshlab's TP gathering
+the logits, ...), computed from the model's shape and the layout; none is fitted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshlab.mesh import AXES
+from meshlab.plan.estimate import Estimate
+from meshlab.plan.layout import Layout
+from meshlab.plan.memory import DDP_BUCKET_BYTES
+from meshlab.plan.stage import Stage
+
+if TYPE_CHECKING:
+    from meshlab.dry_run import DryRun, RankRun
+
+
+DDP_BUCKETS = 2.0 * DDP_BUCKET_BYTES
+NOT_COMPARED = ("the model's own ops keep more than Korthikanti's count of a fused "
+                "implementation (norms in fp32, RoPE's copies, GQA's repeated keys and values, "
+                "SwiGLU's separate activation) and the backward's temporaries add to it: the "
+                "planner's figure is a fused kernel's floor")
+
+
+class Differences:
+    """What torch does, as the dry run ran it, that the planner counts otherwise, with the
+    bytes each accounts for, for one rank of one dry run. Each is a fact of torch's (or
+    meshlab's) implementation; none is fitted."""
+
+    def __init__(self, dry: DryRun, est: Estimate, run: RankRun) -> None:
+        self.dry, self.est, self.run = dry, est, run
+        lay, m = est.layout, est.model
+        self.layout, self.model, self.dt = lay, m, lay.dtypes
+        self.stage = Stage(m, lay, est.hardware)
+        self.first, self.last = 0 in run.stages, dry.stages - 1 in run.stages
+        self.layers = sum((s + 1) * m.layers // dry.stages - s * m.layers // dry.stages
+                          for s in run.stages)
+        self.tokens = lay.micro_batch * (m.seq_len // lay.cp)
+        self.act = float(self.tokens * m.hidden * self.dt.activations)
+        root = m.vocab * m.hidden * self.first + m.hidden * self.last
+        if self.last and not (m.tied_embeddings and self.first):
+            root += m.vocab * m.hidden
+        self.root = root / lay.tp
+        expert = m.experts * m.expert_params * self.layers / lay.tp / lay.ep if m.experts else 0
+        dense_layer = m.layer_params - (m.experts * m.expert_params if m.experts else 0)
+        self.params = self.layers * dense_layer / lay.tp + self.root + expert
+        self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
+        self.ddp = lay.zero <= 1 and lay.dp * lay.cp > 1 and lay.ep == 1
+        self.mixed = lay.precision != "fp32"  # meshlab: fp32 weights, gradients reduced in fp32
+
+    # -- bytes per axis -------------------------------------------------------------------
+
+    def bytes_terms(self, axis: str, planner: float) -> list[tuple[str, float]]:
+        lay, m, dt, mb = self.layout, self.model, self.dt, self.layout.microbatches
+        out: list[tuple[str, float]] = []
+        share = self.params / sum(self.stage.params)
+        if axis == axis_name("dp_shard+cp" if lay.cp > 1 else "dp_shard", lay) and self.fsdp:
+            if abs(share - 1) > 1e-9:
+                out.append(("this rank's stage holds its own share of the parameters, the "
+                            "planner's busiest stage more", planner * (share - 1)))
+            g = self.params * dt.grads
+            deferred = lay.pp > 1 or mb > 1
+            if lay.zero == 3 and lay.pp == 1 and lay.shard_unit == "layer":
+                out.append(("FSDP2 keeps its root unit (embedding, output) gathered from the "
+                            "forward to the backward: gathered once, not twice",
+                            -self.root * dt.params * mb))
+            if deferred and not self.stage.fsdp_units_kept and mb > 1:
+                out.append(("gradients reduce-scattered once, after the last micro-batch "
+                            "(torch's pipeline stages, meshlab's accumulation)",
+                            -(mb - 1) * g))
+            if self.mixed:
+                out.append(("gradients reduce-scattered in fp32 (reduce_dtype)",
+                            g * (4 / dt.grads - 1) * (1 if deferred else mb)))
+        elif axis == "dp_replicate" and self.fsdp and self.mixed:
+            out.append(("gradients all-reduced in fp32", planner * (4 / dt.grads - 1)))
+        elif axis == axis_name("dp+cp" if lay.cp > 1 else "dp", lay) and self.ddp and self.mixed:
+            out.append(("autocast keeps fp32 weights and gradients: all-reduced and gathered "
+                        "in fp32", planner * (4 / dt.grads - 1)))
+        elif axis == "tp":
+            out += self.tp_terms(planner)
+        elif axis == "cp" and self.dry.family == "meshlab":
+            out.append(("meshlab's Transformer gathers keys and values after GQA repeats them "
+                        f"(x {m.heads // m.n_kv_heads}), and all-reduces their gradients whole",
+                        planner * (m.heads / m.n_kv_heads - 1)))
+        elif axis == "pp":
+            hop = self.act / (lay.tp if lay.tp > 1 and lay.sequence_parallel
+                              and self.dry.family == "meshlab" else 1)
+            one_way = sum((s != self.dry.stages - 1) + (s != 0) for s in self.run.stages)
+            out.append(("the first stage sends no gradients back, the last no activations on; "
+                        "the loss is broadcast", hop * mb * one_way + 8 - planner))
+        return [(t, b) for t, b in out if abs(b) > 0.5]
+
+    def tp_terms(self, planner: float) -> list[tuple[str, float]]:
+        lay, m, dt, mb = self.layout, self.model, self.dt, self.layout.microbatches
+        out: list[tuple[str, float]] = []
+        if self.layers != self.stage.layers:
+            out.append((f"this rank holds {self.layers} layers, the planner's busiest stage "
+                        f"{self.stage.layers}", planner * (self.layers / self.stage.layers - 1)))
+        sp = lay.sequence_parallel
+        ends = self.first + self.last
+        if ends:
+            out.append(("the embedding's output and the output projection's input cross tp "
+                        "too", (2 if sp else 1) * ends * self.act * mb))
+        if self.last:
+            out.append(("the logits are gathered whole on every tp rank (no loss parallel)",
+                        float(mb * self.tokens * m.vocab * dt.activations)))
+        if sp:
+            norms = 2 * self.layers + self.last
+            out.append(("the sequence-parallel norms' weight gradients are all-reduced",
+                        float(norms * m.hidden * dt.grads)))
+        else:
+            out.append(("torch reduces each column-parallel projection's input gradient on its "
+                        "own (q, k, v; gate, up): 5 all-reduces a layer's backward, where "
+                        "Megatron's fused projections do 2", 3.0 * self.layers * self.act * mb))
+        return out
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory_terms(self, name: str, planner: float) -> list[tuple[str, float]]:
+        lay, dt = self.layout, self.dt
+        out: list[tuple[str, float]] = []
+        if lay.offload_params and name in ("params", "grads", "optimizer"):
+            return out
+        share = self.params / sum(self.stage.params)
+        if name in ("params", "grads", "optimizer", "host") and abs(share - 1) > 1e-9:
+            out.append(("this rank's stage holds its own share of the parameters, the "
+                        "planner's busiest stage more", planner * (share - 1)))
+            planner *= share
+        if name == "optimizer" and lay.zero == 1 and self.ddp and lay.shard_group > 1:
+            # meshlab's ZeRO-1 shards over the dp axis (dp_replicate x dp_shard)
+            c = self.run.coordinates
+            index = c.get("dp_replicate", 0) * lay.dp_shard + c.get("dp_shard", 0)
+            mine = zero1_share(self.weights(), lay.dp, index)
+            out.append(("torch's ZeroRedundancyOptimizer gives each rank whole parameters, "
+                        "largest first to the least loaded (not an even split of elements)",
+                        mine * dt.optimizer - planner))
+            planner = mine * dt.optimizer
+        if self.mixed and name in ("params", "grads", "optimizer"):
+            # meshlab's bf16 keeps fp32 weights and gradients (FSDP2's MixedPrecisionPolicy
+            # or autocast) and Adam's two fp32 moments: 4 + 4 + 8 bytes where the planner
+            # counts ZeRO's 2 + 2 + 12 (the same 16 bytes when all three are sharded)
+            kept = {"params": 4.0, "grads": 4.0, "optimizer": 8.0}[name]
+            counted = float({"params": dt.params, "grads": dt.grads,
+                             "optimizer": dt.optimizer}[name])
+            if name == "params" and lay.zero == 2 and self.fsdp:
+                counted = kept  # the gathered copy is the planner's: only the shard differs
+            out.append(("meshlab's bf16 keeps fp32 weights and gradients and Adam's two "
+                        "moments (4 + 4 + 8 bytes); the planner ZeRO's 2 + 2 + 12",
+                        planner * (kept / counted - 1)))
+        if name == "buffers":
+            out += self.buffer_terms(planner)
+        return out
+
+    def weights(self) -> list[int]:
+        """The elements of each parameter tensor this rank's model holds (tp-split), in the
+        order of a Llama-style model (meshlab's or transformers')."""
+        m, t = self.model, self.layout.tp
+        q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+        layer = [m.hidden * q // t, m.hidden * kv // t, m.hidden * kv // t, q * m.hidden // t,
+                 m.hidden, m.hidden]
+        layer += ([m.hidden * m.ffn // t] * (3 if m.gated_ffn else 2) if not m.experts else
+                  [m.hidden * m.experts] + [m.experts * m.hidden * m.ffn // t] * 3)
+        ends = ([m.vocab * m.hidden // t] if self.first else []) + (
+            [m.hidden] + ([] if m.tied_embeddings and self.first else
+                          [m.vocab * m.hidden // t]) if self.last else [])
+        return ends + layer * self.layers
+
+    def buffer_terms(self, planner: float) -> list[tuple[str, float]]:
+        lay, dt = self.layout, self.dt
+        unit = self.stage.shard_unit_params
+        out: list[tuple[str, float]] = []
+        layer_units = lay.shard_unit == "layer"
+        reduced = 4.0 if self.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
+        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and self.mixed:
+            out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
+                        "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
+                        "until they are added in",
+                        self.params * (4 - dt.grads) + self.stage.shard_unit_params * dt.grads))
+        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and lay.tp > 1 \
+                and self.first:
+            m = self.model
+            out.append(("torch hands the tp-split embedding its gradient at the whole "
+                        "vocabulary (laid out unlike its weight), kept unsharded with the "
+                        "stage's", (m.vocab - m.vocab / lay.tp) * m.hidden * dt.grads))
+        if self.fsdp and lay.zero == 3 and not self.stage.fsdp_units_kept and layer_units:
+            out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
+                        unit * reduced))
+            out.append(("and its root unit (embedding, output) gathered from the forward to "
+                        "the backward", self.root * dt.params))
+        elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1:
+            out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
+                        "last micro-batch, then copies the root unit's out first to "
+                        "reduce-scatter them", (self.params + self.root - unit) * dt.grads))
+        elif self.fsdp and lay.zero == 2 and layer_units:
+            out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
+                        unit * reduced))
+        elif self.ddp:
+            out.append(("torch DDP's buckets are a copy of the gradients "
+                        "(gradient_as_bucket_view=False), not two 25 MiB buckets in flight",
+                        self.params * (4 if self.mixed else dt.grads) - DDP_BUCKETS))
+        elif lay.ep > 1 and lay.zero <= 1:
+            out.append(("meshlab's expert parallel all-reduces each gradient in its own hook: "
+                        "no buckets", -DDP_BUCKETS))
+        held = self.run.raw.get("Buffer", 0)
+        if held:
+            out.append(("the model's own buffers (RoPE table, routing counts)", float(held)))
+        return out
+
+
+def zero1_share(sizes: list[int], ranks: int, index: int) -> float:
+    """The elements whose optimizer states rank ``index`` of torch's ZeroRedundancyOptimizer
+    over ``ranks`` holds: parameters sorted largest first, each to the rank holding the
+    fewest elements so far (the lowest such rank on a tie)."""
+    loads = [0] * ranks
+    for size in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += size
+    return float(loads[index])
+
+
+def signed(b: float) -> str:
+    sign = "+" if b >= 0 else "-"
+    b = abs(b)
+    unit = next((u for u, n in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if b >= n),
+                "B")
+    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+    return f"{sign}{b / scale:.3g} {unit}"
+
+
+def axis_name(axis: str, layout: Layout) -> str:
+    """The planner's axis label as the mesh axes it spans, those of size one left out
+    (``dp`` -> ``dp_replicate+dp_shard``, or ``dp_shard`` without replicas)."""
+    if axis == "ep":
+        return axis
+    parts: list[str] = []
+    for part in axis.split("+"):
+        parts += ["dp_replicate", "dp_shard"] if part == "dp" else [part]
+    kept = [a for a in AXES if a in parts and getattr(layout, a) > 1]
+    kept += [p for p in parts if p not in AXES]  # dp_shard_mod_ep and the like
+    return "+".join(kept) or axis

@@ -1,0 +1,73 @@
+"""%mesh dryrun and %mesh plan --verify in a real IPython shell: the user's model factory on
+hundreds of fake ranks in the notebook's own process, shown beside the planner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from meshlab.dry_run import DryRun
+from meshlab.plan.report import Plan
+
+pytest.importorskip("transformers", reason="transformers is a test dependency")
+
+
+def shown(cap: Any) -> str:
+    return cap.stdout + "\n".join(o.data.get("text/plain", "") for o in cap.outputs)
+
+
+FACTORY = """
+from transformers import LlamaConfig, LlamaForCausalLM
+
+def small_llama():
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=4, num_attention_heads=8,
+                                        num_key_value_heads=4, max_position_embeddings=256))
+"""
+
+
+def test_dryrun_magic_runs_a_notebook_factory_on_fake_ranks_beside_the_planner(shell: Any
+                                                                               ) -> None:
+    shell.run_cell(FACTORY)
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", 'dryrun small_llama --layout "pp=2 dp_shard=32 tp=2 m=2" '
+                                     "--seq 128 -o dry")
+    dry = shell.user_ns["dry"]
+    assert isinstance(dry, DryRun) and dry.world_size == 128
+    assert sorted(run.rank for run in dry.ranks) == [0, 64]  # one per pipeline stage
+    text = shown(cap)
+    assert "LlamaForCausalLM on 128 fake ranks" in text, text
+    assert "rank 0 (" in text and "rank 64 (" in text
+    assert "fits h100-sxm: yes" in text
+    memory, sent, chart = cap.outputs[-3:]
+    assert "planner (GiB)" in memory.data["text/plain"]
+    assert "tp" in sent.data["text/plain"] and "dp_shard" in sent.data["text/plain"]
+    assert "image/svg+xml" in chart.data
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in shell.user_ns["small_llama"]().parameters())
+    for run in dry.ranks:  # half the layers, over 32 x 2 ranks: never the whole model
+        assert 0 < run.params < whole / 32, (run.params, whole)
+        assert run.memory["total"] > 0
+
+
+def test_dryrun_magic_names_a_bad_layout_and_the_fix(shell: Any) -> None:
+    with pytest.raises(UsageError, match="microbatches"):
+        shell.run_line_magic("mesh", 'dryrun meshlab --layout "pp=2 dp_shard=2 m=1"')
+    with pytest.raises(UsageError, match="arguments are required: --layout"):
+        shell.run_line_magic("mesh", "dryrun meshlab")
+
+
+def test_plan_verify_dry_runs_the_best_layouts(shell: Any) -> None:
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", 'plan meshlab --gpus 64 --batch 128 --top 3 --verify 2 '
+                                     "-o checked")
+    plan = shell.user_ns["checked"]
+    assert isinstance(plan, Plan) and len(plan.verified) == 2
+    table = cap.outputs[-1].data["text/plain"]
+    assert "dry run peak (GiB)" in table
+    for estimate, dry in zip(plan.estimates, plan.verified, strict=False):
+        assert dry.layout == estimate.layout.describe() and dry.world_size == 64
