@@ -346,7 +346,9 @@ class Session:
                 options.get("hardware_profile") or "h100-sxm", live.host_of)
         found = plan(model, gpus=gpus, **options)
         if verify:  # what torch would allocate and send, for the best layouts
-            found.verified = [self.dryrun(found.model, e.layout.describe(),
+            from meshlab.dry_run_plan import describe
+
+            found.verified = [self.dryrun(found.model, describe(e.layout),
                                           hardware=found.hardware)
                               for e in found.estimates[:verify]]
         return found

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from meshlab.dry_run import DryRun
+from meshlab.plan import Layout
 from meshlab.plan.report import Plan
 
 pytest.importorskip("transformers", reason="transformers is a test dependency")
@@ -63,11 +64,11 @@ def test_dryrun_magic_names_a_bad_layout_and_the_fix(shell: Any) -> None:
 
 def test_plan_verify_dry_runs_the_best_layouts(shell: Any) -> None:
     with capture_output() as cap:
-        shell.run_line_magic("mesh", 'plan meshlab --gpus 64 --batch 128 --top 3 --verify 2 '
+        shell.run_line_magic("mesh", 'plan meshlab --gpus 64 --batch 128 --where "pp=2" --top 3 --verify 2 '
                                      "-o checked")
     plan = shell.user_ns["checked"]
     assert isinstance(plan, Plan) and len(plan.verified) == 2
     table = cap.outputs[-1].data["text/plain"]
     assert "dry run peak (GiB)" in table
     for estimate, dry in zip(plan.estimates, plan.verified, strict=False):
-        assert dry.layout == estimate.layout.describe() and dry.world_size == 64
+        assert Layout.parse(dry.layout) == estimate.layout and dry.world_size == 64

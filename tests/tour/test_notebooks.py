@@ -330,3 +330,26 @@ def test_playbook_notebook_checks_each_technique_against_its_reference(tmp_path:
     # accumulated micro-steps train like whole steps, for all 24 of them
     assert max(abs(a - b) for a, b in zip(curves["HSDP"], curves["HSDP, grad_accum=2"],
                                           strict=True)) < 1e-4
+
+
+def test_real_size_notebook_loads_trains_saves_and_dry_runs(tmp_path: Path) -> None:
+    nb = execute("14-real-size-and-dry-runs.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = {c.source.splitlines()[-1]: texts(c) for c in code}
+    everything = "\n".join(shown.values())
+    # built on meta, sharded over dp x tp: each rank holds about a quarter of the parameters
+    # (the norms are whole on each tp rank)
+    held = re.findall(r"\[rank \d\] rank \d: ([\d,]+) of ([\d,]+) parameters here", everything)
+    assert len(held) == 4 and all(int(a.replace(",", "")) <= 0.26 * int(b.replace(",", ""))
+                                  for a, b in held), held
+    gap = re.search(r"\[ranks 0-3\] largest logit difference: (\S+)", everything)
+    assert gap and float(gap[1]) <= 1e-10, everything
+    assert "parameters loaded in one process" in everything
+    # the dry run: 1,024 fake ranks, one per pipeline stage, beside the planner
+    dry = shown['%mesh dryrun llama3_8b_widths --layout "pp=2 dp_shard=64 tp=8 m=2" --seq 2048 '
+                "-o dry"]
+    assert "on 1,024 fake ranks" in dry and "rank 0 (" in dry and "rank 512 (" in dry, dry
+    assert "fits h100-sxm: yes" in dry and "planner, differences applied" in dry, dry
+    verified = shown["%mesh plan meshlab --gpus 1024 --batch 1024 --top 3 --verify 2"]
+    assert "the best 2 layouts, dry-run on 1,024 fake ranks" in verified, verified
+    assert "trained/model.safetensors" in scratch_files(nb)
