@@ -131,12 +131,11 @@ def materialize(model: nn.Module, origins: Origins | None = None, *,
     is, unsharded)."""
     from meshlab import runtime
 
-    if origins is None:
-        origins = record(model)
-    device = torch.device(device) if device is not None else runtime.device()
     meta = {clean_name(n) for n, t in _named_tensors(model) if t.device.type == "meta"}
     if not meta:
         return model
+    origins = origins or record(model)
+    device = torch.device(device) if device is not None else runtime.device()
     if _fake is not None:
         with _fake:
             _allocate(model, device)
@@ -226,7 +225,7 @@ def _fill(model: nn.Module, origins: Origins, names: set[str], device: torch.dev
                              "parallelize was given: a parallelism added it on meta")
         module_name, attr = origins.origin[name]
         wanted.setdefault(module_name, []).append((name, attr))
-    held = dict(_named_tensors(model))
+    held = {clean_name(n): t for n, t in _named_tensors(model)}
     holders = {clean_name(n): m for n, m in model.named_modules(remove_duplicate=False)}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             torch.no_grad():
@@ -234,7 +233,7 @@ def _fill(model: nn.Module, origins: Origins, names: set[str], device: torch.dev
             torch.manual_seed(module_seed(seed, module_name))
             full = _initialized(origins, module_name, device)
             for name, attr in targets:
-                target = next(t for n, t in held.items() if clean_name(n) == name)
+                target = held[name]
                 owner = holders.get(name.rpartition(".")[0])
                 _local(target).copy_(_part(target, full[attr], owner, name))
 

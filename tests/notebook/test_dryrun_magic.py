@@ -64,8 +64,8 @@ def test_dryrun_magic_names_a_bad_layout_and_the_fix(shell: Any) -> None:
 
 def test_plan_verify_dry_runs_the_best_layouts(shell: Any) -> None:
     with capture_output() as cap:
-        shell.run_line_magic("mesh", 'plan meshlab --gpus 64 --batch 128 --where "pp=2" --top 3 --verify 2 '
-                                     "-o checked")
+        shell.run_line_magic("mesh", 'plan meshlab --gpus 64 --batch 128 --where "pp=2" '
+                                     "--top 3 --verify 2 -o checked")
     plan = shell.user_ns["checked"]
     assert isinstance(plan, Plan) and len(plan.verified) == 2
     table = cap.outputs[-1].data["text/plain"]
