@@ -21,12 +21,19 @@ Plain torch, rank side.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from functools import partial
 from types import MethodType, SimpleNamespace
 from typing import Any
 
 import torch
+
+# torch's memory trackers import torch._dynamo, which imports triton: on a machine without a
+# GPU, choose Triton's interpreter first, as meshlab.kernels does (its mode is fixed then)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
