@@ -132,6 +132,12 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     started = time.perf_counter()
     lay = Layout.parse(layout)
     spec = lay.mesh_spec
+    guessed = []
+    if lay.pp > 1 and batch is None and "microbatches" not in Layout.stated(layout):
+        # a pipeline needs micro-batches to fill it: the fewest 1F1B runs on, as a start
+        lay = dataclasses.replace(lay, microbatches=lay.pp)
+        guessed.append(f"m not given: m={lay.pp}, one micro-batch per pipeline rank (the "
+                       "fewest 1F1B takes; a real run uses more to shrink the bubble: add m=)")
     if world_size is not None:
         spec.check(world_size)  # the mesh's own error, naming the product and the fix
     build, shape, name, family = model_factory(model, seq)
@@ -151,6 +157,7 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
         # (transformers') has none unless asked for
         lay = dataclasses.replace(lay, sequence_parallel=False)
     made, notes = plan_for(lay, seq=seq)
+    notes = guessed + notes
     plan = plan or made
     lay = ran(lay)
     hw = find_hardware(hardware) if isinstance(hardware, str) else hardware

@@ -207,3 +207,9 @@ def test_every_family_of_the_model_matrix_dry_runs_or_is_refused_naming_why() ->
         for rank in run.ranks:
             assert rank.memory["total"] > 0 and rank.params > 0, (name, rank)
             assert any(t.axis == "tp" for t in rank.collectives), (name, rank.collectives)
+
+
+def test_a_pipeline_without_micro_batches_gets_the_fewest_it_runs_and_says_so() -> None:
+    run = dryrun(TINY, "pp=2 dp_shard=2", workers=1)
+    assert "microbatches=2" in run.planned, run.planned
+    assert any(note.startswith("m not given: m=2") for note in run.notes), run.notes
