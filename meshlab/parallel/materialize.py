@@ -236,6 +236,7 @@ def _fill(model: nn.Module, origins: Origins, names: set[str], device: torch.dev
                 target = held[name]
                 owner = holders.get(name.rpartition(".")[0])
                 _local(target).copy_(_part(target, full[attr], owner, name))
+            del full  # before the next module's: one module whole at a time
 
 
 def module_seed(seed: int, module_name: str) -> int:
