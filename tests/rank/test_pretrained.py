@@ -19,56 +19,18 @@ import pytest
 import torch
 
 from meshlab import Cluster
+from tests.rank.test_model_matrix import FAMILIES_SOURCE  # the families, tiny, from configs
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
-# Defined here and on the ranks: tiny models from configs, nothing downloaded.
-FAMILIES_SOURCE = '''
-import torch, transformers as T
-
-
-def _tiny(config_class, **kw):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return config_class(**{**base, **kw})
-
-
-EAGER = dict(experts_implementation="eager")  # grouped_mm takes no float64
-FAMILIES = {
-    "Llama": lambda: T.LlamaForCausalLM(_tiny(T.LlamaConfig)),
-    "Llama-tied": lambda: T.LlamaForCausalLM(_tiny(T.LlamaConfig, tie_word_embeddings=True)),
-    "GPT-2": lambda: T.GPT2LMHeadModel(T.GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
-    "Qwen3-MoE": lambda: T.Qwen3MoeForCausalLM(_tiny(
-        T.Qwen3MoeConfig, head_dim=8, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, **EAGER)),
-    "Mixtral": lambda: T.MixtralForCausalLM(_tiny(T.MixtralConfig, num_local_experts=4,
-                                                  num_experts_per_tok=2, **EAGER)),
-    # the rest of the model matrix's transformers families, each once, built on meta
-    "Qwen2": lambda: T.Qwen2ForCausalLM(_tiny(T.Qwen2Config, tie_word_embeddings=True)),
-    "Qwen3": lambda: T.Qwen3ForCausalLM(_tiny(T.Qwen3Config, head_dim=8,
-                                              tie_word_embeddings=True)),
-    "Mistral": lambda: T.MistralForCausalLM(_tiny(T.MistralConfig)),
-    "Gemma2": lambda: T.Gemma2ForCausalLM(_tiny(T.Gemma2Config, head_dim=8,
-                                                attn_implementation="eager")),
-    "Gemma3": lambda: T.Gemma3ForCausalLM(_tiny(T.Gemma3TextConfig, head_dim=8,
-                                                sliding_window=4)),
-    "Phi-3": lambda: T.Phi3ForCausalLM(_tiny(T.Phi3Config)),
-    "OLMoE": lambda: T.OlmoeForCausalLM(_tiny(T.OlmoeConfig, num_experts=4,
-                                              num_experts_per_tok=2, **EAGER)),
-}
-'''
 # (family, mesh, data_parallel, where the model is built: "cpu", or "meta" as at real size);
 # GPT-2 has no pipeline split (meshlab refuses it)
-CASES = [("Llama", "dp=4", "zero3", "cpu"), ("Llama", "dp=2 tp=2", "zero3", "cpu"),
-         ("Llama", "pp=2 dp=2", "zero3", "cpu"), ("Llama-tied", "dp=4", "zero3", "cpu"),
-         ("Llama-tied", "dp=2 tp=2", "zero3", "cpu"), ("Llama-tied", "pp=2 dp=2", "zero3", "cpu"),
+CASES = [*[(f, spec, "zero3", "cpu") for f in ("Llama", "Llama (tied)")
+           for spec in ("dp=4", "dp=2 tp=2", "pp=2 dp=2")],
          ("GPT-2", "dp=4", "zero3", "cpu"), ("GPT-2", "dp=2 tp=2", "zero3", "cpu"),
          ("Qwen3-MoE", "dp=4 ep=2", "none", "cpu"), ("Qwen3-MoE", "dp=4", "zero3", "cpu"),
          ("Qwen3-MoE", "dp=2 tp=2", "zero3", "cpu"), ("Mixtral", "dp=4 ep=2", "none", "cpu"),
-         ("Llama-tied", "dp=2 tp=2", "zero3", "meta"), ("Qwen3-MoE", "dp=4 ep=2", "none", "meta"),
+         ("Llama (tied)", "dp=2 tp=2", "zero3", "meta"), ("Qwen3-MoE", "dp=4 ep=2", "none", "meta"),
          *[(f, "dp=2 tp=2", "zero3", "meta") for f in ("Qwen2", "Qwen3", "Mistral", "Gemma2",
                                                        "Gemma3", "Phi-3")],
          ("OLMoE", "dp=4 ep=2", "none", "meta")]
