@@ -11,7 +11,6 @@ every step after the first; the pipeline's metadata handshake runs before it too
 from __future__ import annotations
 
 import inspect
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -131,7 +130,7 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     # on a CPU rank the offloaded shards share the device's memory; the device's total is
     # what is left when they go to the host
     memory["total"] = raw.get("Total", 0) - memory.get("host", 0)
-    return RankRun(rank=rank, coordinates=_coordinates(spec, rank), role=role, stages=stages,
+    return RankRun(rank=rank, coordinates=spec.coordinates_of(rank), role=role, stages=stages,
                    params=held, memory=memory, peaks=peaks,
                    raw=raw, collectives=traffic(tracer.records, spec, rank),
                    fits=None if usable is None else memory["total"] <= usable,
@@ -186,6 +185,7 @@ def _forward_backward(model: nn.Module, pipeline: Any, plan: ParallelPlan, x: to
     gradient accumulation (one without it)."""
     from meshlab.models.llama import loss_fn
     from meshlab.parallel.accumulate import micro_batches
+    from meshlab.parallel.verify import logits_of
 
     if pipeline is not None:
         pipeline.step(x, y)
@@ -195,10 +195,7 @@ def _forward_backward(model: nn.Module, pipeline: Any, plan: ParallelPlan, x: to
     kwargs = ({"use_cache": False} if not own and "use_cache" in
               inspect.signature(forward).parameters else {})
     for inputs, targets in micro_batches(model, (x, y), plan.grad_accum):
-        out = model(inputs, **kwargs)
-        if isinstance(out, tuple | list):  # (logits, loss), as nanoGPT returns
-            out = out[0]
-        (loss_fn(getattr(out, "logits", out), targets) / plan.grad_accum).backward()
+        (loss_fn(logits_of(model(inputs, **kwargs)), targets) / plan.grad_accum).backward()
 
 
 def _warm(optimizer: torch.optim.Optimizer) -> None:
@@ -277,7 +274,7 @@ def axis_names(spec: MeshSpec, rank: int) -> dict[frozenset[int], str]:
                                      if d in dims)
     names: dict[frozenset[int], str] = {}
     for span in sorted(spans.values(), key=len):
-        group = _group(dims, span, rank)
+        group = frozenset(spec.group_of(rank, span))
         if len(group) > 1:
             names.setdefault(group, canonical(span, spec))
     return names
@@ -293,23 +290,3 @@ def canonical(span: tuple[str, ...], spec: MeshSpec) -> str:
         kept = [("dp_shard" if d == "dp_shard_mod_ep" else d) for d in kept
                 if d != "dp_shard_in_ep"]
     return "+".join(kept)
-
-
-def _group(dims: dict[str, int], span: tuple[str, ...], rank: int) -> frozenset[int]:
-    """The ranks that differ from ``rank`` only along ``span`` (row-major mesh)."""
-    names, sizes = list(dims), list(dims.values())
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
-    coords = [rank // s % n for s, n in zip(strides, sizes, strict=True)]
-    base = rank - sum(coords[names.index(d)] * strides[names.index(d)] for d in span)
-    group = [base]
-    for d in span:
-        i = names.index(d)
-        group = [g + k * strides[i] for g in group for k in range(sizes[i])]
-    return frozenset(group)
-
-
-def _coordinates(spec: MeshSpec, rank: int) -> dict[str, int]:
-    dims = spec.mesh_axes()
-    sizes = list(dims.values())
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
-    return {d: rank // s % n for d, s, n in zip(dims, strides, sizes, strict=True)}

@@ -133,6 +133,26 @@ class MeshSpec:
         return {name: _groups(shape, [names.index(d) for d in span])
                 for name, span in spans.items()}
 
+    def coordinates_of(self, rank: int) -> dict[str, int]:
+        """{mesh dimension: index} of one rank (``coordinates`` gives every rank's)."""
+        dims = self.mesh_axes()
+        return {d: rank // stride % n for d, n, stride in zip(dims, dims.values(),
+                                                               self._strides(), strict=True)}
+
+    def group_of(self, rank: int, span: tuple[str, ...]) -> list[int]:
+        """The ranks that differ from ``rank`` only along the mesh dimensions ``span``
+        (row-major, as ``groups`` lists them all; this one costs no more at 16,384 ranks)."""
+        strides = dict(zip(self.mesh_axes(), self._strides(), strict=True))
+        coords = self.coordinates_of(rank)
+        group = [rank - sum(coords[d] * strides[d] for d in span)]
+        for d in span:
+            group = [g + k * strides[d] for g in group for k in range(self.mesh_axes()[d])]
+        return sorted(group)
+
+    def _strides(self) -> list[int]:
+        sizes = list(self.mesh_axes().values())
+        return [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+
     def __str__(self) -> str:
         parts = [f"{a}={n}" for a, n in self.axes().items()]
         return " ".join(parts + ([f"ep={self.ep}"] if self.ep > 1 else []))

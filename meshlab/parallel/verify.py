@@ -104,10 +104,15 @@ def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
     model may return the logits, an output holding them (transformers' ``.logits``), or a
     tuple that starts with them."""
     inputs, targets = batch
-    out = model(inputs)
-    if isinstance(out, tuple | list):  # (logits, loss), as nanoGPT returns
+    return loss_fn(logits_of(model(inputs)), targets)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits in what a model returned: themselves, transformers' ``.logits``, or the
+    first of a tuple (nanoGPT returns (logits, loss))."""
+    if isinstance(out, tuple | list):
         out = out[0]
-    return loss_fn(getattr(out, "logits", out), targets)
+    return getattr(out, "logits", out)
 
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
