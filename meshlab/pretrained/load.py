@@ -3,15 +3,12 @@ package's docstring says how each tensor is read)."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,34 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.blocks import clean_name
+from meshlab.pretrained.held import INDEX, SINGLE, held_tensors, model_class, reshard_all, unwrap
+from meshlab.pretrained.keys import Piece, few, map_keys
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-from meshlab.pretrained.held import INDEX, SINGLE, held_tensors, model_class, reshard_all, unwrap
-
-_Read = Callable[[tuple[slice, ...]], torch.Tensor]
-
-
-@dataclass(slots=True)
-class _Piece:
-    """Part of a target tensor stored elsewhere: the box ``[start, stop)`` per target dim that
-    ``read(slices within the box)`` gives; ``stacked``: the source lacks the box's dim 0 (one
-    expert of a stacked weight)."""
-
-    read: _Read
-    box: list[tuple[int, int]]
-    stacked: bool = False
-    key: str = ""
-
-
-@dataclass(slots=True)
-class _Group:
-    """A transformers conversion meshlab does not read in slices: its sources, read whole."""
-
-    converter: Any
-    target: str
-    sources: list[tuple[str, str]] = field(default_factory=list)  # (pattern, file key)
 
 
 def load_pretrained(model: nn.Module, folder: str | os.PathLike[str], *,
@@ -62,14 +36,14 @@ def load_pretrained(model: nn.Module, folder: str | os.PathLike[str], *,
     reshard_all(model)
     with _opened(_weight_files(folder)) as handles:
         names, groups = held_tensors(model)
-        sources, fallbacks, unexpected = _map_keys(inner, handles, names)
+        sources, fallbacks, unexpected = map_keys(inner, handles, names)
         ep = ep_place(mesh)
         for name, tensor, source in _match(inner, names, groups, sources, fallbacks,
                                            unexpected, folder):
             pieces = sources.get(source)
             if pieces is None:  # a conversion run whole: its target, in memory
                 full = fallbacks[source]()
-                pieces = [_Piece(full.__getitem__, [(0, n) for n in full.shape], key=source)]
+                pieces = [Piece(full.__getitem__, [(0, n) for n in full.shape], key=source)]
             _fill(tensor, pieces, name, folder, ep)
 
 
@@ -108,195 +82,8 @@ def _weight_files(folder: Path) -> dict[str, Path]:
                      "folder: load it once with from_pretrained and save it again)")
 
 
-def _conversions(inner: nn.Module) -> tuple[list[Any], list[Any]]:
-    """transformers' renamings and converters for this model, as from_pretrained applies them."""
-    if not hasattr(inner, "config") or not hasattr(inner, "base_model_prefix"):
-        return [], []
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-    except ImportError:
-        return [], []
-    transforms = get_model_conversion_mapping(inner)  # type: ignore[arg-type]
-    return ([t for t in transforms if isinstance(t, WeightRenaming)],
-            [t for t in transforms if isinstance(t, WeightConverter)])
-
-
-def _map_keys(inner: nn.Module, handles: dict[str, Any], names: dict[str, torch.Tensor]
-              ) -> tuple[dict[str, list[_Piece]], dict[str, Callable[[], torch.Tensor]], list[str]]:
-    """The file's keys as the model's names, as from_pretrained maps them: {name: pieces},
-    {name: a conversion read whole}, and the keys that are no name of the model (nor of a
-    part another pipeline stage holds)."""
-    keys = {k: f for f, handle in handles.items() for k in handle.keys()}  # noqa: SIM118
-    aliases = dict(getattr(inner, "all_tied_weights_keys", None) or {})
-    # a pipeline's copy of a tied head reads the embedding, which another stage holds
-    wanted = set(names) | {aliases[n] for n in names if n in aliases}
-    renamings, converters = _conversions(inner)
-    prefix = getattr(inner, "base_model_prefix", "") or ""
-    elsewhere = _elsewhere(inner) if getattr(inner, "pipeline", None) is not None else None
-    sources: dict[str, list[_Piece]] = {}
-    merged: dict[str, tuple[Any, dict[int, dict[int, str]]]] = {}
-    groups: dict[str, _Group] = {}
-    unexpected: list[str] = []
-
-    def reader(key: str) -> _Read:
-        handle = handles[keys[key]]
-        return lambda s: handle.get_slice(key)[s] if s else handle.get_tensor(key)
-
-    def shape(key: str) -> tuple[int, ...]:
-        return tuple(handles[keys[key]].get_slice(key).get_shape())
-
-    def foreign(target: str) -> bool:
-        return elsewhere is None or not elsewhere(target)
-
-    for key in sorted(keys, key=natural_order):
-        if key in wanted:
-            sources[key] = [_Piece(reader(key), [(0, n) for n in shape(key)], key=key)]
-            continue
-        renamed = key
-        for renaming in renamings:
-            renamed, _ = renaming.rename_source_key(renamed)
-        for converter in converters:
-            target, pattern = converter.rename_source_key(renamed)
-            if pattern is not None:
-                break
-        else:
-            target, pattern, converter = renamed, None, None
-        if converter is not None and pattern is not None:
-            match = re.search(pattern.replace("*.", r"(\d+)\."), renamed)
-            if _sliceable(converter) and match and match.groups():
-                by_pattern = merged.setdefault(target, (converter, {}))[1]
-                index = converter.source_patterns.index(pattern)
-                by_pattern.setdefault(index, {})[int(match.group(1))] = key
-            else:
-                groups.setdefault(target, _Group(converter, target)).sources.append((pattern, key))
-            continue
-        if target not in wanted and prefix:  # a base model's keys into a head model, or back
-            bare, longer = target.removeprefix(f"{prefix}."), f"{prefix}.{target}"
-            target = bare if bare in wanted else longer if longer in wanted else target
-        if target in wanted:
-            sources[target] = [_Piece(reader(key), [(0, n) for n in shape(key)], key=key)]
-        elif foreign(target):
-            unexpected.append(key)
-    for target, (converter, by_pattern) in merged.items():
-        if target in wanted:
-            sources[target] = _stacked_pieces(converter, by_pattern, reader, shape)
-        elif foreign(target):
-            unexpected += [k for experts in by_pattern.values() for k in experts.values()]
-    fallbacks: dict[str, Callable[[], torch.Tensor]] = {}
-    for group in groups.values():
-        produced = _run_group(inner, group, reader)
-        for target in produced.names:
-            if target in wanted:
-                fallbacks[target] = produced.get(target)
-            elif foreign(target):
-                unexpected += [k for _, k in group.sources]
-    return sources, fallbacks, sorted(set(unexpected), key=natural_order)
-
-
-def natural_order(key: str) -> list[tuple[int, int, str]]:
-    """Sort key: layer 10 after layer 9."""
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split(".")]
-
-
-def _sliceable(converter: Any) -> bool:
-    """Per-expert keys stacked on dim 0, then maybe concatenated (gate and up): what
-    MoE checkpoints need, read here expert by expert in slices."""
-    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
-    return ops[:1] == [("MergeModulelist", 0)] and (
-        len(ops) == 1 or (len(ops) == 2 and ops[1][0] == "Concatenate" and (ops[1][1] or 0) >= 1))
-
-
-def _stacked_pieces(converter: Any, by_pattern: dict[int, dict[int, str]],
-                    reader: Callable[[str], _Read], shape: Callable[[str], tuple[int, ...]]
-                    ) -> list[_Piece]:
-    """Pieces of a stacked experts weight: expert e of source pattern p is box
-    ``[e, e + 1)`` on dim 0 and its share of the concatenated dim."""
-    concat = converter.operations[1].dim if len(converter.operations) > 1 else None
-    counts = {len(experts) for experts in by_pattern.values()}
-    experts = sorted(next(iter(by_pattern.values())))
-    if len(counts) != 1 or experts != list(range(len(experts))) or \
-            len(by_pattern) != len(converter.source_patterns):
-        keys = sorted(k for e in by_pattern.values() for k in e.values())
-        raise ValueError(f"the folder holds experts {_few(keys)} of "
-                         f"{converter.source_patterns} unevenly (each needs experts 0..E-1): it "
-                         "is incomplete; copy the whole folder again")
-    pieces, offset = [], 0
-    for p in sorted(by_pattern):
-        shapes = {shape(k) for k in by_pattern[p].values()}
-        if len(shapes) != 1:
-            raise ValueError(f"the experts of {converter.source_patterns[p]} in the folder have "
-                             f"different shapes {sorted(shapes)}: it does not hold one model")
-        size = shapes.pop()
-        for e, key in by_pattern[p].items():
-            box = [(e, e + 1)] + [(0, n) for n in size]
-            if concat is not None:
-                box[concat] = (offset, offset + size[concat - 1])
-            pieces.append(_Piece(reader(key), box, stacked=True, key=key))
-        offset += size[concat - 1] if concat is not None else 0
-    return pieces
-
-
-@dataclass(slots=True)
-class _Produced:
-    """The targets of a conversion read whole, and for each a call that gives it."""
-
-    names: list[str]
-    get: Callable[[str], Callable[[], torch.Tensor]]
-
-
-def _run_group(inner: nn.Module, group: _Group, reader: Callable[[str], _Read]) -> _Produced:
-    """A conversion read whole: transformers' converter runs on its sources (once, when the
-    first of its targets is loaded), as from_pretrained runs it."""
-    converter = copy.deepcopy(group.converter)
-    targets = [group.target]
-    if len(converter.target_patterns) > 1:  # one source to several targets (a qkv split)
-        first = converter.target_patterns[0]
-        targets = [group.target.replace(first, t) for t in converter.target_patterns]
-    cache: dict[str, torch.Tensor] = {}
-
-    def get(target: str) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            if not cache:
-                for pattern, key in sorted(group.sources, key=lambda s: natural_order(s[1])):
-                    converter.add_tensor(group.target, key, pattern, partial(reader(key), ()))
-                out = converter.convert(group.target, model=inner,
-                                        config=getattr(inner, "config", None))
-                cache.update({k: v[0] if isinstance(v, list) else v for k, v in out.items()})
-            return cache.pop(target)
-        return run
-
-    return _Produced(targets, get)
-
-
-def _elsewhere(inner: nn.Module) -> Callable[[str], bool]:
-    """Whether a name belongs to a part another pipeline stage holds: a part this stage set to
-    None or a pass-through, or a block missing from its dict of blocks."""
-    from meshlab.parallel.blocks import PassThrough
-
-    modules = {clean_name(n): m for n, m in inner.named_modules()}
-
-    def test(name: str) -> bool:
-        parts = name.split(".")
-        for i in range(len(parts) - 1):
-            module = modules.get(".".join(parts[:i]))
-            if module is None:
-                return False
-            if isinstance(module, PassThrough):
-                return True
-            child = parts[i]
-            if child in module._modules and module._modules[child] is None:
-                return True
-            if isinstance(module, nn.ModuleDict) and child not in module._modules \
-                    and child.isdigit():
-                return True
-        return False
-
-    return test
-
-
 def _match(inner: nn.Module, names: dict[str, torch.Tensor], groups: list[list[str]],
-           sources: dict[str, list[_Piece]], fallbacks: dict[str, Any], unexpected: list[str],
+           sources: dict[str, list[Piece]], fallbacks: dict[str, Any], unexpected: list[str],
            folder: Path) -> list[tuple[str, torch.Tensor, str]]:
     """(name, tensor, the name its weights are under) for each tensor this rank holds; a
     ValueError naming the keys when the folder and the model do not fit."""
@@ -307,7 +94,7 @@ def _match(inner: nn.Module, names: dict[str, torch.Tensor], groups: list[list[s
     where = _describe(folder)
     if unexpected:
         raise ValueError(f"{folder} holds {len(unexpected)} tensors this "
-                         f"{model_class(inner)} has no place for: {_few(unexpected)}: the "
+                         f"{model_class(inner)} has no place for: {few(unexpected)}: the "
                          f"folder was saved from another model{where}; build the model from "
                          "its config (AutoConfig.from_pretrained(folder)), or pass the folder "
                          "of this model")
@@ -322,15 +109,11 @@ def _match(inner: nn.Module, names: dict[str, torch.Tensor], groups: list[list[s
             missing.append(group[0])
     if missing:
         raise ValueError(f"{folder} has no weights for {len(missing)} of this "
-                         f"{model_class(inner)}'s tensors: {_few(missing)}: the folder was "
+                         f"{model_class(inner)}'s tensors: {few(missing)}: the folder was "
                          f"saved from another model or config{where}; build the model from its "
                          "config (AutoConfig.from_pretrained(folder)), or pass the folder of "
                          "this model")
     return todo
-
-
-def _few(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 def _describe(folder: Path) -> str:
@@ -352,7 +135,7 @@ def ep_place(mesh: DeviceMesh | None) -> tuple[int, int] | None:
     return mesh["ep"].get_local_rank(), mesh["ep"].size()
 
 
-def _fill(tensor: torch.Tensor, pieces: list[_Piece], key: str, folder: Path,
+def _fill(tensor: torch.Tensor, pieces: list[Piece], key: str, folder: Path,
           ep: tuple[int, int] | None) -> None:
     """Copy this rank's part of the pieces' target into ``tensor``'s local storage."""
     from torch.distributed.tensor import DTensor
@@ -402,7 +185,7 @@ def _fill(tensor: torch.Tensor, pieces: list[_Piece], key: str, folder: Path,
                 local[dst].copy_(block.unsqueeze(0) if piece.stacked else block)
 
 
-def _box_shape(pieces: list[_Piece]) -> tuple[int, ...]:
+def _box_shape(pieces: list[Piece]) -> tuple[int, ...]:
     """The target's shape: the boxes' extent."""
     dims = len(pieces[0].box)
     return tuple(max(p.box[d][1] for p in pieces) for d in range(dims))

@@ -21,7 +21,8 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 from meshlab.pretrained.held import INDEX, SINGLE, held_tensors, model_class, reshard_all, unwrap
-from meshlab.pretrained.load import ep_place, natural_order
+from meshlab.pretrained.keys import natural_order
+from meshlab.pretrained.load import ep_place
 
 MAX_SHARD_BYTES = 5 * 10**9
 """transformers' default shard size ("5GB")."""
