@@ -32,6 +32,7 @@ from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
+from meshlab.notebook.tables.profile import profile_views
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
 
@@ -234,11 +235,14 @@ class MeshMagics(Magics):
         try:
             result = self.session.run(cell, args.ranks, args.timeout, on_output=live.update,
                                       keep_values=bool(args.output), comms=args.comms,
+                                      profile=args.profile, profile_dir=args.profile_dir,
                                       max_lines=args.max_lines)
         except MeshError as e:
             live.finish(e.result)
             if args.output:
                 self.shell.user_ns[args.output] = e.result.values
+            if e.result.profile is not None:
+                display(*profile_views(e.result.profile))
             raise
         live.finish(result)
         if args.output:
@@ -246,6 +250,8 @@ class MeshMagics(Magics):
         if args.comms and (cluster := self.session.cluster) is not None:
             frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
             display(*comms_tables(frame), comms_chart(frame))
+        if result.profile is not None:
+            display(*profile_views(result.profile))
 
     def _auto_off(self) -> None:
         self.auto = False

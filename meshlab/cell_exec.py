@@ -24,7 +24,7 @@ import sys
 import warnings
 from typing import Any
 
-from meshlab import runtime
+from meshlab import profiling, runtime
 
 _transformed: dict[str, str] = {}  # cell text -> IPython's static transform of it
 _TRANSFORMED_KEPT = 1024
@@ -81,9 +81,11 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
     running, interrupts = True, 0
     previous = signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C reaches it
     signal.signal(STOP_SIGNAL, _on_stop)
+    profiling.mark_cell()
     try:
         failure = execute(shell, code, number)
     finally:
+        profiling.mark_cell()
         running = False
         signal.signal(signal.SIGINT, previous)
         signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # an idle engine never dies of it

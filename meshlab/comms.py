@@ -2,17 +2,21 @@
 
 A TorchDispatchMode sees every c10d op at the dispatcher: plain ``dist.*`` calls arrive
 as ``c10d.*`` ops, DTensor redistributions as ``_c10d_functional.*`` ops. Unlike torch's
-CommDebugMode (counts only), each record carries the group's ranks and computed bytes.
-Plain torch; the notebook turns the records into tables and charts.
+CommDebugMode (counts only), each record carries the group's ranks and computed bytes, and,
+timed, when this rank issued it and when it completed here (``%%mesh --profile`` lines the
+ranks' records up to find who arrived last). Plain torch; the notebook turns the records into
+tables and charts.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dispatcher op names (c10d.allreduce_, _c10d_functional.all_gather_into_tensor, ...) by
@@ -34,6 +38,10 @@ class CommRecord:
     group: list[int]  # global ranks of the process group it ran on
     bytes: int  # payload: the larger of the data going in and coming out on this rank
     wire_bytes: int  # what this rank sends with ring algorithms (an estimate, not a measure)
+    # timed tracing only (time.time_ns on this rank's clock; 0 when not timed):
+    seq: int = -1  # how many collectives this rank issued on the same group before this one
+    issued_ns: int = 0  # the call began: this rank arrived at the collective
+    done_ns: int = 0  # its result was ready here (the work's future, or the wait's end)
 
 
 def collective_name(func_name: str) -> str | None:
@@ -54,20 +62,71 @@ def wire_bytes(op: str, payload: int, n: int) -> int:
 
 
 class CommTracer(TorchDispatchMode):
-    """Records every collective dispatched while active."""
+    """Records every collective dispatched while active; ``timed`` also when each was issued
+    and completed on this rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, timed: bool = False) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
+        self.timed = timed
+        self._seq: dict[tuple[int, ...], int] = {}
+        self._unwaited: dict[int, CommRecord] = {}  # functional results by storage, until waited
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional"):
-            op = collective_name(str(func.overloadpacket.__name__))
-            if op is not None:
-                self.records.append(_record(op, func, args, kwargs))
-        return func(*args, **kwargs)
+        if self._unwaited:
+            self._wait_for_results(args, kwargs)
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **kwargs)
+        name = str(func.overloadpacket.__name__)
+        op, issued = collective_name(name), time.time_ns()
+        out = func(*args, **kwargs)
+        if op is not None:
+            record = _record(op, func, args, kwargs)
+            record.seq = self._seq.get(key := tuple(record.group), 0)
+            self._seq[key] = record.seq + 1
+            self.records.append(record)
+            if self.timed:
+                record.issued_ns = issued
+                self._until_done(record, out)
+        elif self.timed and name == "wait_tensor" and isinstance(args[0], torch.Tensor):
+            waited = self._unwaited.pop(_storage(args[0]), None)
+            if waited is not None:
+                waited.done_ns = time.time_ns()
+        return out
+
+    def _wait_for_results(self, args: Any, kwargs: Any) -> None:
+        """An op about to read a functional collective's result waits for it inside the
+        result's own dispatch, where this mode cannot see: wait here first (the same wait, a
+        moment earlier) and note when it ended."""
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        for value in pytree.tree_leaves((args, kwargs)):
+            if isinstance(value, AsyncCollectiveTensor):
+                record = self._unwaited.pop(_storage(value.elem), None)
+                if record is not None:
+                    torch.ops._c10d_functional.wait_tensor(value.elem)
+                    record.done_ns = time.time_ns()
+
+    def _until_done(self, record: CommRecord, out: Any) -> None:
+        """Set ``record.done_ns`` when the collective completes on this rank."""
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.ScriptObject):  # c10d ops return their Work
+                future = dist.distributed_c10d.Work.unbox(value).get_future()
+                future.add_done_callback(lambda _: setattr(record, "done_ns", time.time_ns()))
+                return
+        # functional collectives complete at their wait_tensor (torch waits there, or earlier)
+        tensors = [v for v in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(v, torch.Tensor)]
+        if tensors:
+            self._unwaited[_storage(tensors[0])] = record
+        else:
+            record.done_ns = time.time_ns()
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
 
 
 def _record(op: str, func: Any, args: Any, kwargs: Any) -> CommRecord:
@@ -106,11 +165,11 @@ def _bytes(value: Any) -> int:
 _active: CommTracer | None = None
 
 
-def start() -> None:
+def start(*, timed: bool = False) -> None:
     """Start tracing on this rank (until stop()); the cluster calls it around a cell."""
     global _active
     stop()
-    _active = CommTracer()
+    _active = CommTracer(timed=timed)
     _active.__enter__()
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import altair as alt
 import pandas as pd
 
-from meshlab.notebook.palette import text_colour
+from meshlab.notebook.palette import rank_colour, text_colour
 
 # JupyterLab 4 and VS Code render Vega-Lite 5 themselves (vega bundled with the front end);
 # altair 6 writes Vega-Lite 6, which they do not render. The charts here use nothing v6 added.
@@ -196,6 +196,56 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
     if not shared:  # slots beside milliseconds: one axis would compare apples to pears
         chart = chart.resolve_scale(x="independent")
     return OfflineChart(chart.properties(title=heading))
+
+
+# -- profiled cells ---------------------------------------------------------------------------
+
+WORK_COLOURS = {"compute": "#6b7a8f", "copy": "#d9a21b", "idle": "#ececec",
+                "wait": "#f2a7a7"}  # grey work, amber copies, pale idle, pink waiting
+AXIS_COLOURS = ("#1f5fbf", "#c2185b", "#6a3fb5", "#00838f", "#2e7d32", "#ad5a00",
+                "#37474f")  # collectives, one per mesh axis; none is a work colour
+
+
+def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") -> OfflineChart:
+    """Every rank on one time axis (``CellProfile.spans``): its work in one lane, its
+    collectives under it coloured by mesh axis, the wait for a later rank in pink; rank labels
+    in the rank colours. Hovering a bar names the op, its time, bytes and whom it waited on."""
+    data = frame.assign(
+        lane=["comm" if k in ("comm", "wait") else "work" for k in frame["kind"]],
+        what=[f"comm on {a}" if k == "comm" else
+              ("waiting for a later rank" if k == "wait" else k)
+              for k, a in zip(frame["kind"], frame["axis"], strict=True)],
+        ms=frame["end"] - frame["start"])
+    axes = list(dict.fromkeys(a for k, a in zip(data["kind"], data["axis"], strict=True)
+                              if k == "comm"))
+    named = {"compute": WORK_COLOURS["compute"], "copy": WORK_COLOURS["copy"],
+             "idle": WORK_COLOURS["idle"], "waiting for a later rank": WORK_COLOURS["wait"]}
+    named |= {f"comm on {a}": AXIS_COLOURS[i % len(AXIS_COLOURS)] for i, a in enumerate(axes)}
+    shown = [w for w in named if w in set(data["what"])]
+    ranks = sorted(data["rank"].unique())
+    colours = "[" + ",".join(f"'{rank_colour(int(r))}'" for r in ranks) + "]"
+    order = "[" + ",".join(str(int(r)) for r in ranks) + "]"
+    tooltip = [alt.Tooltip("rank:O"), alt.Tooltip("what:N", title="kind"),
+               alt.Tooltip("name:N", title="op"), alt.Tooltip("axis:N"),
+               alt.Tooltip("start:Q", title="start (ms)", format=",.3f"),
+               alt.Tooltip("ms:Q", title="duration (ms)", format=",.3f"),
+               alt.Tooltip("bytes:Q", format=","), alt.Tooltip("waited on:N")]
+    chart = alt.Chart(data).mark_bar(stroke="white", strokeWidth=0.3).encode(
+        x=alt.X("start:Q", title="ms from the cell's start (one clock for all ranks)",
+                scale=alt.Scale(nice=False, zero=True), axis=_axis()),
+        x2="end:Q",
+        y=alt.Y("rank:O", title="rank", sort=ranks, axis=alt.Axis(
+            labelColor=alt.ExprRef(f"{colours}[indexof({order}, datum.value)]"),
+            labelFontWeight="bold")),
+        yOffset=alt.YOffset("lane:N", sort=["work", "comm"], title=None),
+        color=alt.Color("what:N", title="kind", scale=alt.Scale(
+            domain=shown, range=[named[w] for w in shown])),
+        tooltip=tooltip)
+    subtitle = "upper lane: compute, copies, idle; lower lane: collectives, pink while " \
+               "waiting for a later rank"
+    return OfflineChart(chart.properties(
+        width=WIDTH + 240, height=max(60, 34 * len(ranks)),
+        title=alt.TitleParams(title, subtitle=subtitle)))
 
 
 # -- kernels ----------------------------------------------------------------------------------

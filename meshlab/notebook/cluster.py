@@ -19,6 +19,7 @@ from typing import Any
 import ipyparallel as ipp
 
 import meshlab.comms
+import meshlab.profiling
 from meshlab import runtime
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import launch, on_ranks, profiles
@@ -233,6 +234,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         on_output: Callable[[CellResult], None] | None = None,
         keep_values: bool = False,
         comms: bool = False,
+        profile: bool = False,
         number: int | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
@@ -242,6 +244,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         ``keep_values``: each rank sends its last expression's value with its reply, into
         ``result.values``.
         ``comms`` traces the collectives each rank issues into ``result.comms``.
+        ``profile`` profiles every rank (torch.profiler and timed collectives) into
+        ``result.profile``, a CellProfile on the notebook's clock.
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
         """
@@ -250,15 +254,24 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         # the cell's limit bounds the wait for ranks an earlier cell left stuck too
         spent = self._recover(creates_groups=bool(GROUP_CREATION.search(code)),
                               timeout=timeout or None)
-        if comms:  # started before the cell is sent: the two travel on different channels
-            self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(
-                meshlab.comms.start)
+        view = self._client.direct_view([self._engines[r] for r in ranks])
+        if comms and not profile:  # before the cell is sent: the two travel apart
+            view.apply_sync(meshlab.comms.start)
+        if profile:
+            remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
+            clocks_before = self.clocks(remote)
+            view.apply_sync(meshlab.profiling.start)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),
                        timeout, on_output, spent=spent)
         result = cell.wait()
-        if comms:
+        if profile:
+            result.profile = self._collect_profiles([r for r in ranks if r not in cell.stuck],
+                                                    clocks_before)
+            if comms and result.profile is not None:
+                result.comms = {r: p.collectives for r, p in result.profile.ranks.items()}
+        elif comms:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
         self._after_cell(cell, result, code)
         if keep_values:
@@ -287,6 +300,19 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
             meshlab.comms.stop)
         return dict(zip(alive, ar.get(timeout=30), strict=True))
+
+    def _collect_profiles(self, ranks: list[int], clocks_before: dict[int, tuple[int, int]]
+                          ) -> Any:
+        from meshlab.notebook.cell_profile import CellProfile, clocks_from
+
+        alive = [r for r in ranks if r not in self._dead]
+        pending = {r: self._client[self._engines[r]].apply_async(meshlab.profiling.stop, rank=r)
+                   for r in alive}
+        profiles = {r: p for r, ar in pending.items() if (p := ar.get(timeout=60)) is not None}
+        if not profiles:
+            return None
+        clocks = clocks_from(profiles, clocks_before, self.clocks(list(clocks_before)))
+        return CellProfile(profiles, clocks, self.mesh_spec, self.world_size)
 
     def regroup(self, ranks: str | list[int] | None = None) -> None:
         """Replace the process group by a fresh one over all ranks (or a subset).

@@ -259,6 +259,12 @@ def export(line: str) -> None:
 @output_option("{rank: value of the last expression}")
 @argument("--comms", action="store_true",
           help="trace the collectives each rank issued: counts, bytes, mesh axis")
+@argument("--profile", action="store_true",
+          help="one timeline of every rank's compute and communication (torch.profiler), "
+          "time per rank hidden/exposed/idle, who waited for whom")
+@argument("--profile-dir", metavar="DIR",
+          help="with --profile (implied): also write every rank's trace as one Chrome/"
+          "Perfetto file, DIR/cell-N.json")
 @argument("--max-lines", type=int, metavar="N",
           help="keep at most N lines of each rank's stdout and stderr (default 5000); the "
           "rest goes to a file per rank, named under the output")

@@ -12,7 +12,8 @@ import pandas as pd
 
 
 class RankProbes:
-    """status, stacks, last collectives, optimizer steps, post-mortems and completion."""
+    """status, stacks, clocks, last collectives, optimizer steps, post-mortems and
+    completion."""
 
     _client: Any
     cell_channel: Any
@@ -67,6 +68,22 @@ class RankProbes:
     def complete(self, text: str) -> list[str]:
         """Completions of ``text`` in rank 0's namespace (for tab completion in cells)."""
         return self._probe([0], "complete", text=text, timeout=1.0).get(0) or []
+
+    def clocks(self, ranks: list[int], samples: int = 6) -> dict[int, tuple[int, int]]:
+        """Each rank's clock minus the notebook's, in ns, and the most that can be off by.
+
+        The rank reads its clock between the request and the reply, so the midpoint of the
+        shortest of ``samples`` round trips is off by at most half of it (as NTP reckons).
+        One rank at a time: a round trip shared with other ranks would be longer."""
+        best: dict[int, tuple[int, int]] = {}
+        for r in ranks:
+            for _ in range(samples):
+                sent = time.time_ns()
+                reply = self._probe([r], "clock").get(r)
+                back = time.time_ns()
+                if reply is not None and (r not in best or (back - sent) // 2 < best[r][1]):
+                    best[r] = (int(reply) - (sent + back) // 2, (back - sent) // 2)
+        return best
 
     def _probe(self, ranks: Any, what: str, timeout: float = 2.0, **content: Any
                ) -> dict[int, Any]:

@@ -145,23 +145,31 @@ class Session:
     def run(self, code: str, ranks: str | list[int] | None = None,
             timeout: float | None = None, *, on_output: Callable[[CellResult], None] | None
             = None, keep_values: bool = False, comms: bool = False,
+            profile: bool = False, profile_dir: str | Path | None = None,
             max_lines: int | None = None) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options. ``max_lines``: keep at most this many lines of
         each rank's stdout and stderr for this cell (default ``cluster.max_output_lines``);
-        the rest goes to a file per rank that ``result.full_output`` names."""
+        the rest goes to a file per rank that ``result.full_output`` names. ``profile``:
+        every rank's timeline on one clock into ``result.profile`` (a CellProfile);
+        ``profile_dir`` also writes it there as one Chrome/Perfetto trace, ``cell-N.json``."""
         cluster, number = self.need_cluster(), self.cell_number()
         default = cluster.max_output_lines
         try:
             cluster.max_output_lines = max_lines or default
             result = cluster.run(code, ranks, timeout, on_output=on_output,
-                                 keep_values=keep_values, comms=comms, number=number)
-        except MeshError:  # not exported, but export names what later cells needed from it
+                                 keep_values=keep_values, comms=comms,
+                                 profile=profile or profile_dir is not None, number=number)
+        except MeshError as e:  # not exported, but export names what later cells needed
             self.need_journal().record_failure(code, number)
+            if profile_dir is not None and e.result.profile is not None:
+                e.result.profile.save(profile_dir, f"cell-{number}")  # a failure's too
             raise
         finally:
             cluster.max_output_lines = default
+        if profile_dir is not None and result.profile is not None:
+            result.profile.save(profile_dir, f"cell-{number}")
         steps = self.optimizer_steps
         self.optimizer_steps = result.optimizer_steps if result.optimizer_steps is not None \
             else cluster.optimizer_steps(result.ranks)  # a rank did not report: ask them

@@ -1,0 +1,147 @@
+"""`%%mesh --profile`: every rank's work on one clock, who waited for whom, one Perfetto file.
+
+Real engines, real gloo, torch's real profiler. No test reads a wall-clock figure: each
+checks what must hold whatever the machine's speed (causality across ranks, who was last,
+which kind of time a span counts as).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshlab import Cluster
+from meshlab.notebook.cell_profile import CellProfile, overlap, union
+from meshlab.notebook.output import MeshError
+
+pytestmark = pytest.mark.cluster
+
+LATE_RANK = """
+import time
+x = torch.randn(128, 128)
+for i in range(4):
+    y = x @ x
+    if rank == 2:
+        time.sleep(0.03)   # rank 2 reaches every all_reduce late
+    dist.all_reduce(y)
+    dist.all_reduce(y, group=mesh["tp"].get_group())
+dist.barrier()
+"""
+
+
+@pytest.fixture
+def late(cluster: Cluster) -> CellProfile:
+    cluster.init_mesh("dp=2 tp=2")
+    result = cluster.run(LATE_RANK, profile=True)
+    assert result.profile is not None
+    return result.profile
+
+
+def test_every_collective_ends_after_its_last_member_arrived_on_the_merged_clock(
+        late: CellProfile) -> None:
+    # no rank can leave an all_reduce or a barrier before every member entered it: on a
+    # wrongly merged axis some would
+    calls = late.collectives()
+    assert len(calls) == 4 + 4 * 2 + 1  # world all_reduces, two tp groups', the barrier
+    assert calls["complete"].all()
+    slack = late.clock_error_ms
+    for row in calls.itertuples():
+        assert row.done >= row.arrived - slack, row
+
+
+def test_the_late_rank_is_named_and_the_others_wait_for_it(late: CellProfile) -> None:
+    world = late.collectives().query("axis == 'world' and op == 'all_reduce'")
+    assert (world["last"] == 2).all()
+    summary = late.summary()
+    assert summary.loc[2, "last to arrive"] >= 4
+    others = summary.drop(index=2)["waited for others"]
+    assert (others > summary.loc[2, "waited for others"]).all()
+    assert any(s.startswith("rank 2 arrived last") for s in late.stragglers())
+    waits = late.spans().query("kind == 'wait'")
+    assert set(waits["rank"]) >= {0, 1, 3} and (waits["waited on"] == "rank 2").any()
+
+
+def test_time_per_rank_adds_up_to_the_window(late: CellProfile) -> None:
+    summary = late.summary()
+    assert set(summary.index) == {0, 1, 2, 3}
+    assert {"exposed world", "exposed tp"} <= set(summary.columns)
+    for rank, row in summary.iterrows():
+        assert row["compute"] > 0, rank
+        covered = row["compute"] + row["copy"] + row["comm exposed"] + row["idle"]
+        # compute and copies may overlap each other on a GPU, never exceed the window here
+        assert covered == pytest.approx(row["window"], rel=0.02), (rank, row.to_dict())
+
+
+def test_a_collective_in_flight_during_compute_counts_as_hidden(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4")
+    overlapped = cluster.run(
+        "big = torch.randn(1 << 20)\nx = torch.randn(256, 256)\n"
+        "work = dist.all_reduce(big, async_op=True)\n"
+        "for _ in range(20):\n    y = x @ x\nwork.wait()\n", profile=True).profile
+    blocking = cluster.run(
+        "for _ in range(3):\n    dist.all_reduce(big)\n", profile=True).profile
+    assert overlapped is not None and blocking is not None
+    assert (overlapped.summary()["comm hidden"] > 0).all()
+    assert (blocking.summary()["comm hidden"] == 0).all()
+    assert (blocking.summary()["comm exposed"] > 0).all()
+
+
+def test_dtensor_collectives_are_timed_to_their_wait(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4")
+    profile = cluster.run(
+        "from torch.distributed.tensor import distribute_tensor, Shard\n"
+        "d = distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)])\n"
+        "full = d.full_tensor() * 2\n", profile=True).profile
+    assert profile is not None
+    for rank_profile in profile.ranks.values():
+        gathers = [c for c in rank_profile.collectives if c.op == "all_gather"]
+        assert gathers and all(c.done_ns >= c.issued_ns > 0 for c in gathers)
+
+
+def test_one_perfetto_file_holds_every_rank(late: CellProfile, tmp_path: Path) -> None:
+    path = late.save(tmp_path / "traces", "late")
+    trace = json.loads(path.read_text())  # Perfetto and chrome://tracing read this JSON
+    events: list[dict[str, Any]] = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert sorted(names) == [0, 1, 2, 3] and all(n.startswith("rank ") for n in names.values())
+    timed = [e for e in events if e.get("ph") == "X"]
+    assert {e["pid"] for e in timed} == {0, 1, 2, 3}
+    assert all(isinstance(e["ts"], float) and e["dur"] >= 0 for e in timed)
+    ops = {e["name"] for e in timed}
+    assert "aten::mm" in ops and "all_reduce world" in ops and "all_reduce tp" in ops
+    late_calls = [e for e in timed if e.get("cat") == "collective" and e["pid"] == 0
+                  and e["name"] == "all_reduce world"]
+    assert all(e["args"]["last to arrive"] == 2 for e in late_calls)
+
+
+def test_a_failed_cell_keeps_its_profile(cluster: Cluster) -> None:
+    cluster.init_mesh("dp=4")
+    with pytest.raises(MeshError) as failed:
+        cluster.run("y = torch.ones(3) @ torch.ones(3)\nraise ValueError('boom')\n",
+                    profile=True)
+    profile = failed.value.result.profile
+    assert profile is not None and set(profile.ranks) == {0, 1, 2, 3}
+
+
+def test_magic_draws_the_timeline_and_writes_the_trace(shell: Any, tmp_path: Path) -> None:
+    from IPython.utils.capture import capture_output
+
+    shell.run_line_magic("mesh", "init dp=4")
+    with capture_output() as shown:
+        shell.run_cell_magic("mesh", f"--profile-dir {tmp_path}",
+                             "dist.all_reduce(torch.ones(4))")
+    shown_text = [str(o.data.get("text/plain", "")) for o in shown.outputs]
+    assert any("what every rank did" in text for text in shown_text)
+    assert any("time per rank (ms)" in text for text in shown_text)
+    (written,) = tmp_path.glob("cell-*.json")
+    assert json.loads(written.read_text())["traceEvents"]
+
+
+def test_interval_arithmetic() -> None:
+    assert union([(5, 7), (0, 2), (1, 3), (7, 9)]) == [(0, 3), (5, 9)]
+    assert overlap([(0, 10)], [(2, 3), (5, 12)]) == [(2, 3), (5, 10)]
+    assert overlap([(0, 1)], [(1, 2)]) == []
