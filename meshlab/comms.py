@@ -71,10 +71,13 @@ class CommTracer(TorchDispatchMode):
         self.timed = timed
         self._seq: dict[tuple[int, ...], int] = {}
         self._unwaited: dict[int, CommRecord] = {}  # functional results by storage, until waited
+        self._polled: list[tuple[CommRecord, Any]] = []  # works without a future, until done
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
+        if self._polled:
+            self.poll()
         if self._unwaited:
             self._wait_for_results(args, kwargs)
         if func.namespace not in ("c10d", "_c10d_functional"):
@@ -109,11 +112,30 @@ class CommTracer(TorchDispatchMode):
                     torch.ops._c10d_functional.wait_tensor(value.elem)
                     record.done_ns = time.time_ns()
 
+    def poll(self) -> None:
+        """Note the works without a future that have completed since the last look."""
+        now, waiting = time.time_ns(), []
+        for record, work in self._polled:
+            try:
+                done = work.is_completed()
+            except RuntimeError:
+                done = True  # cannot tell: no later than now
+            if done:
+                record.done_ns = now
+            else:
+                waiting.append((record, work))
+        self._polled = waiting
+
     def _until_done(self, record: CommRecord, out: Any) -> None:
         """Set ``record.done_ns`` when the collective completes on this rank."""
         for value in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(value, torch.ScriptObject):  # c10d ops return their Work
-                future = dist.distributed_c10d.Work.unbox(value).get_future()
+                work = dist.distributed_c10d.Work.unbox(value)
+                try:
+                    future = work.get_future()
+                except RuntimeError:  # "getFuture not implemented" (gloo's reduce_scatter)
+                    self._polled.append((record, work))  # seen done at a later op
+                    return
                 future.add_done_callback(lambda _: setattr(record, "done_ns", time.time_ns()))
                 return
         # functional collectives complete at their wait_tensor (torch waits there, or earlier)
@@ -180,4 +202,5 @@ def stop() -> list[CommRecord]:
         return []
     tracer, _active = _active, None
     tracer.__exit__(None, None, None)
+    tracer.poll()
     return tracer.records

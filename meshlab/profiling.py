@@ -152,16 +152,20 @@ def spans_of(trace: dict[str, Any], main_thread: int) -> tuple[list[Span], str]:
 
 
 def _cut(spans: list[Span], holes: list[Span]) -> list[Span]:
-    """``spans`` less the instants any of ``holes`` covers (both sorted by start)."""
-    out = []
+    """``spans`` less the instants any of ``holes`` covers (both sorted by start; spans do
+    not overlap each other, so a hole that ended before one span began is behind us)."""
+    out, first = [], 0
     for s in spans:
-        start = s.start_ns
-        for h in holes:
-            if h.end_ns <= start or h.start_ns >= s.end_ns:
-                continue
-            if h.start_ns > start:
-                out.append(Span(s.kind, s.name, start, h.start_ns))
-            start = max(start, h.end_ns)
+        while first < len(holes) and holes[first].end_ns <= s.start_ns:
+            first += 1
+        start, i = s.start_ns, first
+        while i < len(holes) and holes[i].start_ns < s.end_ns:
+            h = holes[i]
+            if h.end_ns > start:
+                if h.start_ns > start:
+                    out.append(Span(s.kind, s.name, start, h.start_ns))
+                start = max(start, h.end_ns)
+            i += 1
         if start < s.end_ns:
             out.append(Span(s.kind, s.name, start, s.end_ns))
     return out

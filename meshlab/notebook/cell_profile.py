@@ -191,16 +191,17 @@ class CellProfile:
         frame = pd.DataFrame(rows, columns=columns)
         return frame.sort_values("first", ignore_index=True) if len(frame) else frame
 
-    def stragglers(self, share: float = 0.5) -> list[str]:
-        """Sentences naming ranks that arrived last at most collectives their group shared
-        with others, with how long the others waited for them in all."""
+    def stragglers(self, share: float = 0.75) -> list[str]:
+        """Sentences naming ranks that arrived last at more than ``share`` of the (at least 3)
+        collectives they shared with others (in a pair, chance alone makes a rank last at
+        half), with how long the others waited for them in all."""
         frame = self.collectives()
         shared = frame[frame["ranks"].apply(len) > 1] if len(frame) else frame
         out = []
         for rank, part in shared.groupby("last") if len(shared) else []:
             calls = shared[shared["ranks"].apply(lambda rs, r=rank: r in rs)]
             waited = sum(sum(w.values()) for w in part["waits"])
-            if len(part) >= share * len(calls) and len(calls) > 1 and waited > 0:
+            if len(part) > share * len(calls) and len(calls) >= 3 and waited > 0:
                 out.append(f"rank {rank} arrived last at {len(part)} of {len(calls)} "
                            f"collectives; the others waited {waited:,.1f} ms for it in all")
         return out

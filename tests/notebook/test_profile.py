@@ -145,3 +145,12 @@ def test_interval_arithmetic() -> None:
     assert union([(5, 7), (0, 2), (1, 3), (7, 9)]) == [(0, 3), (5, 9)]
     assert overlap([(0, 10)], [(2, 3), (5, 12)]) == [(2, 3), (5, 10)]
     assert overlap([(0, 1)], [(1, 2)]) == []
+
+
+def test_measured_clock_offsets_hold_the_true_one(cluster: Cluster) -> None:
+    # the engines share this machine's clock, so the true offset is 0: each measured offset
+    # must lie within its own error bound of it (NTP's midpoint of the shortest round trip)
+    clocks = cluster.clocks([0, 1, 2, 3])
+    assert sorted(clocks) == [0, 1, 2, 3]
+    for rank, (offset, error) in clocks.items():
+        assert error > 0 and abs(offset) <= error, (rank, offset, error)
