@@ -118,6 +118,9 @@ def rank_status(state: Any | None) -> dict[str, Any]:
     if state is not None and state.device.type == "cuda":
         row["gpu_mem_mb"] = round(torch.cuda.memory_allocated(state.device) / 2**20, 1)
         row["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated(state.device) / 2**20, 1)
+    from meshlab import throttle
+
+    row["throttle"] = throttle.current_factor()  # 1.0: full speed (%mesh throttle)
     return row
 
 

@@ -85,3 +85,13 @@ def nbytes(name: str) -> int | None:
     if hasattr(value, "nbytes"):  # a numpy array
         return int(value.nbytes)
     return sys.getsizeof(value)
+
+
+def set_throttle(factor: float | None) -> float:
+    """Runs on a rank: slow its compute ``factor`` times (1: full speed; None: leave it as it
+    is) until changed (meshlab.throttle); its factor now."""
+    import meshlab.throttle
+
+    if factor is not None:
+        meshlab.throttle.throttle(factor)
+    return meshlab.throttle.current_factor()

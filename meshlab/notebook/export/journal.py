@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlab.mesh import MeshSpec
+from meshlab.notebook.ranks import format_ranks
 from meshlab.schedules import BUILDERS, Schedule
 
 MARKS = {"# meshlab: skip": "skip", "# meshlab: export": "export"}
@@ -130,6 +131,13 @@ class Journal:
         never saves again (it would overwrite a newer checkpoint with older state)."""
         self.entries.append(Entry("code", number, code, note=f"%mesh checkpoint {action} {path}",
                                   replayed=action != "save"))
+
+    def record_throttle(self, number: int, ranks: list[int] | None, factor: float) -> None:
+        """%mesh throttle: a restart throttles the same ranks again; no code, so an export
+        leaves it out (a straggler is an experiment, not part of the training)."""
+        what = f"{format_ranks(ranks)} --factor {factor:g}" if ranks is not None else "off"
+        self.entries.append(Entry("code", number, "", note=f"%mesh throttle {what}",
+                                  redo=("throttle", {"ranks": ranks, "factor": factor})))
 
 
 def _notebook_name() -> str | None:
