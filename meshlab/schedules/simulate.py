@@ -7,6 +7,7 @@ arrived (a hop between ranks costs ``comm``). Costs are for one rank's share of 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -153,10 +154,14 @@ class Timeline:
                 "peak_inflight": max(self.peak_inflight(r) for r in range(s.ranks))}
 
 
-def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False,
+             durations: Mapping[Action, float] | None = None,
+             hops: Mapping[Action, float] | None = None) -> Timeline:
     """Validate (unless the caller has: meshlab's builders' schedules are), then time every
     action: it starts when its rank is free and its inputs (plus one hop of ``comm`` from
-    another rank) have arrived.
+    another rank) have arrived. ``durations``: some actions' own times, and ``hops``: the
+    hop into some actions from another rank, in place of the costs (a measured step
+    replayed).
 
     One event-driven pass: a rank runs down its list until an action's input is not done
     yet, and waits on that input; finishing it wakes the rank. An action's unit-time slot
@@ -194,10 +199,13 @@ def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False) -> Ti
                 if dep_slot > slot:
                     slot = dep_slot
                 if rank_of[dep[0]] != rank:
-                    dep_end += costs.comm
+                    dep_end += hops.get(a, costs.comm) if hops is not None else costs.comm
                 if dep_end > ready:
                     ready = dep_end
-            finish = ready + took[a.kind] * scale[a.stage]
+            if durations is not None and a in durations:
+                finish = ready + durations[a]
+            else:
+                finish = ready + took[a.kind] * scale[a.stage]
             done[a] = (slot + 1, finish)  # an Action is its own (stage, kind, microbatch) key
             clock[rank], free[rank] = slot + 1, finish
             timed.append(Timed(slot, rank, a, ready, finish))
