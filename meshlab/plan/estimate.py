@@ -68,6 +68,14 @@ class Estimate:
     hardware_flops: float
     """Per step, all GPUs, recompute included."""
     notes: list[str] = field(default_factory=list)
+    exposed_by_axis: dict[str, float] = field(default_factory=dict)
+    """Seconds per step each axis keeps on the critical path (the planner's axis names):
+    TP/CP/EP collectives, the FSDP traffic compute could not hide, the gradient
+    synchronisation left exposed; "host" for offloading's copies. With ``compute_s``,
+    ``bubble_s`` and ``optimizer_s`` they add up to ``step_s``."""
+    bubble_s: float = 0.0
+    """Pipeline time beyond every micro-batch's forward, backward and exposed communication:
+    the bubble, hop waits included (0 without a pipeline)."""
 
     @property
     def fits(self) -> bool:
@@ -144,16 +152,26 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     t_f, t_b = microbatch_seconds(stage)
     compute_mb = t_f + t_b
     t_f_crit, t_b_crit = comm.critical_path()  # TP, CP, EP per micro-batch
+    by_axis = _exposed(comm.collectives, sum(c.seconds for c in comm.collectives))
+    fsdp_axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
     hidden_f, hidden_b = comm.fsdp_per_microbatch()  # overlaps its own compute
-    t_f += t_f_crit + stage.not_hidden_units(hidden_f, t_f)
-    t_b += t_b_crit + stage.not_hidden_units(hidden_b, t_b)
+    not_hidden = stage.not_hidden_units(hidden_f, t_f), stage.not_hidden_units(hidden_b, t_b)
+    t_f += t_f_crit + not_hidden[0]
+    t_b += t_b_crit + not_hidden[1]
     hop = comm.pipeline_hop()
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
-    exposed = comm.gradient_sync(last_backward_s=t_b) + comm.fsdp_edges()
+    before = len(comm.collectives)
+    synced = comm.gradient_sync(last_backward_s=t_b)
+    edges = comm.fsdp_edges()
+    exposed = synced + edges
+    by_axis = _add(by_axis, _exposed(comm.collectives[before:], synced),
+                   {fsdp_axis: lay.microbatches * sum(not_hidden) + edges})
     compute_s = lay.microbatches * compute_mb
     copies = comm.host_copies()  # copy engines: beside the math, not slowing it
-    exposed += max(0.0, copies - compute_s) if hardware.asynchronous else copies
+    copies_exposed = max(0.0, copies - compute_s) if hardware.asynchronous else copies
+    exposed += copies_exposed
+    by_axis = _add(by_axis, {"host": copies_exposed})
     optimizer_s = optimizer_seconds(stage)
     memory = memory_per_gpu(stage, inflight)
     notes: list[str] = []
@@ -174,4 +192,25 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
                     pipeline_s=pipeline_s, bubble_fraction=bubble, exposed_comm_s=exposed,
                     optimizer_s=optimizer_s, step_s=step,
                     model_flops=model_per_token * tokens,
-                    hardware_flops=hardware_per_token * tokens, notes=notes)
+                    hardware_flops=hardware_per_token * tokens, notes=notes,
+                    exposed_by_axis=by_axis,
+                    bubble_s=max(0.0, pipeline_s - lay.microbatches * (t_f + t_b)))
+
+
+def _exposed(added: list[Collective], seconds: float) -> dict[str, float]:
+    """``seconds`` of exposed communication shared among the axes of the collectives that
+    left it: those on the critical path whole, the rest in proportion to their time."""
+    critical = _add({}, *({c.axis: c.seconds} for c in added if not c.overlapped))
+    rest = max(0.0, seconds - sum(critical.values()))
+    overlapped = sum(c.seconds for c in added if c.overlapped)
+    return _add(critical, *({c.axis: rest * c.seconds / overlapped} for c in added
+                            if c.overlapped and overlapped > 0))
+
+
+def _add(*parts: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in parts:
+        for axis, seconds in part.items():
+            if seconds > 0:
+                out[axis] = out.get(axis, 0.0) + seconds
+    return out

@@ -227,6 +227,15 @@ def test_planning_notebook_answers_the_classic_exercises(executed: Any) -> None:
     assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
     charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
     assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms
+    # 6. the planner on the live mesh: each term beside a profiled ZeRO-3 x TP step, a reason
+    # where they are more than 25% apart (which terms are off depends on the machine)
+    assert "the planner on the live mesh: dp_shard=2 tp=2 zero=3 mbs=2 m=1" in everything
+    for term in ("compute", "host time", "exposed dp_shard", "exposed tp", "optimizer", "step"):
+        found = re.search(rf"^\s*{term}\s+[\d.,]+\s+[\d.,]+\s+([\d.]+)(.*)$", everything, re.M)
+        assert found, term
+        ratio = float(found[1])  # shown to 2 decimals: at a bound, either side is right
+        if min(abs(ratio - 0.75), abs(ratio - 1 / 0.75)) > 0.006:
+            assert bool(found[2].strip()) == (not 0.75 <= ratio <= 1 / 0.75), found[0]
 
 
 def test_bring_your_own_model_notebook_matches_one_process_for_each_strategy(
