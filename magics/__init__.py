@@ -33,6 +33,7 @@ from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.profile import profile_views
+from meshlab.notebook.tables.table import Table
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
 
@@ -97,6 +98,9 @@ class MeshMagics(Magics):
     def _status(self, args: Any) -> Any:
         return self.session.status()
 
+    def _throttle(self, args: Any) -> None:
+        print(self.session.throttle(None if args.ranks == "off" else args.ranks, args.factor))
+
     def _init(self, args: Any) -> None:
         spec = self.session.init(" ".join(args.axes))
         cluster = self.session.cluster  # where the ranks are, for the table and notes
@@ -154,7 +158,8 @@ class MeshMagics(Magics):
         display(timeline_chart(pipeline.frame()))
 
     def _step(self, args: Any) -> None:
-        ran = self.session.step(None if args.all else args.n)
+        ran = self.session.step(None if args.all else args.n, profile=args.profile,
+                                profile_dir=args.profile_dir)
         by_rank: dict[int, list[str]] = {}
         for r in ran:
             if r["kind"] in ("F", "B", "I", "W"):
@@ -166,6 +171,12 @@ class MeshMagics(Magics):
         if pipeline.done:
             print(f"step complete: loss {pipeline.loss:.6f}")
         display(timeline_chart(pipeline.frame()))
+        if (args.profile or args.profile_dir) and pipeline.profile is not None:
+            if pipeline.profile.saved is not None and args.profile_dir:
+                print(f"wrote {pipeline.profile.saved} (Perfetto, chrome://tracing)")
+            display(*profile_views(pipeline.profile))
+            if pipeline.whole_step_profiled:
+                display(pipeline.bubble_view())
 
     def _bench(self, args: Any) -> None:
         try:
@@ -209,11 +220,17 @@ class MeshMagics(Magics):
             self.shell.user_ns.get(args.model, args.model), gpus=args.gpus,
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
-            precision=args.precision, top=args.top, tokens=args.tokens, verify=args.verify or 0)
-        display(plan_summary(result), plan_table(result),
-                plan_memory_chart(result.memory_frame()), plan_comm_chart(result.comm_frame()))
-        if result.verified:
-            display(verified_table(result))
+            precision=args.precision or ("fp32" if args.measure else "bf16"), top=args.top,
+            tokens=args.tokens, verify=args.verify or 0,
+            measure=commands.unquote(args.measure), steps=args.steps)
+        if isinstance(result, Table):  # --measure: the planner's terms beside the step's
+            display(result)
+        else:
+            display(plan_summary(result), plan_table(result),
+                    plan_memory_chart(result.memory_frame()),
+                    plan_comm_chart(result.comm_frame()))
+            if result.verified:
+                display(verified_table(result))
         if args.output:
             self.shell.user_ns[args.output] = result
 

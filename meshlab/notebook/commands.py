@@ -89,7 +89,17 @@ def debug(line: str) -> None:
 
 @magic_arguments()
 def status(line: str) -> None:
-    """%mesh status: a table of ranks (host, pid, device, alive, busy, memory)."""
+    """%mesh status: a table of ranks (host, pid, device, alive, busy, memory, throttle)."""
+
+
+@magic_arguments()
+@argument("ranks", help="the ranks to slow, e.g. 2 or 0,2-3; or `off`: every rank at full speed")
+@argument("--factor", type=float, default=2.0,
+          help="how many times slower they compute (default 2; 1: full speed)")
+def throttle(line: str) -> None:
+    """%mesh throttle RANKS --factor F: a straggler you can make: every op on RANKS takes F
+    times as long (collectives are not slowed), until `%mesh throttle off`; `%%mesh --profile`
+    shows the others waiting for it. A restart replays it; an export leaves it out."""
 
 
 @magic_arguments()
@@ -165,6 +175,13 @@ def pipeline(line: str) -> None:
 @magic_arguments()
 @argument("n", nargs="?", type=int, default=1, help="slots of the schedule to run (default 1)")
 @argument("--all", action="store_true", help="run the rest of the step")
+@argument("--profile", action="store_true",
+          help="one timeline of every rank, each pipeline action a named span; a whole "
+          "step profiled at once (--all right after binding) is also set beside the "
+          "simulator's bubble and exposed communication")
+@argument("--profile-dir", metavar="DIR",
+          help="with --profile (implied): also write every rank's trace as one Chrome/"
+          "Perfetto file, DIR/step-N.json (N: the cell's number)")
 def step(line: str) -> None:
     """%mesh step: run the next N slots of the bound pipeline on every rank, and chart it."""
 
@@ -209,14 +226,20 @@ def calibrate(line: str) -> None:
 @argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
           "least one sequence per GPU; with --layout: sets m, or must equal mbs x m x dp where "
           "the layout gives m)")
-@argument("--precision", default="bf16", choices=list(PRECISIONS),
-          help="compute precision (default bf16)")
+@argument("--precision", choices=list(PRECISIONS),
+          help="compute precision (default bf16; with --measure fp32, as CPU ranks train)")
 @argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")
+@argument("--measure", metavar="STEP", help='with --layout, the live mesh\'s: run STEP (e.g. '
+          '"train_step()", one training step the ranks know) profiled and show each term the '
+          "planner predicts (compute, host time, exposed communication per axis, bubble, "
+          "optimizer) beside the same term measured, and why where they differ by over 25%%")
+@argument("--steps", type=int, default=1, help="with --measure: how many times to run STEP "
+          "(default 1); the terms are per step")
 @argument("--top", type=int, default=10, help="layouts to show from the search (default 10)")
 @argument("--verify", type=int, nargs="?", const=3, metavar="K",
           help="also dry-run the best K layouts (default 3) on fake ranks: what torch "
           "allocates and sends beside what the planner predicts")
-@output_option("the Plan")
+@output_option("the Plan (with --measure: the table of terms)")
 def plan(line: str) -> None:
     """%mesh plan: predict memory per GPU, communication per axis and step time of a model on
     many GPUs, for one layout or the best layouts found."""
@@ -277,7 +300,7 @@ SUBCOMMANDS = {"start": start, "stop": stop, "restart": restart, "status": statu
                "pull": pull, "auto": auto, "schedule": schedule, "pipeline": pipeline,
                "step": step, "bench": bench, "calibrate": calibrate, "plan": plan,
                "dryrun": dryrun, "export": export, "checkpoint": checkpoint, "stacks": stacks,
-               "debug": debug}
+               "debug": debug, "throttle": throttle}
 
 
 def _name_the_usage(fn: Parser, name: str) -> None:

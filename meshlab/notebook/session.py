@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from meshlab.dry_run import DryRun
     from meshlab.notebook.calibrate import CalibrationReport
+    from meshlab.notebook.tables.table import Table
     from meshlab.plan.report import Plan
     from meshlab.sharding import ModuleReport, ShardingReport
 
@@ -204,6 +205,26 @@ class Session:
         except KeyError as e:
             raise SessionError(e.args[0]) from None
 
+    def throttle(self, ranks: str | list[int] | None, factor: float = 2.0) -> str:
+        """Slow the compute of ``ranks`` ``factor`` times: a straggler to watch the others wait
+        for (``run(..., profile=True)``); ``ranks`` None: every rank at full speed again. It
+        stays on across cells, a restart replays it, an export leaves it out."""
+        from meshlab.notebook import on_ranks
+        from meshlab.throttle import check_factor
+
+        cluster = self.need_cluster()
+        chosen = parse_ranks(ranks, cluster.world_size) if ranks is not None else None
+        value = check_factor(factor) if chosen is not None else 1.0
+        now = cluster._apply_each(on_ranks.set_throttle, lambda r: {  # every rank answers
+            "factor": value if chosen is None or r in chosen else None})
+        self.need_journal().record_throttle(self.cell_number(), chosen, value)
+        slow = {r: f for r, f in sorted(now.items()) if f != 1}
+        if not slow:
+            return "every rank computes at full speed"
+        return ("throttled: " + ", ".join(f"rank {r} x{f:g}" for r, f in slow.items())
+                + " (each op followed by a sleep of factor - 1 times its duration); "
+                "%mesh throttle off restores full speed")
+
     # -- looking at the ranks --------------------------------------------------------------
 
     def status(self) -> pd.DataFrame:
@@ -308,13 +329,20 @@ class Session:
                                             loss=loss)
         return self.bound_pipeline
 
-    def step(self, slots: int | None = 1) -> list[dict[str, Any]]:
+    def step(self, slots: int | None = 1, *, profile: bool = False,
+             profile_dir: str | Path | None = None) -> list[dict[str, Any]]:
         """Run the next ``slots`` slots of the bound pipeline (None: the rest of the step);
-        what ran, one record per action and rank."""
+        what ran, one record per action and rank. ``profile``: every rank's timeline into
+        ``bound_pipeline.profile``, each action a named span; ``profile_dir`` also writes
+        it there as one Chrome/Perfetto trace, ``step-N.json`` (N: this call's number, as
+        cell-N for ``run``)."""
         if self.bound_pipeline is None:
             raise SessionError("no pipeline is bound: %mesh pipeline MODEL --schedule NAME")
-        ran = self.bound_pipeline.step(slots)
-        self.need_journal().record_step(self.cell_number(), slots)
+        number = self.cell_number()
+        ran = self.bound_pipeline.step(slots, profile=profile or profile_dir is not None)
+        if profile_dir is not None and self.bound_pipeline.profile is not None:
+            self.bound_pipeline.profile.save(profile_dir, f"step-{number}")
+        self.need_journal().record_step(number, slots)
         return ran
 
     # -- measuring and planning ------------------------------------------------------------
@@ -336,13 +364,23 @@ class Session:
         return calibrate_profile(self.need_cluster(), path, name=name, sizes=sizes,
                                  quick=quick)
 
-    def plan(self, model: Any, *, gpus: int | None = None, verify: int = 0, **options: Any
-             ) -> Plan:
+    def plan(self, model: Any, *, gpus: int | None = None, verify: int = 0,
+             measure: str | None = None, steps: int = 1, **options: Any) -> Plan | Table:
         """Memory, communication and step time of ``model`` on ``gpus`` GPUs (default: this
         cluster's ranks); options as meshlab.plan.report.plan takes them. ``verify``: dry-run
-        the best ``verify`` layouts too (``Plan.verified``)."""
+        the best ``verify`` layouts too (``Plan.verified``). ``measure``: a training step the
+        ranks know, run ``steps`` times under the profiler for the planner's terms on the
+        live mesh beside the measured ones (plan_check; ``layout`` is the live mesh's)."""
         from meshlab.plan.hardware import with_nodes_of
         from meshlab.plan.report import plan
+
+        if measure:
+            if not options.get("layout"):
+                raise SessionError("measuring needs the live layout: the mesh's degrees and "
+                                   'the planner\'s keys, e.g. layout="dp=2 tp=2 zero=3 mbs=4"')
+            return self.plan_check(model, options["layout"],
+                                   hardware=options.get("hardware_profile"), step=measure,
+                                   steps=steps, precision=options.get("precision") or "fp32")
 
         live = self.cluster if self.running and self.cluster and not gpus else None
         gpus = gpus or (live.world_size if live else None)
@@ -360,6 +398,28 @@ class Session:
                                           hardware=found.hardware)
                               for e in found.estimates[:verify]]
         return found
+
+    def plan_check(self, model: Any, layout: str, *, hardware: Any, step: str = "train_step()",
+                   steps: int = 1, precision: str = "fp32") -> Table:
+        """The planner's time on the live mesh: ``step`` (a statement the ranks know, one
+        training step) run ``steps`` times under ``%%mesh --profile``, each term of the step
+        measured beside the planner's prediction for ``model``, ``layout`` (the live mesh's
+        degrees, with the planner's keys: zero, mbs, m, ...) and ``hardware`` (the profile
+        ``calibrate`` wrote). ``precision``: what the ranks train in (meshlab's CPU ranks:
+        fp32, unless the layout says ``precision=bf16``)."""
+        from meshlab.notebook.plan_vs_measured import plan_vs_measured
+        from meshlab.plan import Layout, estimate, model_shape
+        from meshlab.plan.hardware import hardware as find_hardware
+
+        cluster = self.need_cluster()
+        lay = Layout.parse(layout, precision=precision)
+        if cluster.mesh_spec is None or lay.mesh_spec.axes() != cluster.mesh_spec.axes():
+            raise SessionError(f"the layout {lay.describe()} is not the live mesh "
+                               f"({cluster.mesh_spec or 'none: %mesh init first'}): give the "
+                               "live mesh's degrees, or %mesh init the layout's")
+        est = estimate(model_shape(model), lay, find_hardware(hardware))
+        result = self.run(f"for _ in range({int(steps)}):\n    {step}", profile=True)
+        return plan_vs_measured(result.profile, est, steps=steps)
 
     def dryrun(self, model: Any, layout: str, *, hardware: Any = "h100-sxm",
                ranks: str | None = None, **options: Any) -> DryRun:
