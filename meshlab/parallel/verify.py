@@ -132,9 +132,11 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if pipeline is not None:  # every pp rank gets the step's mean loss
-            return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64)
+            return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64,
+                                device=inputs.device)
         k = counts[len(losses)]
-        total = torch.zeros((), dtype=torch.float64)
+        # on the batch's device: NCCL reduces only GPU tensors, and a GPU loss adds to no CPU one
+        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
         for micro_inputs, micro_targets in micro_batches(model, (inputs, targets), k):
             value = loss(model, (micro_inputs, micro_targets)) / k  # the batch's mean
             value.backward()
