@@ -131,6 +131,9 @@ class CommTracer(TorchDispatchMode):
         for value in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(value, torch.ScriptObject):  # c10d ops return their Work
                 work = dist.distributed_c10d.Work.unbox(value)
+                if work is None:  # seen with NCCL on torch 2.11: no handle to ask
+                    record.done_ns = time.time_ns()  # the host's view: the call returned
+                    return
                 try:
                     future = work.get_future()
                 except RuntimeError:  # "getFuture not implemented" (gloo's reduce_scatter)

@@ -15,7 +15,9 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+import warnings
+import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +51,15 @@ class RankProfile:
     spans: list[Span]  # compute and copies, outermost ops only (GPU kernels on a GPU)
     collectives: list[CommRecord]  # timed: issued_ns, done_ns, seq
     device: str  # "cpu" or "cuda": which clock the spans' work ran on
-    trace: dict[str, Any] = field(default_factory=dict)  # torch.profiler's Chrome trace
+    packed_trace: bytes = b""  # torch.profiler's Chrome trace: JSON, zlib-compressed
+
+    @property
+    def trace(self) -> dict[str, Any]:
+        """torch.profiler's Chrome trace of the cell on this rank (traceEvents, ...)."""
+        if not self.packed_trace:
+            return {}
+        loaded: dict[str, Any] = json.loads(zlib.decompress(self.packed_trace))
+        return loaded
 
 
 _active: tuple[Any, int] | None = None
@@ -92,13 +102,15 @@ def stop(rank: int = 0) -> RankProfile | None:
     if len(_cell) >= 2:  # the cell ran: its own window
         started, ended = _cell[0], _cell[-1]
     collectives = comms.stop()
-    profiler.__exit__(None, None, None)
-    trace = _chrome_trace(profiler)
-    spans, device = spans_of(trace, threading.get_native_id())
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": ours
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+        profiler.__exit__(None, None, None)
+    text = _chrome_trace(profiler)
+    spans, device = spans_of(json.loads(text), threading.get_native_id())
     spans = [Span(s.kind, s.name, max(s.start_ns, started), min(s.end_ns, ended))
              for s in spans if s.end_ns > started and s.start_ns < ended]  # the cell's only
     return RankProfile(rank, socket.gethostname(), boot_id(), started, ended, spans,
-                       collectives, device, trace)
+                       collectives, device, zlib.compress(text, 1))  # ~10x smaller to send
 
 
 def boot_id() -> str:
@@ -110,16 +122,15 @@ def boot_id() -> str:
         return ""
 
 
-def _chrome_trace(profiler: Any) -> dict[str, Any]:
+def _chrome_trace(profiler: Any) -> bytes:
     fd, path = tempfile.mkstemp(suffix=".json", prefix="meshlab-profile-")
     os.close(fd)
     try:
         profiler.export_chrome_trace(path)
-        with open(path) as f:
-            trace: dict[str, Any] = json.load(f)
+        with open(path, "rb") as f:
+            return f.read()
     finally:
         os.unlink(path)
-    return trace
 
 
 def spans_of(trace: dict[str, Any], main_thread: int) -> tuple[list[Span], str]:

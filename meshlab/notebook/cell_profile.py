@@ -257,7 +257,8 @@ class CellProfile:
         by_call = {(g, s): row for g, s, row in zip(
             waits["group"], waits["seq"], waits.to_dict("records"), strict=True)}
         for r, p in sorted(self.ranks.items()):
-            base = int(p.trace.get("baseTimeNanoseconds", 0)) - self.clocks[r].offset_ns \
+            trace = p.trace
+            base = int(trace.get("baseTimeNanoseconds", 0)) - self.clocks[r].offset_ns \
                 - self.origin_ns
             events += [{"ph": "M", "name": "process_name", "pid": r, "tid": 0,
                         "args": {"name": f"rank {r} ({p.host})"}},
@@ -265,7 +266,7 @@ class CellProfile:
                         "args": {"sort_index": r}},
                        {"ph": "M", "name": "thread_name", "pid": r, "tid": 0,
                         "args": {"name": "collectives (meshlab)"}}]
-            for e in p.trace.get("traceEvents", []):
+            for e in trace.get("traceEvents", []):
                 if e.get("ph") == "M" and e.get("name") in ("process_name", "process_labels",
                                                              "process_sort_index"):
                     continue  # the rank names the process
