@@ -39,7 +39,9 @@ class CommRecord:
     bytes: int  # payload: the larger of the data going in and coming out on this rank
     wire_bytes: int  # what this rank sends with ring algorithms (an estimate, not a measure)
     # timed tracing only (time.time_ns on this rank's clock; 0 when not timed):
-    seq: int = -1  # how many collectives this rank issued on the same group before this one
+    peer: int = -1  # send/recv: the global rank on the other end
+    seq: int = -1  # how many this rank issued before on the same group (send/recv: the same
+    # direction between the same two ranks, the order their messages match in)
     issued_ns: int = 0  # the call began: this rank arrived at the collective
     done_ns: int = 0  # its result was ready here (the work's future, or the wait's end)
 
@@ -87,7 +89,7 @@ class CommTracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if op is not None:
             record = _record(op, func, args, kwargs)
-            record.seq = self._seq.get(key := tuple(record.group), 0)
+            record.seq = self._seq.get(key := call_key(dist.get_rank(), record), 0)
             self._seq[key] = record.seq + 1
             self.records.append(record)
             if self.timed:
@@ -154,18 +156,34 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
 
 
+P2P = -1  # first in a send/recv's call key: (P2P, sender, receiver)
+
+
+def call_key(rank: int, record: CommRecord) -> tuple[int, ...]:
+    """What ``rank``'s k-th call is counted on, the same on every member: its group's ranks;
+    for send/recv, (P2P, sender, receiver)."""
+    if record.op == "send":
+        return (P2P, rank, record.peer)
+    if record.op == "recv":
+        return (P2P, record.peer, rank)
+    return tuple(record.group)
+
+
 def _record(op: str, func: Any, args: Any, kwargs: Any) -> CommRecord:
     named = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
-    group = _group_ranks(named)
+    pg, group = _group_ranks(named)
     inputs = sum(_bytes(named[k]) for k in _INPUTS if k in named)
     outputs = sum(_bytes(named[k]) for k in _OUTPUTS if k in named)
     if op == "all_gather" and not outputs:  # functional: the output is not an argument
         outputs = inputs * int(named.get("group_size", len(group)))
     payload = max(inputs, outputs)
-    return CommRecord(op, group, payload, wire_bytes(op, payload, len(group)))
+    record = CommRecord(op, group, payload, wire_bytes(op, payload, len(group)))
+    if op in ("send", "recv") and isinstance(peer := named.get("dst", named.get("src")), int):
+        record.peer = dist.get_global_rank(pg, peer) if pg is not None else peer
+    return record
 
 
-def _group_ranks(named: dict[str, Any]) -> list[int]:
+def _group_ranks(named: dict[str, Any]) -> tuple[Any, list[int]]:
     pg = None
     if "group_name" in named:
         from torch.distributed.distributed_c10d import _resolve_process_group
@@ -174,9 +192,10 @@ def _group_ranks(named: dict[str, Any]) -> list[int]:
     elif "process_group" in named:
         pg = dist.ProcessGroup.unbox(named["process_group"])
     try:
-        return sorted(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+        return pg, sorted(dist.get_process_group_ranks(pg if pg is not None else
+                                                       dist.group.WORLD))
     except (RuntimeError, ValueError):
-        return list(range(dist.get_world_size()))
+        return pg, list(range(dist.get_world_size()))
 
 
 def _bytes(value: Any) -> int:

@@ -9,6 +9,7 @@ trace shares (its events are unix time: ``baseTimeNanoseconds`` plus ``ts``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ import threading
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +86,8 @@ def start() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(ProfilerActivity.CUDA)
     profiler = profile(activities=activities)
-    profiler.__enter__()
+    with _quiet():
+        profiler.__enter__()
     comms.start(timed=True)
     _cell.clear()
     _active = (profiler, time.time_ns())
@@ -102,8 +105,7 @@ def stop(rank: int = 0) -> RankProfile | None:
     if len(_cell) >= 2:  # the cell ran: its own window
         started, ended = _cell[0], _cell[-1]
     collectives = comms.stop()
-    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": ours
-        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+    with _quiet():
         profiler.__exit__(None, None, None)
     text = _chrome_trace(profiler)
     spans, device = spans_of(json.loads(text), threading.get_native_id())
@@ -111,6 +113,15 @@ def stop(rank: int = 0) -> RankProfile | None:
              for s in spans if s.end_ns > started and s.start_ns < ended]  # the cell's only
     return RankProfile(rank, socket.gethostname(), boot_id(), started, ended, spans,
                        collectives, device, zlib.compress(text, 1))  # ~10x smaller to send
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch 2.11 warns "Profiler clears events at the end of each cycle" once: a profile of
+    one cell is one cycle by design, and the warning would land in the cell's stderr."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+        yield
 
 
 def boot_id() -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.comms import CommRecord
+from meshlab.comms import P2P, CommRecord, call_key
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.comms import axis_of
@@ -172,38 +172,48 @@ class CellProfile:
         calls: dict[tuple[tuple[int, ...], int], dict[int, CommRecord]] = {}
         for r, p in self.ranks.items():
             for c in p.collectives:
-                calls.setdefault((tuple(c.group), c.seq), {})[r] = c
+                calls.setdefault((call_key(r, c), c.seq), {})[r] = c
         rows = []
         for (group, seq), members in calls.items():
             arrived = {r: self._ms(r, c.issued_ns) for r, c in members.items()}
             last = max(arrived, key=lambda r: arrived[r])
             first = next(iter(members.values()))
             done = [self._ms(r, c.done_ns) for r, c in members.items() if c.done_ns]
+            p2p = first.op in ("send", "recv")
             rows.append({
-                "op": first.op, "axis": self.axis(first), "group": f"[{format_ranks(group)}]",
+                "op": "send/recv" if p2p else first.op, "axis": self.axis(first),
+                "group": _label(group),
                 "seq": seq, "bytes": first.bytes, "first": min(arrived.values()),
                 "last": last, "arrived": arrived[last],
                 "done": max(done) if done else float("nan"),
                 "waits": {r: arrived[last] - t for r, t in arrived.items() if r != last},
-                "ranks": sorted(members), "complete": len(members) == len(group)})
+                "ranks": sorted(members), "complete": set(members) == _members(group)})
         columns = ["op", "axis", "group", "seq", "bytes", "first", "last", "arrived", "done",
                    "waits", "ranks", "complete"]
         frame = pd.DataFrame(rows, columns=columns)
         return frame.sort_values("first", ignore_index=True) if len(frame) else frame
 
-    def stragglers(self, share: float = 0.75) -> list[str]:
-        """Sentences naming ranks that arrived last at more than ``share`` of the (at least 3)
-        collectives they shared with others (in a pair, chance alone makes a rank last at
-        half), with how long the others waited for them in all."""
+    def stragglers(self, share: float = 0.6) -> list[str]:
+        """Sentences naming ranks the others waited for: ``share`` or more of all the time
+        spent waiting at collectives was for that rank, and it arrived last at more than half
+        of the (at least 3) collectives it shared (in a pair chance alone makes a rank last
+        at half, and the waits it causes half of the small total)."""
         frame = self.collectives()
-        shared = frame[frame["ranks"].apply(len) > 1] if len(frame) else frame
+        if not len(frame):
+            return []
+        shared = frame[frame["ranks"].apply(len) > 1]
+        caused: dict[int, float] = {}
+        for call in shared.to_dict("records"):
+            caused[call["last"]] = caused.get(call["last"], 0.0) + sum(call["waits"].values())
+        total = sum(caused.values())
         out = []
-        for rank, part in shared.groupby("last") if len(shared) else []:
+        for rank, waited in sorted(caused.items(), key=lambda item: -item[1]):
             calls = shared[shared["ranks"].apply(lambda rs, r=rank: r in rs)]
-            waited = sum(sum(w.values()) for w in part["waits"])
-            if len(part) > share * len(calls) and len(calls) >= 3 and waited > 0:
-                out.append(f"rank {rank} arrived last at {len(part)} of {len(calls)} "
-                           f"collectives; the others waited {waited:,.1f} ms for it in all")
+            last = int((shared["last"] == rank).sum())
+            if total > 0 and waited >= share * total and last > len(calls) / 2 >= 1.5:
+                out.append(f"rank {rank} arrived last at {last} of {len(calls)} collectives; "
+                           f"the others waited {waited:,.1f} ms for it in all "
+                           f"({waited / total:.0%} of all waiting)")
         return out
 
     def spans(self, merge_ms: float = 0.0) -> pd.DataFrame:
@@ -221,7 +231,7 @@ class CellProfile:
                              "start": self._ms(r, s.start_ns), "end": self._ms(r, s.end_ns),
                              "bytes": 0, "waited on": ""})
             for c in p.collectives:
-                call = by_call.get((f"[{format_ranks(c.group)}]", c.seq))
+                call = by_call.get((_label(call_key(r, c)), c.seq))
                 start, end = self._ms(r, c.issued_ns), self._ms(r, c.done_ns or c.issued_ns)
                 row = {"rank": r, "kind": "comm", "name": c.op, "axis": self.axis(c),
                        "bytes": c.bytes, "waited on": ""}
@@ -275,7 +285,7 @@ class CellProfile:
                     e["ts"] = (base + float(e["ts"]) * 1000) / 1000
                 events.append(e)
             for c in p.collectives:
-                call = by_call.get((f"[{format_ranks(c.group)}]", c.seq), {})
+                call = by_call.get((_label(call_key(r, c)), c.seq), {})
                 start = self._ms(r, c.issued_ns) * 1000
                 events.append({
                     "ph": "X", "pid": r, "tid": 0, "cat": "collective",
@@ -296,6 +306,15 @@ class CellProfile:
         path.write_text(json.dumps(self.chrome_trace()))
         self.saved = path
         return path
+
+
+def _label(key: tuple[int, ...]) -> str:
+    """A call's group as shown: ``[0-3]``; a send/recv ``0->1``."""
+    return f"{key[1]}->{key[2]}" if key[0] == P2P else f"[{format_ranks(key)}]"
+
+
+def _members(key: tuple[int, ...]) -> set[int]:
+    return set(key[1:]) if key[0] == P2P else set(key)
 
 
 def _joined(spans: list[Span], gap_ns: int) -> list[Span]:

@@ -154,3 +154,21 @@ def test_measured_clock_offsets_hold_the_true_one(cluster: Cluster) -> None:
     assert sorted(clocks) == [0, 1, 2, 3]
     for rank, (offset, error) in clocks.items():
         assert error > 0 and abs(offset) <= error, (rank, offset, error)
+
+
+def test_sends_match_their_receives_by_direction(cluster: Cluster) -> None:
+    # 0 and 1 exchange in opposite orders: each message is matched by sender, receiver and
+    # its place among that pair's messages, whatever else each rank did in between
+    cluster.init_mesh("dp=4")
+    profile = cluster.run(
+        "import time\nt = torch.ones(8)\n"
+        "if rank == 0:\n    sent = [dist.isend(t, 1), dist.isend(t.clone(), 1)]\n"
+        "    dist.recv(t, 1)\n    [w.wait() for w in sent]\n"
+        "elif rank == 1:\n    time.sleep(0.05)\n    dist.recv(t, 0)\n    dist.send(t, 0)\n"
+        "    dist.recv(t, 0)\n", profile=True).profile
+    assert profile is not None
+    calls = profile.collectives().query("op == 'send/recv'")
+    assert sorted(calls["group"]) == ["0->1", "0->1", "1->0"]
+    assert calls["complete"].all()
+    first = calls[(calls["group"] == "0->1") & (calls["seq"] == 0)].iloc[0]
+    assert first["last"] == 1  # rank 1 slept before its first receive
