@@ -239,7 +239,7 @@ def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") ->
             labelFontWeight="bold")),
         yOffset=alt.YOffset("lane:N", sort=["work", "comm"], title=None),
         color=alt.Color("what:N", title="kind", scale=alt.Scale(
-            domain=shown, range=[named[w] for w in shown])),
+            domain=shown, range=[named[w] for w in shown]), legend=alt.Legend(labelLimit=220)),
         tooltip=tooltip)
     subtitle = "upper lane: compute, copies, idle; lower lane: collectives, pink while " \
                "waiting for a later rank"

@@ -25,7 +25,8 @@ import pytest
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 TOURED = ("01-quickstart", "02-mesh-and-sharding", "05-pipeline-schedules")  # Run All here
-OPENED = ("11-planning-at-scale",)  # opened as nbclient's test ran it: pictures, not a rerun
+# opened as nbclient's test ran them: pictures, not a rerun
+OPENED = ("11-planning-at-scale", "15-timelines")
 ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(
@@ -353,4 +354,34 @@ def test_planning_charts_fill_their_axes(browser: Any, jupyterlab: str) -> None:
         # a bar chart whose values fill a sliver of their axis reads as empty
         assert across > 0.25 and down > 0.25, f"chart {i}: bars cover {across:.0%} x {down:.0%}"
         chart.screenshot(path=str(ARTIFACTS / f"planning-chart-{i}.png"))
+    lab.close()
+
+
+# the widest bar of a vega chart: where a hover surely lands on it
+WIDEST_BAR = """(svg) => {
+  const bars = [...svg.querySelectorAll('g.mark-rect path')].map(b => b.getBoundingClientRect());
+  const widest = bars.reduce((a, b) => (b.width > a.width ? b : a), bars[0]);
+  return {x: widest.left, y: widest.top, width: widest.width, height: widest.height,
+          bars: bars.length};
+}"""
+
+
+def test_the_profile_timeline_shows_every_rank_and_names_the_op_on_hover(
+        browser: Any, jupyterlab: str) -> None:
+    lab = Lab(browser, jupyterlab, "15-timelines", run=False)
+    charts = lab.charts()
+    charts.first.wait_for(timeout=60_000)
+    chart = charts.first  # the ZeRO-3 x TP step's timeline, drawn from the saved notebook
+    chart.scroll_into_view_if_needed()
+    rows = chart.locator("g.role-axis-label text").all_text_contents()
+    assert {"0", "1", "2", "3"} <= set(rows), rows  # a row per rank
+    bar = chart.evaluate(WIDEST_BAR)
+    assert bar["bars"] > 8 and bar["width"] > 3, bar
+    for dx in (1, 2):  # vega shows the tooltip on a move within the mark
+        lab.page.mouse.move(bar["x"] + bar["width"] / 2 + dx, bar["y"] + bar["height"] / 2)
+    tooltip = lab.page.locator("#vg-tooltip-element.visible")
+    tooltip.wait_for(timeout=10_000)
+    text = tooltip.inner_text()
+    assert "op" in text and "duration (ms)" in text and "rank" in text, text
+    chart.screenshot(path=str(ARTIFACTS / "profile-timeline.png"))
     lab.close()

@@ -362,3 +362,28 @@ def test_real_size_notebook_loads_trains_saves_and_dry_runs(tmp_path: Path) -> N
     verified = shown["%mesh plan meshlab --gpus 1024 --batch 1024 --top 3 --verify 2"]
     assert "the best 2 layouts, dry-run on 1,024 fake ranks" in verified, verified
     assert "trained/model.safetensors" in scratch_files(nb)
+
+
+def test_timelines_notebook_profiles_a_step_a_straggler_and_a_pipeline(executed: Any) -> None:
+    nb, _ = executed("15-timelines.ipynb")  # the browser test opens the same copy
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = [texts(c) for c in code]
+    profiled = [text for c, text in zip(code, shown, strict=True)
+                if "--profile" in c.source.splitlines()[0] or "--profile-dir" in c.source]
+    # the ZeRO-3 x TP step, the throttled one, sync DP and local SGD, the pipeline step
+    assert len(profiled) == 5 and all("time per rank (ms)" in t for t in profiled), profiled
+    assert "exposed tp" in profiled[0] and "exposed dp_shard" in profiled[0]
+    assert "Straggler: rank 2 arrived last" in profiled[1], profiled[1]
+    assert "throttled: rank 2 x3" in "\n".join(shown)
+
+    def waited(text: str) -> float:  # the summary's "waited for others", over all ranks
+        table = text[text.index("time per rank (ms)"):text.index("comm hidden: ")]
+        rows = [line.split() for line in table.splitlines()[2:] if line.split()]
+        return sum(float(row[-2].replace(",", "")) for row in rows)  # then "last to arrive"
+
+    # a moving straggler: local SGD waits at its syncs only, sync DP at every step
+    assert waited(profiled[3]) < 0.5 * waited(profiled[2]), (profiled[2], profiled[3])
+    assert "bubble" in profiled[4] and "step complete: loss" in profiled[4]
+    written = scratch_files(nb)
+    assert any(f.startswith("cell-") for f in written) and any(f.startswith("step-")
+                                                                for f in written), written
