@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dispatcher op names (c10d.allreduce_, _c10d_functional.all_gather_into_tensor, ...) by
@@ -73,13 +72,10 @@ class CommTracer(TorchDispatchMode):
         self.timed = timed
         self._seq: dict[tuple[int, ...], int] = {}
         self._unwaited: dict[int, CommRecord] = {}  # functional results by storage, until waited
-        self._polled: list[tuple[CommRecord, Any]] = []  # works without a future, until done
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         kwargs = kwargs or {}
-        if self._polled:
-            self.poll()
         if self._unwaited:
             self._wait_for_results(args, kwargs)
         if func.namespace not in ("c10d", "_c10d_functional"):
@@ -107,26 +103,12 @@ class CommTracer(TorchDispatchMode):
         moment earlier) and note when it ended."""
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-        for value in pytree.tree_leaves((args, kwargs)):
+        for value in (*args, *kwargs.values()):  # ops take such results as arguments
             if isinstance(value, AsyncCollectiveTensor):
                 record = self._unwaited.pop(_storage(value.elem), None)
                 if record is not None:
                     torch.ops._c10d_functional.wait_tensor(value.elem)
                     record.done_ns = time.time_ns()
-
-    def poll(self) -> None:
-        """Note the works without a future that have completed since the last look."""
-        now, waiting = time.time_ns(), []
-        for record, work in self._polled:
-            try:
-                done = work.is_completed()
-            except RuntimeError:
-                done = True  # cannot tell: no later than now
-            if done:
-                record.done_ns = now
-            else:
-                waiting.append((record, work))
-        self._polled = waiting
 
     def _until_done(self, record: CommRecord, out: Any) -> None:
         """Set ``record.done_ns`` when the collective completes on this rank."""
@@ -138,8 +120,8 @@ class CommTracer(TorchDispatchMode):
                     return
                 try:
                     future = work.get_future()
-                except RuntimeError:  # "getFuture not implemented" (gloo's reduce_scatter)
-                    self._polled.append((record, work))  # seen done at a later op
+                except RuntimeError:  # "getFuture not implemented" (gloo's reduce_scatter),
+                    record.done_ns = time.time_ns()  # whose is_completed() stays False too
                     return
                 future.add_done_callback(lambda _: setattr(record, "done_ns", time.time_ns()))
                 return
@@ -224,5 +206,4 @@ def stop() -> list[CommRecord]:
         return []
     tracer, _active = _active, None
     tracer.__exit__(None, None, None)
-    tracer.poll()
     return tracer.records

@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import tempfile
-import threading
 import time
 import warnings
 import zlib
@@ -23,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
 from meshlab import comms
 from meshlab.comms import CommRecord
 
+_HERE = "meshlab: the cell's thread"
 COPIES = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::clone")
 _COMM_OPS = ("c10d::", "_c10d_functional::", "c10d_functional::")
 
@@ -53,7 +54,8 @@ class RankProfile:
     spans: list[Span]  # compute and copies, outermost ops only (GPU kernels on a GPU)
     collectives: list[CommRecord]  # timed: issued_ns, done_ns, seq
     device: str  # "cpu" or "cuda": which clock the spans' work ran on
-    packed_trace: bytes = b""  # torch.profiler's Chrome trace: JSON, zlib-compressed
+    marks: list[Span]  # record_function regions of the cell's thread (Optimizer.step#..., 0F1)
+    packed_trace: bytes = b""  # torch.profiler's Chrome trace (JSON, zlib), when asked for
 
     @property
     def trace(self) -> dict[str, Any]:
@@ -64,7 +66,7 @@ class RankProfile:
         return loaded
 
 
-_active: tuple[Any, int] | None = None
+_active: tuple[Any, int, bool] | None = None
 _cell: list[int] = []  # when the cell began and ended here (cell_exec marks them)
 
 
@@ -75,9 +77,9 @@ def mark_cell() -> None:
         _cell.append(time.time_ns())
 
 
-def start() -> None:
+def start(trace: bool = False) -> None:
     """Profile this rank until stop(): torch.profiler (CPU, and CUDA on a GPU) and timed
-    collectives."""
+    collectives; ``trace``: also keep torch's Chrome trace (for a Perfetto file)."""
     global _active
     stop()
     from torch.profiler import ProfilerActivity, profile
@@ -88,9 +90,11 @@ def start() -> None:
     profiler = profile(activities=activities)
     with _quiet():
         profiler.__enter__()
+    with record_function(_HERE):  # names this thread in the profiler's own numbering
+        pass
     comms.start(timed=True)
     _cell.clear()
-    _active = (profiler, time.time_ns())
+    _active = (profiler, time.time_ns(), trace)
 
 
 def stop(rank: int = 0) -> RankProfile | None:
@@ -98,7 +102,7 @@ def stop(rank: int = 0) -> RankProfile | None:
     global _active
     if _active is None:
         return None
-    (profiler, started), _active = _active, None
+    (profiler, started, keep), _active = _active, None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     ended = time.time_ns()
@@ -107,12 +111,13 @@ def stop(rank: int = 0) -> RankProfile | None:
     collectives = comms.stop()
     with _quiet():
         profiler.__exit__(None, None, None)
-    text = _chrome_trace(profiler)
-    spans, device = spans_of(json.loads(text), threading.get_native_id())
-    spans = [Span(s.kind, s.name, max(s.start_ns, started), min(s.end_ns, ended))
-             for s in spans if s.end_ns > started and s.start_ns < ended]  # the cell's only
-    return RankProfile(rank, socket.gethostname(), boot_id(), started, ended, spans,
-                       collectives, device, zlib.compress(text, 1))  # ~10x smaller to send
+    # the events themselves: torch's Chrome trace costs a JSON round trip per event
+    spans, marks, device = spans_of(profiler.profiler.kineto_results.events())
+    window = [Span(s.kind, s.name, max(s.start_ns, started), min(s.end_ns, ended))
+              for s in spans if s.end_ns > started and s.start_ns < ended]  # the cell's only
+    packed = zlib.compress(_chrome_trace(profiler), 1) if keep else b""  # ~10x smaller
+    return RankProfile(rank, socket.gethostname(), boot_id(), started, ended, window,
+                       collectives, device, marks, packed)
 
 
 @contextlib.contextmanager
@@ -144,33 +149,35 @@ def _chrome_trace(profiler: Any) -> bytes:
         os.unlink(path)
 
 
-def spans_of(trace: dict[str, Any], main_thread: int) -> tuple[list[Span], str]:
-    """Compute and copies from a Chrome trace: GPU kernels and memcpys where there are any
-    (host ops only launch them), else the outermost ops of the thread that ran the cell,
-    with the collectives' own calls and waits cut out (they are communication)."""
-    base = int(trace.get("baseTimeNanoseconds", 0))
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+def spans_of(events: list[Any]) -> tuple[list[Span], list[Span], str]:
+    """Compute and copies from torch.profiler's events: GPU kernels and memcpys where there
+    are any (host ops only launch them), else the outermost ops of the thread that ran the
+    cell, with the collectives' own calls and waits cut out (they are communication); and
+    that thread's record_function regions."""
+    def span(kind: str, e: Any) -> Span:
+        return Span(kind, e.name(), e.start_ns(), e.start_ns() + e.duration_ns())
 
-    def span(kind: str, e: dict[str, Any]) -> Span:
-        start = base + round(float(e["ts"]) * 1000)
-        return Span(kind, str(e["name"]), start, start + round(float(e["dur"]) * 1000))
-
-    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    cuda = torch.autograd.DeviceType.CUDA
+    gpu = [e for e in events if e.device_type() == cuda and e.duration_ns() > 0]
+    here = next((e.start_thread_id() for e in events if e.name() == _HERE), None)
+    mine = sorted((e for e in events if e.device_type() != cuda and e.start_thread_id() == here
+                   and e.name() != _HERE), key=lambda e: e.start_ns())
+    marks = [span("mark", e) for e in mine if e.is_user_annotation()]
     if gpu:
-        return [span("compute" if e["cat"] == "kernel" else "copy", e) for e in gpu
-                if not str(e["name"]).lower().startswith("nccl")], "cuda"
-    ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("tid") == main_thread),
-                 key=lambda e: float(e["ts"]))
-    outer, comm, end = [], [], -1.0
+        kernels = [span("copy" if e.name().startswith(("Memcpy", "Memset")) else "compute", e)
+                   for e in gpu if not e.name().lower().startswith("nccl")]
+        return sorted(kernels, key=lambda s: s.start_ns), marks, "cuda"
+    ops = [e for e in mine if not e.is_user_annotation()]
+    outer, comm, end = [], [], -1
     for e in ops:
-        if str(e["name"]).startswith(_COMM_OPS):
+        if e.name().startswith(_COMM_OPS):
             comm.append(span("comm", e))
-        if float(e["ts"]) >= end:
+        if e.start_ns() >= end:
             outer.append(e)
-            end = float(e["ts"]) + float(e["dur"])
-    spans = [span("copy" if e["name"] in COPIES else "compute", e) for e in outer
-             if not str(e["name"]).startswith(_COMM_OPS)]
-    return _cut(spans, comm), "cpu"
+            end = e.start_ns() + e.duration_ns()
+    spans = [span("copy" if e.name() in COPIES else "compute", e) for e in outer
+             if not e.name().startswith(_COMM_OPS)]
+    return _cut(spans, comm), marks, "cpu"
 
 
 def _cut(spans: list[Span], holes: list[Span]) -> list[Span]:

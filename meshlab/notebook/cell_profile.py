@@ -260,8 +260,9 @@ class CellProfile:
 
     def chrome_trace(self) -> dict[str, Any]:
         """One Chrome/Perfetto trace of every rank: each rank a process (its threads and, on a
-        GPU, its streams as torch.profiler recorded them) on the notebook's clock, microseconds
-        from the cell's start, plus a "collectives" row per rank with axis, bytes and waits."""
+        GPU, its streams as torch.profiler recorded them, where the profile kept torch's trace;
+        else meshlab's spans) on the notebook's clock, microseconds from the cell's start, plus
+        a "collectives" row per rank with axis, bytes and waits."""
         events: list[dict[str, Any]] = []
         waits = self.collectives()
         by_call = {(g, s): row for g, s, row in zip(
@@ -284,6 +285,13 @@ class CellProfile:
                 if isinstance(e.get("ts"), (int, float)):
                     e["ts"] = (base + float(e["ts"]) * 1000) / 1000
                 events.append(e)
+            if not trace:  # torch's own trace not kept: meshlab's spans, on a row of their own
+                events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1,
+                               "args": {"name": "work (meshlab)"}})
+                for s in [*p.spans, *p.marks]:
+                    start = self._ms(r, s.start_ns) * 1000
+                    events.append({"ph": "X", "pid": r, "tid": 1, "cat": s.kind, "name": s.name,
+                                   "ts": start, "dur": self._ms(r, s.end_ns) * 1000 - start})
             for c in p.collectives:
                 call = by_call.get((_label(call_key(r, c)), c.seq), {})
                 start = self._ms(r, c.issued_ns) * 1000

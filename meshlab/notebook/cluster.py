@@ -235,6 +235,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         keep_values: bool = False,
         comms: bool = False,
         profile: bool = False,
+        trace: bool = False,
         number: int | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
@@ -245,7 +246,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         ``result.values``.
         ``comms`` traces the collectives each rank issues into ``result.comms``.
         ``profile`` profiles every rank (torch.profiler and timed collectives) into
-        ``result.profile``, a CellProfile on the notebook's clock.
+        ``result.profile``, a CellProfile on the notebook's clock; ``trace`` keeps torch's
+        own trace of every rank in it too (what a Perfetto file shows: every op and thread).
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
         """
@@ -260,7 +262,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         if profile:
             remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
             clocks_before = self.clocks(remote)
-            view.apply_sync(meshlab.profiling.start)
+            view.apply_sync(meshlab.profiling.start, trace)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),

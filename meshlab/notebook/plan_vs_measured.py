@@ -31,6 +31,7 @@ from meshlab.plan.compute import ADAMW_BYTES
 from meshlab.plan.differences import axis_name
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.stage import Stage
+from meshlab.profiling import RankProfile
 
 LOW, HIGH = 0.75, 1 / 0.75
 """measured / predicted outside this range: more than 25% apart, and the row says why."""
@@ -221,12 +222,9 @@ def _predicted(est: Estimate, spec: MeshSpec, world: int) -> dict[str, dict[str,
 
 # -- the profile's side ------------------------------------------------------------------------
 
-def _optimizer_regions(trace: dict[str, Any]) -> list[Interval]:
-    base = int(trace.get("baseTimeNanoseconds", 0))
-    return union((base + round(float(e["ts"]) * 1000),
-                  base + round((float(e["ts"]) + float(e["dur"])) * 1000))
-                 for e in trace.get("traceEvents", [])
-                 if e.get("ph") == "X" and str(e.get("name", "")).startswith(OPTIMIZER_REGION))
+def _optimizer_regions(profile: RankProfile) -> list[Interval]:
+    return union((m.start_ns, m.end_ns) for m in profile.marks
+                 if m.name.startswith(OPTIMIZER_REGION))
 
 
 def _rank_terms(profile: CellProfile) -> pd.DataFrame:
@@ -238,7 +236,7 @@ def _rank_terms(profile: CellProfile) -> pd.DataFrame:
         busy = union((s.start_ns, s.end_ns) for s in p.spans)
         comm = union((c.issued_ns, c.done_ns or c.issued_ns) for c in p.collectives)
         either = union(busy + comm)
-        opt = overlap(_optimizer_regions(p.trace), [window])
+        opt = overlap(_optimizer_regions(p), [window])
         opt_comm_exposed = length(overlap(opt, comm)) - length(overlap(overlap(opt, comm), busy))
         rows.append({"rank": r,
                      "compute": (length(busy) - length(overlap(busy, opt))) / 1e6,

@@ -161,7 +161,8 @@ class Session:
             cluster.max_output_lines = max_lines or default
             result = cluster.run(code, ranks, timeout, on_output=on_output,
                                  keep_values=keep_values, comms=comms,
-                                 profile=profile or profile_dir is not None, number=number)
+                                 profile=profile or profile_dir is not None,
+                                 trace=profile_dir is not None, number=number)
         except MeshError as e:  # not exported, but export names what later cells needed
             self.need_journal().record_failure(code, number)
             if profile_dir is not None and e.result.profile is not None:
@@ -339,7 +340,8 @@ class Session:
         if self.bound_pipeline is None:
             raise SessionError("no pipeline is bound: %mesh pipeline MODEL --schedule NAME")
         number = self.cell_number()
-        ran = self.bound_pipeline.step(slots, profile=profile or profile_dir is not None)
+        ran = self.bound_pipeline.step(slots, profile=profile or profile_dir is not None,
+                                       trace=profile_dir is not None)
         if profile_dir is not None and self.bound_pipeline.profile is not None:
             self.bound_pipeline.profile.save(profile_dir, f"step-{number}")
         self.need_journal().record_step(number, slots)

@@ -95,7 +95,7 @@ class SteppedPipeline:
     def slots_done(self) -> int:
         return max((r["slot"] + 1 for r in self.records), default=0)
 
-    def step(self, slots: int | None = None, *, profile: bool = False
+    def step(self, slots: int | None = None, *, profile: bool = False, trace: bool = False
              ) -> list[dict[str, Any]]:
         """Run the next ``slots`` slots on every rank (the rest of the step when None).
         ``profile``: torch.profiler on every rank meanwhile, into ``self.profile`` (each
@@ -107,7 +107,7 @@ class SteppedPipeline:
         count = "None" if slots is None else int(slots)
         from_start = not self.records
         result = self.cluster.run(f"{self.name}.advance({count}), {self.name}.loss",
-                                  keep_values=True, profile=profile)
+                                  keep_values=True, profile=profile, trace=trace)
         ran: list[dict[str, Any]] = []
         seen = set()
         # ranks of other pp groups repeat the records; the lowest global rank of each pp
