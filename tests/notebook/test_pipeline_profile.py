@@ -12,7 +12,8 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from meshlab import Cluster
-from meshlab.notebook.stepping import SteppedPipeline, compare_bubbles
+from meshlab.notebook.pipeline_bubbles import compare_bubbles
+from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.schedules import Costs, Schedule, build
 
 SETUP = """%%mesh
