@@ -7,15 +7,22 @@ axis within 2%, memory by category within 10%, once the differences the reconcil
 names (each a fact of torch's implementation, with its bytes) are applied. Activations are
 the exception the rows say: the planner counts a fused kernel's floor, the dry run the
 model's own ops. Tiny widths: fake tensors cost no compute, only Python per op.
+
+A dry run is Python on one core, so a second process takes some of them (``BESIDE``, and
+every family of the model matrix) while this one runs the rest: each is a fake world of its
+own either way, and a DryRun comes back as the plain data it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import pickle
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 import pytest
@@ -67,14 +74,43 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
 }
 
 _runs: dict[str, DryRun] = {}
+# the last cases the tests below ask for: the second process has them ready by then
+BESIDE = ["transformers_llama", "2048_ranks"]
+_beside: dict[str, Future[Any]] = {}
+FAMILY_TEST = "test_every_family_of_the_model_matrix_dry_runs_or_is_refused_naming_why"
 
 
 def run(case: str) -> DryRun:
     """The case's dry run, once per session (a few seconds each)."""
     if case not in _runs:
-        model, layout = MATRIX[case]
-        _runs[case] = dryrun(model, layout, workers=1)
+        _runs[case] = _beside[case].result() if case in _beside else dry_run_case(case)
     return _runs[case]
+
+
+def dry_run_case(case: str) -> DryRun:
+    model, layout = MATRIX[case]
+    return dryrun(model, layout, workers=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _second_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Starts the dry runs the second process takes: those this session's tests ask for."""
+    here = [item for item in request.session.items
+            if getattr(item, "module", None) is request.module]
+    cases = {item.callspec.params.get("case") for item in here if hasattr(item, "callspec")}
+    wanted = [case for case in BESIDE if case in cases]
+    families = any(getattr(item, "originalname", "") == FAMILY_TEST for item in here)
+    if not wanted and not families:
+        yield
+        return
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        _beside.update({case: pool.submit(dry_run_case, case) for case in wanted})
+        if families:
+            _beside["families"] = pool.submit(dry_run_families)
+        yield
+        for future in _beside.values():  # a test stopped early: what has not started
+            future.cancel()
+    _beside.clear()
 
 
 @pytest.mark.parametrize("case", list(MATRIX))
@@ -182,28 +218,56 @@ def test_the_rank_side_imports_no_notebook_packages() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_every_family_of_the_model_matrix_dry_runs_or_is_refused_naming_why() -> None:
+NO_PP_PLAN = ("GPT-2", "GPT in a cell")  # families with no pipeline split (refused)
+
+
+def dry_run_families() -> dict[str, DryRun | tuple[BaseException, str]]:
+    """Each family of the model matrix dry-run, in its order: its DryRun, or what it raised
+    and where (the exception as it is where it pickles, else as text)."""
     from tests.rank.test_model_matrix import FAMILIES_SOURCE
 
     namespace: dict[str, Any] = {}
     exec(FAMILIES_SOURCE, namespace)
-    families = namespace["FAMILIES"]
-    moe = {"Mixtral", "Qwen3-MoE", "OLMoE"}
-    for name, factory in families.items():
+    runs: dict[str, DryRun | tuple[BaseException, str]] = {}
+    for name, factory in namespace["FAMILIES"].items():
         plan = None
-        if name in ("GPT-2", "GPT in a cell"):  # no pipeline split for these (refused)
+        if name in NO_PP_PLAN:
             layout = "dp_shard=16 tp=2"
             if name == "GPT in a cell":
                 plan = plan_for(Layout.parse(layout + " sp=0"), seq=16)[0]
                 plan.tp_plan = namespace["CELL_TP_PLAN"]
         else:
             layout = "pp=2 dp_shard=8 tp=2 m=2"
+        try:
+            runs[name] = dryrun(factory, layout, seq=16, workers=1, plan=plan)
+        except Exception as e:
+            try:
+                pickle.loads(pickle.dumps(e))
+            except Exception:
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            runs[name] = (e, traceback.format_exc())
+    return runs
+
+
+def _raise(outcome: DryRun | tuple[BaseException, str]) -> DryRun:
+    if isinstance(outcome, tuple):
+        raise outcome[0]
+    return outcome
+
+
+def test_every_family_of_the_model_matrix_dry_runs_or_is_refused_naming_why() -> None:
+    beside = _beside.get("families")
+    runs = beside.result() if beside is not None else dry_run_families()
+    moe = {"Mixtral", "Qwen3-MoE", "OLMoE"}
+    for name, outcome in runs.items():
         if name in moe:
             with pytest.raises(ValueError, match="fake tensors have no values"):
-                dryrun(factory, layout, seq=16, workers=1, plan=plan)
+                _raise(outcome)
             continue
-        run = dryrun(factory, layout, seq=16, workers=1, plan=plan)
-        assert len(run.ranks) == (2 if "pp=" in layout else 1), name
+        if isinstance(outcome, tuple):
+            outcome[0].add_note(f"dry-running the family {name}:\n{outcome[1]}")
+        run = _raise(outcome)
+        assert len(run.ranks) == (1 if name in NO_PP_PLAN else 2), name
         for rank in run.ranks:
             assert rank.memory["total"] > 0 and rank.params > 0, (name, rank)
             assert any(t.axis == "tp" for t in rank.collectives), (name, rank.collectives)

@@ -35,12 +35,16 @@ from meshlab.parallel import ParallelPlan, parallelize
 from meshlab.parallel.materialize import materialize
 from meshlab.parallel.verify import full_parameters, _mine
 
-def _exact(family, spec, plan):
+def _whole(family):
+    """The family's model as one process materializes it, whole."""
+    with torch.device("meta"):
+        whole = FAMILIES[family]().to(torch.float64)
+    return materialize(whole, device="cpu", seed=7)
+
+
+def _exact(family, spec, plan, whole):
     """(verdict, parameters unequal to one process, tensors left on meta, bytes held / whole)"""
     factory = FAMILIES[family]
-    with torch.device("meta"):
-        whole = factory().to(torch.float64)
-    materialize(whole, device="cpu", seed=7)
     expected = dict(whole.named_parameters(remove_duplicate=False))
     with torch.device("meta"):
         model = factory().to(torch.float64)
@@ -60,7 +64,9 @@ def _exact(family, spec, plan):
     return ("ok" if not unequal and not on_meta else "DIFFERS", unequal[:3], on_meta[:3],
             held / sum(p.numel() for p in whole.parameters()))
 
-{name: {spec: _exact(name, spec, plan) for spec, plan in LAYOUTS.items()} for name in NAMES}
+# one process's whole model once a family: the same numbers for every layout
+{name: {spec: _exact(name, spec, plan, whole) for spec, plan in LAYOUTS.items()}
+ for name, whole in ((name, _whole(name)) for name in NAMES)}
 '''
 
 
