@@ -30,7 +30,6 @@ from meshlab.notebook.tables.comms import axis_of
 from meshlab.profiling import RankProfile, Span, boot_id
 
 Interval = tuple[int, int]
-KINDS = ("compute", "copy", "comm", "wait", "idle")  # wait: at a collective, for a later rank
 
 
 @dataclass(slots=True)
