@@ -193,10 +193,11 @@ class CellProfile:
         return frame.sort_values("first", ignore_index=True) if len(frame) else frame
 
     def stragglers(self, share: float = 0.6) -> list[str]:
-        """Sentences naming ranks the others waited for: ``share`` or more of all the time
-        spent waiting at collectives was for that rank, and it arrived last at more than half
-        of the (at least 3) collectives it shared (in a pair chance alone makes a rank last
-        at half, and the waits it causes half of the small total)."""
+        """Sentences naming ranks the others waited for: a rank that arrived last at more than
+        3/4 of the (at least 8) collectives it shared, or that ``share`` or more of all the
+        waiting at collectives was for while it arrived last at more than half of them. (In
+        a pair chance alone makes a rank last at half; on a mesh a slow rank's lateness
+        spreads along the other axes, so its share of all waiting alone can hide it.)"""
         frame = self.collectives()
         if not len(frame):
             return []
@@ -207,10 +208,12 @@ class CellProfile:
         total = sum(caused.values())
         out = []
         for rank, waited in sorted(caused.items(), key=lambda item: -item[1]):
-            calls = shared[shared["ranks"].apply(lambda rs, r=rank: r in rs)]
+            calls = len(shared[shared["ranks"].apply(lambda rs, r=rank: r in rs)])
             last = int((shared["last"] == rank).sum())
-            if total > 0 and waited >= share * total and last > len(calls) / 2 >= 1.5:
-                out.append(f"rank {rank} arrived last at {last} of {len(calls)} collectives; "
+            mostly_last = calls >= 8 and last > 0.75 * calls
+            most_waiting = total > 0 and waited >= share * total and last > calls / 2 >= 1.5
+            if waited > 0 and (mostly_last or most_waiting):
+                out.append(f"rank {rank} arrived last at {last} of {calls} collectives; "
                            f"the others waited {waited:,.1f} ms for it in all "
                            f"({waited / total:.0%} of all waiting)")
         return out

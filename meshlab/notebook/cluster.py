@@ -256,13 +256,14 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         # the cell's limit bounds the wait for ranks an earlier cell left stuck too
         spent = self._recover(creates_groups=bool(GROUP_CREATION.search(code)),
                               timeout=timeout or None)
-        view = self._client.direct_view([self._engines[r] for r in ranks])
-        if comms and not profile:  # before the cell is sent: the two travel apart
-            view.apply_sync(meshlab.comms.start)
-        if profile:
-            remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
-            clocks_before = self.clocks(remote)
-            view.apply_sync(meshlab.profiling.start, trace)
+        if comms or profile:  # before the cell is sent: the two travel apart
+            view = self._client.direct_view([self._engines[r] for r in ranks])
+            if profile:
+                remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
+                clocks_before = self.clocks(remote)
+                view.apply_sync(meshlab.profiling.start, trace)
+            else:
+                view.apply_sync(meshlab.comms.start)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),

@@ -374,7 +374,7 @@ def test_timelines_notebook_profiles_a_step_a_straggler_and_a_pipeline(executed:
     assert len(profiled) == 5 and all("time per rank (ms)" in t for t in profiled), profiled
     assert "exposed tp" in profiled[0] and "exposed dp_shard" in profiled[0]
     assert "Straggler: rank 2 arrived last" in profiled[1], profiled[1]
-    assert "throttled: rank 2 x3" in "\n".join(shown)
+    assert "throttled: rank 2 x4" in "\n".join(shown)
 
     def waited(text: str) -> float:  # the summary's "waited for others", over all ranks
         table = text[text.index("time per rank (ms)"):text.index("comm hidden: ")]
