@@ -52,6 +52,21 @@ def _engines_need_the_cluster_mark(request: pytest.FixtureRequest,
         monkeypatch.setattr(Cluster, "start", refuse)
 
 
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A one-rank NCCL process group in this process, for the GPU tests (they skip without
+    CUDA before they get here)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("needs no process group already in this process")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def test_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("profiles") / "ci.toml"

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 if not torch.cuda.is_available():
@@ -44,17 +42,6 @@ def _float8() -> object:
 
     print(f"torchao {torchao.__version__} on torch {torch.__version__}")
     return convert_to_float8_training
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("needs no process group already in this process")
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _not_the_head(module: nn.Module, name: str) -> bool:

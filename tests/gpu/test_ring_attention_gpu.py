@@ -13,29 +13,16 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="torch's ring attention runs on CUDA only: no GPU here")
 
 SEQ = 64
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("needs no process group already in this process")
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _ring_module() -> Any:

@@ -7,26 +7,13 @@ there host memory is the device's, so only these tests see bytes leave the devic
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="offloading moves bytes off a GPU: none here")
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("needs no process group already in this process")
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_offloaded_activations_leave_the_gpu_and_train_alike() -> None:
