@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,7 @@ class CellProfile:
     spec: MeshSpec | None
     world_size: int
     saved: Path | None = None  # where save() last wrote the trace
+    _calls: pd.DataFrame | None = field(default=None, repr=False)  # collectives(), matched once
 
     @property
     def origin_ns(self) -> int:
@@ -167,7 +168,13 @@ class CellProfile:
     def collectives(self) -> pd.DataFrame:
         """One row per collective, matched across its group: op, axis, bytes, when the first
         and last member arrived (ms), who was last, how long each other member waited for it
-        (``waits``: rank -> ms) and when the last member had its result."""
+        (``waits``: rank -> ms) and when the last member had its result.
+        Matched once: the summary, stragglers, spans and trace all ask."""
+        if self._calls is None:
+            self._calls = self._match()
+        return self._calls.copy()
+
+    def _match(self) -> pd.DataFrame:
         calls: dict[tuple[tuple[int, ...], int], dict[int, CommRecord]] = {}
         for r, p in self.ranks.items():
             for c in p.collectives:
