@@ -106,7 +106,10 @@ def throttle(line: str) -> None:
 @argument("expr", nargs="+", help="a DTensor, tensor or nn.Module (any expression) on the ranks")
 @ranks_option
 def inspect(line: str) -> None:
-    """%mesh inspect EXPR: a widget showing which rank holds which block of EXPR."""
+    """%mesh inspect EXPR: a widget showing which rank holds which block of EXPR. Only the
+    ranks of one DTensor that hold the same piece share a block ("replicated"); ranks holding
+    different tensors under EXPR (pipeline stages, expert slices, plain tensors) are drawn
+    apart, each captioned with its ranks, mesh coordinates and name in the model."""
 
 
 @magic_arguments()

@@ -34,7 +34,8 @@ def setup_rank(cwd: str, cells: str, **kwargs: Any) -> None:
 def describe(expr: str) -> Any:
     import meshlab.sharding
 
-    return meshlab.sharding.describe(eval(expr, globals()), expr)
+    # the namespace's modules name the tensor in the whole model; its `mesh` places the rank
+    return meshlab.sharding.describe(eval(expr, globals()), expr, globals())
 
 
 @ipp.interactive

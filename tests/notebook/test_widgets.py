@@ -7,7 +7,7 @@ from pathlib import Path
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.palette import RANKS, contrast, rank_colour, text_colour
 from meshlab.notebook.widgets import MeshView
-from meshlab.notebook.widgets.sharding import ShardingView, blocks
+from meshlab.notebook.widgets.sharding import ShardingView, blocks, render_html, tensor_state
 from meshlab.sharding import RankShard, ShardingReport
 
 
@@ -27,6 +27,17 @@ GRID = report("w", ["Shard(0)", "Shard(1)"], {0: ([4, 3], [0, 0]), 1: ([4, 3], [
 # Replicate() over dp, Shard(1) over tp: ranks 0,2 hold the left half, 1,3 the right
 COLS = report("cols", ["Replicate()", "Shard(1)"], {0: ([8, 3], [0, 0]), 1: ([8, 3], [0, 3]),
                                                    2: ([8, 3], [0, 0]), 3: ([8, 3], [0, 3])})
+def split_columns(ranks: int, cols: int = 1000) -> ShardingReport:
+    """A [64, cols] tensor, Shard(1) over ``ranks`` ranks: blocks as thin as the ranks many."""
+    width = -(-cols // ranks)
+    return ShardingReport(
+        name="thin", kind="dtensor", global_shape=[64, cols], dtype="float32",
+        mesh_shape=[ranks], mesh_axes=["tp"], placements=["Shard(1)"],
+        mesh_ranks=list(range(ranks)),
+        shards=[RankShard(rank=r, coordinate=[r], local_shape=[64, min(width, cols - r * width)],
+                          offsets=[0, r * width], bytes=4 * 64 * width) for r in range(ranks)])
+
+
 PARTIAL = report("partial", ["Partial(sum)", "Replicate()"],
                  {r: ([4, 4], [0, 0]) for r in range(4)}, shape=(4, 4))
 
@@ -40,11 +51,16 @@ def test_a_rank_has_one_colour_in_every_tensor() -> None:
     assert seen == {r: {rank_colour(r)} for r in range(4)}
 
 
-def test_a_block_held_by_several_ranks_shows_each_ranks_colour() -> None:
+def test_a_replicated_block_is_one_colour_with_its_ranks_in_a_band_along_the_top() -> None:
     left = next(b for b in blocks(COLS, (0, 1)) if b["ranks"] == [0, 2])
-    assert left["fill"]["background-color"] == rank_colour(0)
-    assert rank_colour(0) in left["fill"]["background-image"]
-    assert rank_colour(2) in left["fill"]["background-image"]
+    assert left["replicated"] and left["fill"] == {"background-color": rank_colour(0)}
+    assert [s["background-color"] for s in left["band"]] == [rank_colour(0), rank_colour(2)]
+    assert {s["width"] for s in left["band"]} == {"50.00%"}  # equal segments
+    assert all(s["height"] == "4px" and s["top"] == "0" for s in left["band"])
+    # the word is on the block, not only in a tooltip
+    assert [line["text"] for line in left["lines"]] == ["[ranks 0,2]", "rows 0-7 · cols 0-2",
+                                                        "replicated"]
+    assert "linear-gradient" not in ShardingView(COLS)._repr_html_()
 
 
 def test_labels_read_at_4_5_to_1_on_every_rank_colour() -> None:
@@ -87,3 +103,49 @@ def test_the_mesh_caption_names_only_the_directions_it_has() -> None:
     assert "<small>(pp →)</small>" in MeshView(MeshSpec.parse("pp=4"))._repr_html_()
     assert "<small>(tp →, dp_shard ↓)</small>" in MeshView(
         MeshSpec.parse("dp=2 tp=2"))._repr_html_()
+
+
+def test_narrow_blocks_turn_their_short_labels_upright_and_list_the_rest_below() -> None:
+    drawn = blocks(split_columns(16))
+    assert (drawn[0]["fit"], drawn[10]["fit"], drawn[15]["fit"]) == (
+        "short", "upright", "small upright")  # r0 fits across; r10 upright; r15 is thinner
+    r10 = drawn[10]
+    (line,) = r10["lines"]
+    assert line["text"] == "r10" and line["style"]["writing-mode"] == "vertical-rl"
+    assert r10["key"]["text"] == "rank 10 · rows 0-63 · cols 630-692"
+    assert r10["key"]["swatch"]["background-color"] == r10["color"]
+    html = ShardingView(split_columns(16))._repr_html_()
+    assert all(b["key"]["text"] in html for b in drawn)
+    assert "overflow:hidden" not in html and "overflow:visible" in html
+
+
+def test_a_block_too_small_for_any_text_says_everything_in_the_key() -> None:
+    drawn = blocks(split_columns(100))
+    assert all(b["fit"] == "none" and b["lines"] == [] for b in drawn)
+    state = tensor_state(split_columns(100))
+    assert [k["text"] for k in state["parts"][0]["key"]][:2] == [
+        "rank 0 · rows 0-63 · cols 0-9", "rank 1 · rows 0-63 · cols 10-19"]
+
+
+def test_a_wide_block_shows_its_ranks_ranges_and_note_with_no_key() -> None:
+    for b in blocks(GRID, (0, 1)) + blocks(COLS, (0, 1)):
+        assert b["fit"] == "full" and b["key"] is None, b["label"]
+        assert [line["class"] for line in b["lines"]][:2] == ["meshlab-label", "meshlab-range"]
+
+
+def test_the_html_fallback_draws_the_widgets_blocks_without_javascript() -> None:
+    view = ShardingView(COLS)
+    html = view._repr_html_()
+    assert "<script" not in html and "class='meshlab-block replicated'" in html
+    for b in view.tensor["blocks"]:  # the very styles the widget's front end applies
+        style = "".join(f"{k}:{v};" for k, v in b["style"].items())
+        assert f"data-ranks='{b['data_ranks']}' " in html and style in html
+        assert all(line["text"] in html for line in b["lines"])
+    assert render_html({}, [], {}) == ("<div class='meshlab-sharding' "
+                                       "style='font:12px/1.4 sans-serif'></div>")
+
+
+def test_partial_blocks_say_pending_reduction_not_replicated() -> None:
+    (b,) = blocks(PARTIAL, (0, 1))
+    assert not b["replicated"] and b["note"] == "partial: pending reduction"
+    assert "partial: pending reduction" in [line["text"] for line in b["lines"]]

@@ -60,53 +60,56 @@ function drawDimPickers(model, t, root) {
   root.append(el("div", { class: "meshlab-dims" }, "rows: ", pick(0), " columns: ", pick(1)));
 }
 
+function styled(tag, style, attrs = {}, ...children) {
+  // styles computed in Python (the HTML fallback applies the same), as CSS property names
+  const node = el(tag, attrs, ...children);
+  for (const [k, v] of Object.entries(style || {})) node.style.setProperty(k, v);
+  return node;
+}
+
 function drawTensor(model, root) {
   const t = model.get("tensor");
   if (!t || !t.shape) return;
-  const placed = t.placements.length ? t.placements.join(", ") : "local tensor (one per rank)";
-  const mesh = t.mesh_shape.length ? ` on mesh [${t.mesh_shape}] (${t.mesh_axes.join(", ")})` : "";
-  root.append(el("div", { class: "meshlab-caption" },
-    el("b", {}, t.name || "tensor"), ` [${t.shape}] ${t.dtype} · ${placed}${mesh}`));
+  root.append(el("div", { class: "meshlab-caption" }, el("b", {}, t.name || "tensor"), ` ${t.head}`));
   drawDimPickers(model, t, root);
-  const nRows = t.dims.length ? Math.max(t.shape[t.dims[0]], 1) : 1;
-  const nCols = t.dims.length > 1 ? Math.max(t.shape[t.dims[1]], 1) : 1;
-  // Keep the tensor's aspect ratio inside 360 x 360; thin tensors stay visible.
-  const scale = Math.min(360 / nCols, 360 / nRows);
-  const width = Math.max(40, nCols * scale);
-  const height = Math.max(24, nRows * scale);
-  const grid = el("div", { class: "meshlab-grid", style: { width: `${width}px`, height: `${height}px` } });
+  const several = t.parts.length > 1;
   const detail = el("div", { class: "meshlab-detail" }, "hover or click a block");
-  const show = (b) => {
-    detail.replaceChildren(el("div", {}, el("b", {}, b.label),
-      b.replicated ? " · replicated" : "", b.partial ? " · partial: pending reduction" : ""),
+  const show = (b, part) => {
+    detail.replaceChildren(el("div", {}, el("b", {}, b.label), b.note ? ` · ${b.note}` : "",
+      several || part.fqn ? ` · ${part.name}` : ""),
       ...b.detail.map((s) => el("div", {},
         `rank ${s.rank}` + (s.coordinate.length ? ` at [${s.coordinate}]` : "") +
-        `: local [${s.local_shape}] from offset [${s.offsets}], ${fmtBytes(s.bytes)}`)));
+        `: local [${s.local_shape}] from offset [${s.offsets}], ${fmtBytes(s.bytes)}` +
+        (Object.keys(s.place).length ? ` · ${Object.entries(s.place).map(([a, i]) => `${a} ${i}`).join(", ")}` : ""))));
   };
-  for (const b of t.blocks) {
-    const box = el("div", {
-      class: "meshlab-block" + (b.replicated ? " replicated" : "") + (b.partial ? " partial" : ""),
-      "data-ranks": b.ranks.join(","),
-      title: `${b.label} ${b.ranges}`,
-      tabindex: "0", role: "button",
-      "aria-label": `${b.label}, ${b.ranges}` + (b.partial ? ", partial" : ""),
-      style: {
-        left: `${(b.c0 / nCols) * width}px`, top: `${(b.r0 / nRows) * height}px`,
-        width: `${((b.c1 - b.c0) / nCols) * width}px`, height: `${((b.r1 - b.r0) / nRows) * height}px`,
-        // not the `background` shorthand: it would reset the Partial hatch
-        backgroundColor: b.fill["background-color"],
-        backgroundImage: b.fill["background-image"] || "none",
+  const panels = el("div", { class: "meshlab-parts" });
+  for (const part of t.parts) {
+    const panel = el("div", { class: "meshlab-part", "data-ranks": part.data_ranks,
+      style: { width: `${part.panel_width}px` } });
+    if (several) panel.append(el("div", { class: "meshlab-holder" }, el("b", {}, part.holder), el("br"), part.holds));
+    const grid = el("div", { class: "meshlab-grid", style: { width: `${part.width}px`, height: `${part.height}px` } });
+    for (const b of t.blocks.filter((b) => b.part === part.index)) {
+      const box = styled("div", b.style, {
+        class: "meshlab-block" + (b.replicated ? " replicated" : "") + (b.partial ? " partial" : ""),
+        "data-ranks": b.data_ranks,
+        title: `${b.label} ${b.ranges}` + (b.note ? ` (${b.note})` : ""),
+        tabindex: "0", role: "button",
+        "aria-label": `${b.label}, ${b.ranges}` + (b.note ? `, ${b.note}` : ""),
+        onmouseenter: () => show(b, part), onclick: () => show(b, part), onfocus: () => show(b, part),
+        onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); show(b, part); } },
       },
-      onmouseenter: () => show(b), onclick: () => show(b), onfocus: () => show(b),
-      onkeydown: (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); show(b); } },
-    },
-    // the label sits on its first rank's colour, in black or white, whatever lies behind
-    el("span", { class: "meshlab-label", style: { color: b.text, backgroundColor: b.color } }, b.label),
-    el("span", { class: "meshlab-range", style: { color: b.text, backgroundColor: b.color } }, b.ranges));
-    grid.append(box);
+      ...b.band.map((s) => styled("div", s)),
+      ...b.lines.map((line) => styled("span", line.style, { class: line.class }, line.text)));
+      grid.append(box);
+    }
+    panel.append(grid);
+    // what a block too small for its whole label does not show, with its colour
+    if (part.key.length) panel.append(el("div", { class: "meshlab-key" }, ...part.key.map((k) =>
+      el("div", {}, styled("span", k.swatch), k.text))));
+    if (part.empty_text) panel.append(el("div", { class: "meshlab-empty" }, part.empty_text));
+    panels.append(panel);
   }
-  root.append(grid);
-  if (t.empty.length) root.append(el("div", { class: "meshlab-empty" }, `holding nothing: ranks ${t.empty.join(", ")}`));
+  root.append(panels);
   root.append(detail);
 }
 
