@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
 import os
 import shlex
@@ -35,42 +36,100 @@ _scratch: dict[int, str] = {}  # id(ipyparallel cluster) -> the folder it was st
 
 
 class StartProgress:
-    """One progress bar through a start's phases: the controller, the engines registering
-    (the bar counts them), the process group; closed when the ranks are ready, so the time
-    the bar shows is the whole start, as the "ready" line says."""
+    """One progress line through a start's phases: the controller, the engines registering
+    (it counts them), the process group; closed when the ranks are ready, so the time it
+    shows is the whole start, as the "ready" line says.
+
+    In a notebook it is one HTML output updated in place: a widget (tqdm's) makes JupyterLab's
+    widget manager open a kernel subshell, whose reply showed the kernel Idle for the whole
+    start, and a saved notebook kept only "model not found" of it. In a terminal, tqdm."""
 
     SAYS: ClassVar[dict[str, str]] = {
         "controller": "starting the controller", "engines": "engines registering",
         "process group": "forming the process group"}
+    REDRAW = 0.25  # seconds between redraws while nothing but the clock changed
 
     def __init__(self, n: int, enabled: bool = True) -> None:
-        from tqdm.auto import tqdm
-
-        self._since = time.perf_counter()
+        self.n, self.k, self.enabled = n, 0, enabled
+        self._started = self._since = time.perf_counter()
+        self._drawn = 0.0
         self.phases: dict[str, float] = {}  # phase -> seconds it took
-        self.bar = tqdm(total=n, unit="rank", disable=not enabled, desc=self.SAYS["controller"],
-                        bar_format="{desc}: {n_fmt}/{total_fmt} ranks {bar} {elapsed}")
         self._phase = "controller"
+        self._says = self.SAYS["controller"]
+        self._display: Any = None  # the notebook's output, updated in place
+        self._bar: Any = None  # tqdm's, in a terminal
+        if not enabled:
+            return
+        if _in_kernel():
+            from IPython.display import display
+
+            self._display = display(_Drawn(self), display_id=True)
+        else:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=n, unit="rank", desc=self._says,
+                             bar_format="{desc}: {n_fmt}/{total_fmt} ranks {bar} {elapsed}")
 
     def phase(self, name: str) -> None:
         """The previous phase is over; ``name`` starts."""
         now = time.perf_counter()
         self.phases[self._phase] = now - self._since
         self._phase, self._since = name, now
-        self.bar.set_description_str(self.SAYS[name])
+        self._redraw(self.SAYS[name])
 
     def registered(self, k: int) -> None:
-        if k != self.bar.n:
-            self.bar.update(k - self.bar.n)
+        if k != self.k or time.perf_counter() - self._drawn > self.REDRAW:
+            self.k = k
+            self._redraw(self._says)
 
     def close(self, ok: bool = True) -> str:
-        """End the bar; returns the phases with their times ('controller 1.1 s, ...')."""
+        """End the line; returns the phases with their times ('controller 1.1 s, ...')."""
         self.phases[self._phase] = time.perf_counter() - self._since
-        self.bar.set_description_str("ready" if ok else f"failed {self.SAYS[self._phase]}")
-        self.bar.close()
-        if not ok and hasattr(self.bar, "container"):  # a notebook's bar: red, not green
-            self.bar.disp(bar_style="danger", check_delay=False)
+        self._redraw("ready" if ok else f"failed {self.SAYS[self._phase]}")
+        if self._bar is not None:
+            self._bar.close()
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def text(self) -> str:
+        return f"{self._says}: {self.k}/{self.n} ranks {self.elapsed():.1f} s"
+
+    def _redraw(self, says: str) -> None:
+        self._says, self._drawn = says, time.perf_counter()
+        if self._display is not None:
+            self._display.update(_Drawn(self))
+        elif self._bar is not None:
+            self._bar.set_description_str(says)
+            self._bar.update(self.k - self._bar.n)
+
+
+class _Drawn:
+    """The start's progress as the notebook shows it: a bar in HTML, a line in text."""
+
+    def __init__(self, progress: StartProgress) -> None:
+        self.text = progress.text()
+        self.fraction = progress.k / progress.n if progress.n else 1.0
+        self.failed = progress._says.startswith("failed")
+        self.ready = progress._says == "ready"
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_html_(self) -> str:
+        colour = "#c0392b" if self.failed else "#2e7d32" if self.ready else "#1f77b4"
+        return (f"<div class='meshlab-start' style='display:flex;align-items:center;gap:8px'>"
+                f"<span>{html.escape(self.text)}</span><span style='display:inline-block;"
+                f"width:200px;height:10px;border:1px solid #999'><span style='display:block;"
+                f"height:100%;width:{self.fraction * 100:.0f}%;background:{colour}'></span>"
+                f"</span></div>")
+
+
+def _in_kernel() -> bool:
+    """Whether this runs in a Jupyter kernel (whose outputs can be updated in place)."""
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    return getattr(shell, "kernel", None) is not None
 
 
 def start(profile: Profile, n: int, progress: StartProgress
