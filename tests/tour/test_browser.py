@@ -25,8 +25,9 @@ import pytest
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 TOURED = ("01-quickstart", "02-mesh-and-sharding", "05-pipeline-schedules")  # Run All here
-# opened as nbclient's test ran them: pictures, not a rerun
-OPENED = ("11-planning-at-scale", "15-timelines")
+# every other notebook is opened as nbclient's test ran and saved it: pictures, not a rerun
+OPENED = tuple(p.stem for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.stem not in TOURED)
+OVERRIDES = Path(__file__).parents[2] / "jupyter-config" / "meshlab.json"
 ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(
@@ -41,16 +42,32 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def jupyterlab(tmp_path_factory: pytest.TempPathFactory, executed: Any) -> Iterator[str]:
-    """A JupyterLab server on loopback serving copies of the notebooks (those in OPENED as
-    nbclient executed them); yields its URL."""
+def lab_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder JupyterLab serves: copies of the notebooks in TOURED, unexecuted; tests add
+    executed copies with ``open_executed``."""
     root = tmp_path_factory.mktemp("lab")
     for name in TOURED:
         shutil.copy(NOTEBOOKS / f"{name}.ipynb", root / f"{name}.ipynb")
-    for name in OPENED:
+    return root
+
+
+def open_executed(root: Path, executed: Any, name: str) -> None:
+    """Serve the notebook as nbclient's test executed and saved it (outputs, widget state)."""
+    if not (root / f"{name}.ipynb").exists():
         shutil.copy(executed(f"{name}.ipynb")[1], root / f"{name}.ipynb")
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory: pytest.TempPathFactory, lab_root: Path) -> Iterator[str]:
+    """A JupyterLab server on loopback serving ``lab_root``; yields its URL."""
+    root = lab_root
     port, token = free_port(), secrets.token_hex(16)
     settings = tmp_path_factory.mktemp("lab-settings")
+    # meshlab's default-settings override (widget state saved with the notebook), where the
+    # wheel installs it under sys.prefix (tests/test_wheel.py); an editable install has none
+    app_settings = tmp_path_factory.mktemp("lab-app-settings")
+    (app_settings / "overrides.d").mkdir()
+    shutil.copy(OVERRIDES, app_settings / "overrides.d" / "meshlab.json")
     for plugin, value in {
         # draw every cell, not only those on screen, so outputs can be found in the DOM
         "notebook-extension/tracker": '{"windowingMode": "none"}',
@@ -64,6 +81,7 @@ def jupyterlab(tmp_path_factory: pytest.TempPathFactory, executed: Any) -> Itera
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
          "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.token={token}",
          f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+         f"--LabApp.app_settings_dir={app_settings}",
          "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
@@ -151,6 +169,64 @@ BAR_COVER = """(svg) => {
 }"""
 
 
+# what the notebook shows as pictures, and what shows as a broken one
+PICTURES = """() => {
+  const area = document.querySelector('.jp-Notebook');
+  const text = area.innerText;
+  return {widgets: area.querySelectorAll('.jp-OutputArea-output .meshlab-sharding').length,
+          charts: area.querySelectorAll('.vega-embed svg.marks').length,
+          starts: area.querySelectorAll('.meshlab-start').length,
+          broken: (text.match(/Error displaying widget|model not found|Loading widget/g) || [])
+            .length};
+}"""
+
+# stderr shown by a cell that raised nothing: the red block of a warning (IPython shows a
+# UsageError, a magic's refusal, on stderr: that cell failed, on purpose)
+STDERR_IN_GOOD_CELLS = """() => window.jupyterapp.shell.currentWidget.content.widgets
+  .filter(c => c.model.type === 'code')
+  .map(c => [c.model.sharedModel.getSource(), c.model.outputs.toJSON()])
+  .filter(([_, outs]) => !outs.some(o => o.output_type === 'error' ||
+    (o.output_type === 'stream' && [].concat(o.text).join('').startsWith('UsageError'))))
+  .flatMap(([src, outs]) => outs.filter(o => o.output_type === 'stream' && o.name === 'stderr')
+    .map(o => src.split('\\n')[0] + ' -> ' + [].concat(o.text).join('').slice(0, 200)))"""
+
+# text drawn over other text in one output (vega hides labels it thins out with opacity 0),
+# and labels cut by their sharding block's edge
+OVERLAPS = """() => {
+  const shown = (t) => {
+    for (let n = t; n && n.nodeType === 1; n = n.parentElement) {
+      const cs = getComputedStyle(n);
+      if (cs.display === 'none' || cs.visibility === 'hidden' || cs.opacity === '0' ||
+          n.getAttribute('opacity') === '0') return false;
+    }
+    const r = t.getBoundingClientRect();
+    return r.width > 0 && r.height > 0;
+  };
+  const found = [];
+  for (const out of document.querySelectorAll('.jp-OutputArea-output')) {
+    const texts = [...out.querySelectorAll('svg text, .meshlab-block span')]
+      .filter(t => t.textContent.trim() && shown(t))
+      .map(t => [t.textContent.trim(), t.getBoundingClientRect(), t]);
+    for (let i = 0; i < texts.length; i++) {
+      for (let j = i + 1; j < texts.length; j++) {
+        const [a, ra, ta] = texts[i], [b, rb, tb] = texts[j];
+        if (ta.contains(tb) || tb.contains(ta)) continue;
+        const w = Math.min(ra.right, rb.right) - Math.max(ra.left, rb.left);
+        const h = Math.min(ra.bottom, rb.bottom) - Math.max(ra.top, rb.top);
+        if (w > 1.5 && h > 1.5) found.push(`"${a}" over "${b}"`);
+      }
+    }
+    for (const span of out.querySelectorAll('.meshlab-block span')) {
+      const block = span.closest('.meshlab-block').getBoundingClientRect();
+      const r = span.getBoundingClientRect();
+      if (shown(span) && (r.right > block.right + 1 || r.bottom > block.bottom + 1))
+        found.push(`"${span.textContent.trim()}" cut by its block`);
+    }
+  }
+  return found;
+}"""
+
+
 def hex_of(css: str) -> str:
     """'rgb(78, 121, 167)' -> '#4e79a7'."""
     parts = css[css.index("(") + 1:css.index(")")].split(",")[:3]
@@ -216,11 +292,42 @@ class Lab:
         page.reload()
         page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
                                timeout=60_000)
+        # the kernel Lab starts for it settles first: shut down while the debugger asks it
+        # for its state, the page logs a cancelled debug_request
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                               timeout=60_000)
+        page.wait_for_timeout(2000)
         accept_dialogs(page)
 
+    def pictures(self) -> dict[str, int]:
+        return dict(self.page.evaluate(PICTURES))
+
+    def check_clean(self) -> None:
+        """No red block on a cell that succeeded, no label over another or cut off."""
+        warned = self.page.evaluate(STDERR_IN_GOOD_CELLS)
+        assert warned == [], f"cells that succeeded printed to stderr: {warned[:5]}"
+        overlaps = self.page.evaluate(OVERLAPS)
+        assert overlaps == [], f"labels drawn over each other or cut: {overlaps[:8]}"
+
+    def check_pictures_survive_saving(self) -> None:
+        """Save, reopen without a kernel: every picture the run drew is drawn again, from the
+        file alone (widget state saved by meshlab's JupyterLab settings default)."""
+        before = self.pictures()
+        assert before["broken"] == 0, before
+        self.save_and_reopen_without_its_kernel()
+        try:
+            self.page.wait_for_function(
+                f"(() => {{ const p = ({PICTURES})(); return p.widgets >= {before['widgets']}"
+                f" && p.charts >= {before['charts']} && p.starts >= {before['starts']}"
+                f" && p.broken === 0; }})()", timeout=60_000)
+        except Exception:
+            raise AssertionError(f"after saving and reopening: {self.pictures()}, "
+                                 f"before: {before}") from None
+        assert self.page.evaluate(COUNTS)[0] is not None  # the outputs shown are the saved ones
+
     def shutdown_kernel(self) -> None:
-        self.page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext"
-                           ".session.shutdown()")
+        self.page.evaluate("() => { const s = window.jupyterapp.shell.currentWidget"
+                           ".sessionContext.session; if (s) return s.shutdown(); }")
 
     def close(self) -> None:
         """Check the page stayed on this machine and logged no error, then stop its kernel
@@ -254,6 +361,9 @@ def test_quickstart_runs_and_reports_in_jupyterlab(browser: Any, jupyterlab: str
     assert any("ranks ready in" in t for t in text), text[:3]
     assert any("[rank 1] ValueError" in t for t in text)  # errors summarised by rank
     lab.page.screenshot(path=str(ARTIFACTS / "01-quickstart.png"), full_page=True)
+    assert lab.pictures()["starts"] == 1  # the start's progress, not a widget
+    lab.check_clean()
+    lab.check_pictures_survive_saving()
     lab.close()
 
 
@@ -277,7 +387,9 @@ def test_sharding_widget_tells_ranks_ranges_and_partial_apart(
         first.locator(".meshlab-detail").inner_text()
     first.screenshot(path=str(ARTIFACTS / "sharding-widget.png"))
 
-    labels = [x for w in page.locator(".meshlab-sharding").all() for x in w.evaluate(LABELS)]
+    # (a block too small for any text is told in the key under its grid)
+    labels = [x for w in page.locator(".meshlab-sharding").all() for x in w.evaluate(LABELS)
+              if x is not None]
     assert len(labels) > 10
     for x in labels:  # every label readable on its colour (WCAG AA: 4.5:1)
         assert contrast(hex_of(x["colour"]), hex_of(x["background"])) >= 4.5, x
@@ -286,6 +398,10 @@ def test_sharding_widget_tells_ranks_ranges_and_partial_apart(
         if "," not in x["ranks"] and "-" not in x["ranks"]:
             colours.setdefault(x["ranks"], set()).add(hex_of(x["fill"]))
     assert colours == {str(r): {rank_colour(r)} for r in range(4)}
+    replicated = page.locator(".meshlab-block.replicated")  # one block, said in words
+    assert replicated.count() > 0
+    assert all("replicated" in replicated.nth(i).inner_text()
+               for i in range(replicated.count()))
     partial = [x for x in labels if x["partial"]]  # `%mesh inspect partial`: hatched
     assert partial and all("repeating-linear-gradient" in x["image"] for x in partial)
     hatched = page.locator(".meshlab-sharding", has=page.locator(".meshlab-block.partial"))
@@ -305,6 +421,10 @@ def test_sharding_widget_tells_ranks_ranges_and_partial_apart(
     assert chart.is_visible()
     chart.screenshot(path=str(ARTIFACTS / "comms-chart.png"))
     page.screenshot(path=str(ARTIFACTS / "jupyterlab.png"))
+    lab.check_clean()
+    lab.check_pictures_survive_saving()
+    page.locator(".meshlab-sharding").first.screenshot(
+        path=str(ARTIFACTS / "sharding-widget-reopened.png"))
     lab.close()
 
 
@@ -325,24 +445,47 @@ def test_compared_schedules_share_one_time_axis_and_show_tooltips(
     tooltip = lab.page.locator("#vg-tooltip-element.visible")
     tooltip.wait_for(timeout=10_000)
     assert "rank" in tooltip.inner_text()
-    lab.close()
-
-
-def test_a_saved_notebook_shows_its_charts_without_a_kernel(
-        browser: Any, jupyterlab: str) -> None:
-    lab = Lab(browser, jupyterlab, "05-pipeline-schedules")
-    drawn = lab.charts().count()
-    assert drawn >= 2
-    lab.save_and_reopen_without_its_kernel()
-    lab.page.wait_for_function(f"document.querySelectorAll('.vega-embed svg.marks').length"
-                               f" >= {drawn}", timeout=60_000)
-    assert "model not found" not in lab.page.locator(".jp-Notebook").inner_text()
-    assert lab.page.evaluate(COUNTS)[0] is not None  # the outputs shown are the saved ones
+    assert lab.charts().count() >= 2
+    lab.check_clean()
+    lab.check_pictures_survive_saving()
     lab.page.screenshot(path=str(ARTIFACTS / "05-saved-and-reopened.png"), full_page=True)
     lab.close()
 
 
-def test_planning_charts_fill_their_axes(browser: Any, jupyterlab: str) -> None:
+def drawn_in_file(path: Path) -> dict[str, int]:
+    """How many widgets and charts the saved notebook holds."""
+    import nbformat
+
+    outputs = [o for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"
+               for o in c.outputs if "data" in o]
+    return {"widgets": sum("application/vnd.jupyter.widget-view+json" in o.data
+                           for o in outputs),
+            "charts": sum(any(k.startswith("application/vnd.vegalite") for k in o.data)
+                          for o in outputs)}
+
+
+@pytest.mark.parametrize("name", OPENED)
+def test_a_saved_tour_notebook_shows_every_picture_clean(
+        browser: Any, jupyterlab: str, lab_root: Path, executed: Any, name: str) -> None:
+    """Opened as nbclient ran and saved it: every widget and chart drawn from the file, no
+    red block on a cell that succeeded, no label over another."""
+    open_executed(lab_root, executed, name)
+    held = drawn_in_file(lab_root / f"{name}.ipynb")
+    lab = Lab(browser, jupyterlab, name, run=False)
+    try:
+        lab.page.wait_for_function(
+            f"(() => {{ const p = ({PICTURES})(); return p.widgets >= {held['widgets']}"
+            f" && p.charts >= {held['charts']} && p.broken === 0; }})()", timeout=60_000)
+    except Exception:
+        raise AssertionError(f"{name} shows {lab.pictures()}; its file holds {held}") from None
+    lab.page.screenshot(path=str(ARTIFACTS / f"{name}-opened.png"), full_page=True)
+    lab.check_clean()
+    lab.close()
+
+
+def test_planning_charts_fill_their_axes(browser: Any, jupyterlab: str, lab_root: Path,
+                                         executed: Any) -> None:
+    open_executed(lab_root, executed, "11-planning-at-scale")
     lab = Lab(browser, jupyterlab, "11-planning-at-scale", run=False)
     charts = lab.charts()
     charts.first.wait_for(timeout=60_000)
@@ -367,7 +510,8 @@ WIDEST_BAR = """(svg) => {
 
 
 def test_the_profile_timeline_shows_every_rank_and_names_the_op_on_hover(
-        browser: Any, jupyterlab: str) -> None:
+        browser: Any, jupyterlab: str, lab_root: Path, executed: Any) -> None:
+    open_executed(lab_root, executed, "15-timelines")
     lab = Lab(browser, jupyterlab, "15-timelines", run=False)
     charts = lab.charts()
     charts.first.wait_for(timeout=60_000)
@@ -385,3 +529,33 @@ def test_the_profile_timeline_shows_every_rank_and_names_the_op_on_hover(
     assert "op" in text and "duration (ms)" in text and "rank" in text, text
     chart.screenshot(path=str(ARTIFACTS / "profile-timeline.png"))
     lab.close()
+
+
+def test_a_notebook_without_widget_state_reads_without_javascript(
+        browser: Any, executed: Any, tmp_path: Path) -> None:
+    """As GitHub or a viewer that keeps no widget state shows it: nbconvert's HTML of the
+    saved notebook, its widget state dropped, in a page with JavaScript off. Every sharding
+    output falls back to its static drawing, every chart to its SVG."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(executed("02-mesh-and-sharding.ipynb")[1], as_version=4)
+    nb.metadata.pop("widgets", None)
+    held = drawn_in_file(executed("02-mesh-and-sharding.ipynb")[1])
+    page_path = tmp_path / "02-static.html"
+    page_path.write_text(HTMLExporter().from_notebook_node(nb)[0])
+    context = browser.new_context(java_script_enabled=False,
+                                  viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.goto(page_path.as_uri())
+    drawings = page.locator(".meshlab-sharding")
+    assert drawings.count() == held["widgets"] > 0
+    for i in range(drawings.count()):
+        blocks = drawings.nth(i).locator(".meshlab-block")
+        assert blocks.count() > 0 and all(
+            (box := blocks.nth(j).bounding_box()) and box["width"] > 4 and box["height"] > 4
+            for j in range(blocks.count())), f"drawing {i} lost its blocks"
+    charts = page.locator(".jp-OutputArea-output img, .jp-OutputArea-output svg")
+    assert charts.count() >= held["charts"] > 0
+    page.screenshot(path=str(ARTIFACTS / "02-static.png"), full_page=True)
+    context.close()
