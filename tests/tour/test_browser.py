@@ -169,6 +169,27 @@ BAR_COVER = """(svg) => {
 }"""
 
 
+# the kernel's status as the page shows it, with when it changed (ms)
+RECORD_STATUS = """() => {
+  window.meshlabStatus = [];
+  const context = window.jupyterapp.shell.currentWidget.sessionContext;
+  context.statusChanged.connect((_, status) =>
+    window.meshlabStatus.push([performance.now(), status]));
+}"""
+
+# the longest the page showed the kernel Idle between two busy spells (ms): a Run All queues
+# every cell at once, so the kernel is never idle until the last has run
+LONGEST_IDLE_WHILE_RUNNING = """() => {
+  const seen = window.meshlabStatus;
+  let longest = 0;
+  for (let i = 0; i < seen.length; i++) {
+    if (seen[i][1] !== 'idle') continue;
+    const next = seen.slice(i + 1).find(([_, s]) => s !== 'idle');
+    if (next && next[1] === 'busy') longest = Math.max(longest, next[0] - seen[i][0]);
+  }
+  return longest;
+}"""
+
 # what the notebook shows as pictures, and what shows as a broken one
 PICTURES = """() => {
   const area = document.querySelector('.jp-Notebook');
@@ -254,6 +275,7 @@ class Lab:
         accept_dialogs(page)  # JupyterLab sometimes asks which kernel, even with one running
         if not run:  # an executed copy: what it shows comes from the file
             return
+        page.evaluate(RECORD_STATUS)
         # not awaited: the command's promise settles late; the cells say when they ran
         run_all = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
         page.evaluate(run_all)
@@ -264,6 +286,7 @@ class Lab:
             # 5 s (not the blink between two cells)
             stalled = (stalled or time.monotonic()) if page.evaluate(STALLED) else 0.0
             if stalled and time.monotonic() - stalled > 5 and time.monotonic() - asked > 30:
+                page.evaluate("() => { window.meshlabStatus.length = 0; }")  # a run anew
                 page.evaluate(run_all)
                 asked, stalled = time.monotonic(), 0.0
             if time.monotonic() > deadline:
@@ -362,6 +385,9 @@ def test_quickstart_runs_and_reports_in_jupyterlab(browser: Any, jupyterlab: str
     assert any("[rank 1] ValueError" in t for t in text)  # errors summarised by rank
     lab.page.screenshot(path=str(ARTIFACTS / "01-quickstart.png"), full_page=True)
     assert lab.pictures()["starts"] == 1  # the start's progress, not a widget
+    # the kernel showed busy through the start (a widget's subshell once showed it Idle for
+    # the whole start, inviting a second Run All)
+    assert lab.page.evaluate(LONGEST_IDLE_WHILE_RUNNING) < 1000
     lab.check_clean()
     lab.check_pictures_survive_saving()
     lab.close()
