@@ -5,12 +5,14 @@ from a CDN, and no widget state has to be saved."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import altair as alt
 import pandas as pd
 
 from meshlab.notebook.palette import rank_colour, text_colour
+from meshlab.notebook.ranks import format_ranks
 
 # JupyterLab 4 and VS Code render Vega-Lite 5 themselves (vega bundled with the front end);
 # altair 6 writes Vega-Lite 6, which they do not render. The charts here use nothing v6 added.
@@ -41,10 +43,14 @@ class OfflineChart:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None
                           ) -> tuple[dict[str, Any], dict[str, Any]]:
         spec = self.chart.to_dict()
-        title, mark = spec.get("title", ""), spec.get("mark", "layered")
+        title = spec.get("title", "")
+        mark = spec.get("mark") or next((k for k in ("layer", "facet", "hconcat", "vconcat")
+                                         if k in spec), "layered")
+        kind = {"layer": "layered", "facet": "faceted", "hconcat": "panelled",
+                "vconcat": "panelled"}.get(mark, mark) if isinstance(mark, str) else mark["type"]
         bundle: dict[str, Any] = {
             "image/svg+xml": self.svg(),
-            "text/plain": f"<{mark.get('type') if isinstance(mark, dict) else mark} chart: "
+            "text/plain": f"<{kind} chart: "
                           f"{title.get('text', '') if isinstance(title, dict) else title}>"}
         if not interactive:
             return bundle, {}
@@ -77,49 +83,268 @@ def _axis(**kwargs: Any) -> alt.Axis:
     return alt.Axis(format=AXIS_FORMAT, tickCount=5, labelOverlap="greedy", **kwargs)
 
 
+# -- sizes, orders and labels that fit ----------------------------------------------------------
+
+# JupyterLab's output area is about 1,000 px wide: a plot this wide, with its axis labels and
+# a legend beside it, fills it without running past it
+WIDTH = 560
+ROW = 22  # px per bar row: room for an 11 px label with air above and below
+OUTPUT = 940  # px a chart may take in all: JupyterLab's ~1,000 px output area, less its margin
+PX_PER_LABEL_CHAR = 6.5  # an 11 px label, in the front ends' sans-serif
+THIN_PX = 2.0  # a stacked segment narrower than this draws as nothing
+
+
+def _stacked(data: pd.DataFrame, field: str, order: list[str]) -> pd.DataFrame:
+    """``data`` with ``stack_index``: the place of ``field``'s value in ``order``, for the
+    order channel. Vega-Lite stacks in the field's alphabetical order unless told, so a legend
+    sorted any other way would list the parts in another order than the bars show them."""
+    return data.assign(stack_index=[order.index(v) for v in data[field]])
+
+
+def _fit(labels: Any = (), legend: Any = ()) -> int:
+    """A plot width that, with its longest y-axis label on the left and its longest legend
+    label on the right, fills the output area without running past it."""
+    left = max((len(str(v)) for v in labels), default=4) * PX_PER_LABEL_CHAR + 30
+    right = max((len(str(v)) for v in legend), default=0) * PX_PER_LABEL_CHAR + 50
+    return int(max(280, min(WIDTH + 80, OUTPUT - left - right)))
+
+
+def bytes_text(nbytes: float) -> str:
+    """``nbytes`` in the unit that fits it, 3 significant digits: ``16 B``, ``1.5 KiB``."""
+    unit, size = byte_unit(nbytes)
+    return f"{nbytes / size:.3g} {unit}"
+
+
+def _thin(data: pd.DataFrame, field: str, width: float, bar: str = "rank") -> dict[str, str]:
+    """New legend names for the values of ``field`` whose every segment of the stacked bars
+    (one per value of ``bar``) would draw under THIN_PX wide on a ``width`` px axis: a legend
+    entry with no bar beside it says why."""
+    longest = float(data.groupby(bar)["bytes"].sum().max()) if len(data) else 0.0
+    if longest <= 0:
+        return {}
+    largest = data.groupby(field)["bytes"].max()
+    return {str(v): f"{v} (at most {bytes_text(b)} per rank: too thin to see)"
+            for v, b in largest.items() if b * width / longest < THIN_PX}
+
+
+def _legend(title: str | None = None, **kwargs: Any) -> alt.Legend:
+    """A legend whose labels are never cut short (a cut label reads as another name)."""
+    return alt.Legend(title=title, labelLimit=0, **kwargs)
+
+
 # -- cells and the session --------------------------------------------------------------------
 
 def comms_chart(frame: pd.DataFrame) -> OfflineChart:
-    """Bytes each rank moved, one bar per rank, coloured by collective and axis."""
-    unit, size = byte_unit(frame.groupby("rank")["bytes"].sum().max() if len(frame) else 0)
-    data = frame.assign(collective=frame["op"] + " on " + frame["axis"],
-                        amount=frame["bytes"] / size)
-    chart = alt.Chart(data, title="bytes per rank by collective").mark_bar().encode(
-        x=alt.X("rank:O", title="rank", axis=alt.Axis(labelAngle=0)),
-        y=alt.Y("sum(amount):Q", title=f"payload ({unit})", axis=_axis()),
-        color=alt.Color("collective:N", title="collective",
-                        scale=alt.Scale(scheme="tableau10")),
-        tooltip=["rank", "op", "axis", "group", "count",
-                 alt.Tooltip("bytes:Q", format=","), alt.Tooltip("wire_bytes:Q", format=",")],
-    )
+    """The payload each rank moved, one bar per rank, stacked by collective and mesh axis in
+    the legend's order (the most bytes first)."""
+    data = frame.assign(collective=frame["op"] + " on " + frame["axis"])
+    data = data.assign(collective=data["collective"].replace(_thin(data, "collective", WIDTH)))
+    totals = data.groupby("collective")["bytes"].sum().sort_values(ascending=False, kind="stable")
+    order = list(totals.index)
+    unit, size = byte_unit(data.groupby("rank")["bytes"].sum().max() if len(data) else 0)
+    data = _stacked(data.assign(rank=data["rank"].astype(int), amount=data["bytes"] / size,
+                                wire=data["wire_bytes"] / size), "collective", order)
+    ranks = sorted(data["rank"].unique())
+    chart = alt.Chart(data).mark_bar(stroke="white", strokeWidth=0.5).encode(
+        y=alt.Y("rank:O", title="rank", sort=ranks, axis=alt.Axis(labelAngle=0)),
+        x=alt.X("amount:Q", title=f"payload ({unit})", stack="zero", axis=_axis()),
+        color=alt.Color("collective:N", sort=order, scale=alt.Scale(scheme="tableau10"),
+                        legend=_legend("collective on mesh axis")),
+        order=alt.Order("stack_index:Q"),
+        tooltip=[alt.Tooltip("rank:O"), alt.Tooltip("op:N", title="collective"),
+                 alt.Tooltip("axis:N", title="mesh axis"), alt.Tooltip("group:N"),
+                 alt.Tooltip("count:Q", title="calls", format=","),
+                 alt.Tooltip("amount:Q", title=f"payload ({unit})", format=",.3~r"),
+                 alt.Tooltip("wire:Q", title=f"sent on the wire ({unit})", format=",.3~r")],
+    ).properties(width=WIDTH, height=max(60, ROW * len(ranks)),
+                 title=alt.TitleParams(f"collective payload per rank ({unit}), by collective",
+                                       subtitle="hover a bar for its calls, group and the "
+                                                "bytes a ring algorithm sends", anchor="start"))
     return OfflineChart(chart)
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+PLACES = {"device": "#4c566a", "host": "#e5a50a"}  # slate on the device, amber offloaded
 
 
 def memory_chart(frame: pd.DataFrame) -> OfflineChart:
-    """Stacked bytes per rank: parameters, gradients, optimizer states, activations; and
-    the formula's bar beside them."""
-    parts = [p for p in ("params", "grads", "optimizer", "activations") if p in frame]
-    unit, size = byte_unit(frame[parts].sum(axis=1).max() if len(frame) else 0)
-    data = frame.reset_index().melt(id_vars=["rank", "source"], value_vars=parts,
-                                    var_name="part", value_name="bytes")
+    """Bytes per rank (``memory_frame``): above, stacked by what they hold (parameters,
+    gradients, optimizer states, activations) beside the ZeRO formula's row when there is
+    one; below, the same totals split by where they live (on the device, or offloaded to
+    host memory). Parts no row holds are left out of the bars and the legend."""
+    rows = frame.reset_index()
+    rows = rows.assign(row=[f"rank {r}" if str(r).isdigit() else str(r) for r in rows["rank"]])
+    order = list(rows["row"])
+    parts = [p for p in MEMORY_PARTS if p in rows and rows[p].sum() > 0]
+    unit, size = byte_unit(float(rows[parts].sum(axis=1).max()) if len(rows) and parts else 0)
+    formula = [r for r, s in zip(rows["row"], rows["source"], strict=True) if s == "formula"]
+    y = alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=0))
+    x = alt.X("amount:Q", title=f"{unit} per rank", stack="zero", axis=_axis())
+    # the formula's row faded: a prediction beside the measurements
+    opacity = alt.Opacity("source:N", scale=alt.Scale(domain=["measured", "formula"],
+                                                      range=[1.0, 0.45]), legend=None)
+
+    def bars(column: str, names: list[str], colours: alt.Scale, title: str) -> alt.Chart:
+        data = rows.melt(id_vars=["row", "source"], value_vars=names, var_name=column,
+                         value_name="bytes")
+        thin = _thin(data, column, WIDTH, bar="row")
+        names = [thin.get(n, n) for n in names]
+        data = data.assign(**{column: data[column].replace(thin)})
+        colours = alt.Scale(domain=names, range=colours.range) if colours.range is not \
+            alt.Undefined else alt.Scale(domain=names, scheme=colours.scheme)
+        data = _stacked(data.assign(amount=data["bytes"] / size), column, names)
+        return alt.Chart(data, title=alt.TitleParams(title, anchor="start", fontSize=12)) \
+            .mark_bar(stroke="white", strokeWidth=0.5).encode(
+            y=y, x=x, opacity=opacity, order=alt.Order("stack_index:Q"),
+            color=alt.Color(f"{column}:N", sort=names, scale=colours,
+                            legend=_legend(column)),
+            tooltip=[alt.Tooltip("row:N", title="rank"), alt.Tooltip(f"{column}:N"),
+                     alt.Tooltip("amount:Q", title=unit, format=",.3~r"),
+                     alt.Tooltip("bytes:Q", title="bytes", format=",")],
+        ).properties(width=WIDTH, height=max(40, ROW * len(order)))
+
+    what = bars("part", parts, alt.Scale(domain=parts, scheme="tableau10"),
+                "what each rank holds")
+    notes = []
+    if formula:
+        notes.append(f"{formula[0]}: the paper's per-device parameters, gradients and "
+                     "optimizer states, faded")
+    places = [p for p in PLACES if p in rows and rows[p].sum() > 0]
+    if places == ["device"] or not places:  # a panel of one colour would say no more
+        notes.append("all of it on the device (nothing offloaded)")
+        chart: alt.TopLevelMixin = what
+    else:
+        where = bars("place", places, alt.Scale(domain=places,
+                                                range=[PLACES[p] for p in places]),
+                     "the same bytes by where they live: on the device, or offloaded to "
+                     "host memory")
+        chart = alt.vconcat(what, where, spacing=18).resolve_scale(color="independent")
+    return OfflineChart(chart.properties(title=alt.TitleParams(
+        f"memory per rank ({unit})", subtitle="; ".join(notes), anchor="start")))
+
+
+# -- activation layouts ----------------------------------------------------------------------
+
+LAYOUT_COLOURS = {"split along the sequence": "#4e79a7", "whole on every rank": "#9c9c9c",
+                  "split along the features": "#e15759", "partial sums (a reduction pending)":
+                  "#edc948"}
+
+
+def _layout_kind(placement: str, ndim: int) -> str:
+    """A placement on the tp axis in words, for an activation laid out (batch, sequence,
+    features)."""
+    if placement == "Shard(1)" and ndim >= 2:
+        return "split along the sequence"
+    if placement in (f"Shard({ndim - 1})", "Shard(-1)") and ndim >= 3:
+        return "split along the features"
+    if placement.startswith("Replicate"):
+        return "whole on every rank"
+    if placement.startswith("Partial"):
+        return "partial sums (a reduction pending)"
+    return placement
+
+
+def activation_layout_frame(reports: Sequence[Any], axis: str = "tp") -> pd.DataFrame:
+    """One row per (module input, rank) from ``meshlab.activation_layout.activation_layouts``:
+    the slice of the sequence (dim 1) and of the features (the last dim) the rank holds, the
+    placement on ``axis`` in words. Sibling modules in a row with the same input layout (q, k
+    and v) share one row."""
+    groups: list[list[Any]] = []
+    for report in reports:
+        last = groups[-1][-1] if groups else None
+        if last is not None and (report.name.rpartition(".")[0] == last.name.rpartition(".")[0]
+                                 and "." in report.name and report.global_shape ==
+                                 last.global_shape and report.placements == last.placements):
+            groups[-1].append(report)
+        else:
+            groups.append([report])
+    rows = []
+    for order, group in enumerate(groups):
+        first = group[0]
+        shape = list(first.global_shape)
+        names = [first.name] + [r.name.rpartition(".")[2] for r in group[1:]]
+        label = f"{', '.join(names)} ({'x'.join(map(str, shape))})"
+        at = list(first.mesh_axes).index(axis) if axis in first.mesh_axes else 0
+        placement = first.placements[at] if first.placements else "Replicate()"
+        seq, feat = (shape[1], shape[-1]) if len(shape) >= 3 else (shape[-1], 1)
+        for shard in first.shards:
+            offsets, local = list(shard.offsets), list(shard.local_shape)
+            s0 = offsets[1] if len(shape) >= 2 else 0
+            s1 = s0 + (local[1] if len(shape) >= 2 else seq)
+            f0 = offsets[-1] if len(shape) >= 3 else 0
+            f1 = f0 + (local[-1] if len(shape) >= 3 else feat)
+            rows.append({"order": order, "input of": label, "rank": int(shard.rank),
+                         "column": f"rank {shard.rank} ({axis} {shard.coordinate[at]})"
+                                   if shard.coordinate else f"rank {shard.rank}",
+                         "placement": placement, "layout": _layout_kind(placement, len(shape)),
+                         "seq_start": s0, "seq_end": s1, "seq_len": seq,
+                         "feat_start": f0 / feat, "feat_end": f1 / feat,
+                         "positions": f"{s0}-{s1 - 1} of {seq}" if s1 > s0 else "none",
+                         "features": f"{f0}-{f1 - 1} of {feat}" if f1 > f0 else "none",
+                         "global_shape": " x ".join(map(str, shape)),
+                         "local_shape": " x ".join(map(str, local)), "bytes": shard.bytes})
+    return pd.DataFrame(rows)
+
+
+def activation_layout_chart(reports: Sequence[Any], *, axis: str = "tp") -> OfflineChart:
+    """Where each rank's part of the activations lies at each module's input (the records
+    ``activation_layouts`` makes on a rank): a row per module input in forward order, a
+    column per rank of the ``axis`` group; each cell is the whole activation, its sequence
+    across and its features down, the rank's part filled and coloured by its layout."""
+    data = activation_layout_frame(reports, axis)
+    unit, size = byte_unit(float(data["bytes"].max()) if len(data) else 0)
     data = data.assign(amount=data["bytes"] / size)
-    chart = alt.Chart(data, title=f"memory per rank ({unit}; the formula's bar faded)") \
-        .mark_bar().encode(
-            x=alt.X("rank:N", title=None, sort=None, axis=alt.Axis(labelAngle=0)),
-            y=alt.Y("sum(amount):Q", title=unit, axis=_axis()),
-            color=alt.Color("part:N", sort=parts),
-            opacity=alt.condition(alt.datum.source == "formula", alt.value(0.55),
-                                  alt.value(1.0)),
-            tooltip=["rank", "part", alt.Tooltip("amount:Q", title=unit, format=".3~g"),
-                     alt.Tooltip("bytes:Q", format=",")],
-        )
-    return OfflineChart(chart)
+    rows = list(dict.fromkeys(data.sort_values("order")["input of"]))
+    columns = list(dict.fromkeys(data.sort_values("rank")["column"]))
+    kinds = [k for k in LAYOUT_COLOURS if k in set(data["layout"])]
+    kinds += sorted(set(data["layout"]) - set(kinds))
+    scale = alt.Scale(domain=kinds, range=[LAYOUT_COLOURS.get(k, "#b07aa1") for k in kinds])
+    seq = int(data["seq_len"].max()) if len(data) else 1
+    ticks = sorted({0, seq, *data["seq_start"].astype(int), *data["seq_end"].astype(int)})
+    x = alt.X("seq_start:Q", title="sequence position", scale=alt.Scale(domain=[0, seq],
+                                                                       nice=False),
+              axis=alt.Axis(values=ticks, format="d", labelOverlap="greedy"))
+    y = alt.Y("feat_start:Q", title=None, scale=alt.Scale(domain=[0, 1], reverse=True),
+              axis=None)
+    whole = alt.Chart().mark_rect(fill="#f4f4f4", stroke="#bdbdbd", strokeWidth=0.5).encode(
+        x=alt.X("zero:Q", scale=alt.Scale(domain=[0, seq], nice=False),
+                title="sequence position"),
+        x2="seq_len:Q", y=alt.Y("zero:Q", scale=alt.Scale(domain=[0, 1], reverse=True),
+                                axis=None), y2="one:Q")
+    tooltip = [alt.Tooltip("input of:N"), alt.Tooltip("column:N", title="rank"),
+               alt.Tooltip("placement:N", title=f"placement on {axis}"),
+               alt.Tooltip("layout:N"), alt.Tooltip("global_shape:N", title="whole shape"),
+               alt.Tooltip("local_shape:N", title="this rank's shape"),
+               alt.Tooltip("positions:N", title="sequence positions held"),
+               alt.Tooltip("features:N", title="features held"),
+               alt.Tooltip("amount:Q", title=f"this rank holds ({unit})", format=",.3~r")]
+    held = alt.Chart().mark_rect(stroke="white", strokeWidth=0.5).encode(
+        x=x, x2="seq_end:Q", y=y, y2="feat_end:Q", tooltip=tooltip,
+        color=alt.Color("layout:N", scale=scale, sort=kinds,
+                        legend=_legend(f"the {axis} rank's part", orient="bottom",
+                                       direction="horizontal", columns=2)))
+    width = max(120, min(280, WIDTH // max(1, len(columns))))
+    cells = alt.layer(whole, held, data=data.assign(zero=0, one=1)).properties(
+        width=width, height=ROW)
+    chart = cells.facet(
+        row=alt.Row("input of:N", sort=rows, title=None, header=alt.Header(
+            labelAngle=0, labelAlign="left", labelOrient="left", labelLimit=0,
+            labelFontSize=11)),
+        column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(
+            labelFontWeight="bold", labelFontSize=11)),
+        spacing={"row": 4, "column": 12})
+    return OfflineChart(chart.properties(title=alt.TitleParams(
+        f"which part of each activation every {axis} rank holds, at the input of each module",
+        subtitle=["one forward, modules in the order it runs them; a repeated block is "
+                  "shown once",
+                  "each cell is the whole activation: its sequence across, its features "
+                  "down; the filled part is the rank's"],
+        anchor="start")))
 
 
 # -- pipeline schedules -----------------------------------------------------------------------
 
 KIND_COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b"}
-WIDTH = 560
 PX_PER_CHAR = 6  # fontSize 9 digits and primes, with a little room either side
 
 
@@ -166,6 +391,7 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
               "start": "Q", "end": "Q", "state": "N"}
     tooltip = [alt.Tooltip(f"{c}:{t}", format=".3~g") if c in ("start", "end")
                else alt.Tooltip(f"{c}:{t}") for c, t in fields.items() if c in data]
+    tooltip.append(alt.Tooltip("unit:N", title="time unit"))
     done = alt.Chart().transform_filter(alt.datum.state != "pending").mark_bar(
         stroke="white", strokeWidth=0.5).encode(
         x=x, x2="end:Q", y=alt.Y("rank:O", title="rank"),
@@ -216,6 +442,9 @@ def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") ->
               ("waiting for a later rank" if k == "wait" else k)
               for k, a in zip(frame["kind"], frame["axis"], strict=True)],
         ms=frame["end"] - frame["start"])
+    unit, size = byte_unit(float(data["bytes"].max()) if len(data) and data["bytes"].notna().any()
+                           else 0)
+    data = data.assign(payload=data["bytes"] / size)
     axes = list(dict.fromkeys(a for k, a in zip(data["kind"], data["axis"], strict=True)
                               if k == "comm"))
     named = {"compute": WORK_COLOURS["compute"], "copy": WORK_COLOURS["copy"],
@@ -229,7 +458,8 @@ def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") ->
                alt.Tooltip("name:N", title="op"), alt.Tooltip("axis:N"),
                alt.Tooltip("start:Q", title="start (ms)", format=",.3f"),
                alt.Tooltip("ms:Q", title="duration (ms)", format=",.3f"),
-               alt.Tooltip("bytes:Q", format=","), alt.Tooltip("waited on:N")]
+               alt.Tooltip("payload:Q", title=f"payload ({unit})", format=",.3~r"),
+               alt.Tooltip("waited on:N")]
     chart = alt.Chart(data).mark_bar(stroke="white", strokeWidth=0.3).encode(
         x=alt.X("start:Q", title="ms from the cell's start (one clock for all ranks)",
                 scale=alt.Scale(nice=False, zero=True), axis=_axis()),
@@ -244,32 +474,135 @@ def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") ->
     subtitle = "upper lane: compute, copies, idle; lower lane: collectives, pink while " \
                "waiting for a later rank"
     return OfflineChart(chart.properties(
-        width=WIDTH + 240, height=max(60, 34 * len(ranks)),
+        width=WIDTH + 40, height=max(60, 34 * len(ranks)),
         title=alt.TitleParams(title, subtitle=subtitle)))
 
 
 # -- kernels ----------------------------------------------------------------------------------
 
+BENCH_RESULTS = {"matches the reference": ("circle", 70, "white"),
+                 "the reference": ("square", 60, "white"),
+                 "wrong result": ("cross", 280, "#c00000"),
+                 "not checked": ("triangle-up", 70, "white")}
+"""How a benchmark point is drawn by its check: a wrong result a large cross outlined red."""
+
+
+def bench_path(provider: str, timer: str) -> str:
+    """Which code produced a benchmark row's time: an interpreter timing is not a kernel
+    speed, so it never shares an axis with one."""
+    if timer == "interpreter":
+        return f"{provider}, in Triton's CPU interpreter"
+    if timer == "do_bench":
+        return f"{provider}, on the GPU (do_bench)"
+    return f"{provider}, eager on the CPU (wall clock)"
+
+
+def bench_result(provider: str, correct: Any) -> str:
+    """A row's check against the reference, in words."""
+    if provider == "torch":
+        return "the reference"
+    if correct is None or correct != correct:  # NaN: nothing to compare with
+        return "not checked"
+    return "matches the reference" if bool(correct) else "wrong result"
+
+
 def bench_chart(frame: pd.DataFrame) -> OfflineChart:
-    """GB/s (or time, where bytes are unknown) against size, a line per provider, a panel
-    per rank: a slow rank stands out beside the others."""
-    data = frame[frame["median_ms"].notna()]  # timed, right or wrong
-    y = "gbps" if data["gbps"].notna().any() else "median_ms"
-    title = {"gbps": "bandwidth (GB/s, log)", "median_ms": "median time (ms, log)"}[y]
-    timer = ", ".join(sorted(set(data["timer"])))
-    sizes = sorted(set(data["size"].tolist()))
-    chart = alt.Chart(data).mark_line(point=True).encode(
-        x=alt.X("size:Q", scale=alt.Scale(type="log", base=2),
-                title="size (elements per row)", axis=alt.Axis(values=sizes, format="~s")),
-        # log: interpreter and compiled rows differ by orders of magnitude
-        y=alt.Y(f"{y}:Q", scale=alt.Scale(type="log"), title=title,
-                axis=alt.Axis(format=AXIS_FORMAT, labelOverlap="greedy")),
-        color=alt.Color("provider:N"),
-        tooltip=["rank", "provider", "size", alt.Tooltip("median_ms:Q", format=".3~g"),
-                 alt.Tooltip("gbps:Q", title="GB/s", format=".3~g"), "correct"],
-    ).properties(width=220, height=160).facet(column=alt.Column("rank:N", title="rank"))
-    return OfflineChart(chart.properties(
-        title=f"{data['kernel'].iloc[0] if len(data) else ''} ({timer})"))
+    """Time per call (GB/s where every panel is compiled code) against row length, one
+    panel per provider and the path that ran it, one line per rank in its colour: a slow
+    rank stands out. Triton's CPU interpreter has a panel and a time axis of its own (its
+    milliseconds are not a kernel's); a wrong result is a large red cross."""
+    data = frame[frame["median_ms"].notna()].copy()  # timed, right or wrong
+    data["path"] = [bench_path(p, t) for p, t in zip(data["provider"], data["timer"],
+                                                      strict=True)]
+    data["result"] = [bench_result(p, c) for p, c in zip(data["provider"], data["correct"],
+                                                         strict=True)]
+    data["rank"] = data["rank"].astype(int)
+    paths = list(dict.fromkeys(data.sort_values("provider", key=lambda s: s != "triton")["path"]))
+    interpreted = bool((data["timer"] == "interpreter").any())
+    bandwidth = not interpreted and data["gbps"].notna().all() and len(data) > 0
+    y_field, y_title = ("gbps", "bandwidth (GB/s)") if bandwidth else ("median_ms",
+                                                                      "median time (ms)")
+    ranks = sorted(data["rank"].unique())
+    sizes = sorted(set(data["size"].astype(int)))
+    colour = alt.Color("rank:O", title="rank", sort=ranks, legend=_legend("rank"),
+                       scale=alt.Scale(domain=ranks, range=[rank_colour(r) for r in ranks]))
+    # every result in the scales (a one-value range draws nothing), the legend lists those shown
+    results = [r for r in BENCH_RESULTS if r in set(data["result"])]
+    # ordinal: a point scale (the default for a nominal size) would interpolate the sizes
+    shape, size, stroke = (alt.Scale(type="ordinal", domain=list(BENCH_RESULTS),
+                                     range=[v[i] for v in BENCH_RESULTS.values()])
+                           for i in range(3))
+    tooltip = [alt.Tooltip("rank:O"), alt.Tooltip("path:N", title="ran as"),
+               alt.Tooltip("size:Q", title="row length (elements)", format="d"),
+               alt.Tooltip("median_ms:Q", title="median (ms)", format=",.3~r"),
+               alt.Tooltip("p20_ms:Q", title="20th percentile (ms)", format=",.3~r"),
+               alt.Tooltip("p80_ms:Q", title="80th percentile (ms)", format=",.3~r"),
+               alt.Tooltip("result:N", title="check"),
+               alt.Tooltip("max_error:Q", title="max error vs reference", format=".3~g")]
+    if bandwidth:
+        tooltip.insert(6, alt.Tooltip("gbps:Q", title="GB/s", format=",.3~r"))
+    def span(values: pd.Series, margin: float) -> list[float]:
+        """A log axis's domain with room for the markers at either end."""
+        low, high = float(values.min()), float(values.max())
+        return [low / margin, high * margin] if low > 0 else [high / 10, high * margin]
+
+    if len(sizes) > 1:
+        # log2: sizes are powers of two or near them; ticks at the sizes run, as integers
+        x = alt.X("size:Q", title="row length (elements, log scale)",
+                  scale=alt.Scale(type="log", base=2, domain=span(data["size"], 1.25)),
+                  axis=alt.Axis(values=sizes, format="d", labelOverlap="greedy"))
+    else:  # one size: a dot per rank, not one lonely dot per line
+        x = alt.X("rank:O", title=f"rank (row length {sizes[0] if sizes else 0})",
+                  sort=ranks, axis=alt.Axis(labelAngle=0))
+    width = max(200, min(WIDTH // max(1, len(paths)), 300))
+
+    def panel(path: str) -> alt.LayerChart | alt.FacetChart:
+        # its own time axis for the interpreter: its milliseconds are not a kernel's
+        values = data.loc[data["path"] == path, y_field] if interpreted else data[y_field]
+        low, high = float(values.min()), float(values.max())
+        if low > 0 and high / low > 8:  # log: sizes and ranks apart by orders of magnitude
+            scale = alt.Scale(type="log", domain=span(values, 1.15))
+            title = y_title.replace(")", ", log)")
+        else:  # a linear axis reads better, and labels more ticks, over a narrow range
+            pad = 0.1 * (high - low) or 0.1 * high or 1.0
+            scale = alt.Scale(domain=[max(0.0, low - pad), high + pad], nice=False)
+            title = y_title
+        y = alt.Y(f"{y_field}:Q", title=title, scale=scale,
+                  axis=alt.Axis(format=AXIS_FORMAT, tickCount=5, labelOverlap="greedy"))
+        points = alt.Chart().mark_point(filled=True, strokeWidth=2, opacity=1).encode(
+            x=x, y=y, color=colour, tooltip=tooltip,
+            shape=alt.Shape("result:N", scale=shape, legend=_legend("check", values=results)),
+            size=alt.Size("result:N", scale=size, legend=_legend("check", values=results)),
+            stroke=alt.Stroke("result:N", scale=stroke, legend=_legend("check", values=results)))
+        lines = alt.Chart().mark_line(strokeWidth=1.5).encode(x=x, y=y, color=colour,
+                                                             detail="rank:O")
+        return alt.layer(*([lines, points] if len(sizes) > 1 else [points]),
+                         data=data[data["path"] == path]).properties(
+            width=width, height=180, title=alt.TitleParams(path, fontSize=11, anchor="start"))
+
+    chart = alt.hconcat(*(panel(p) for p in paths), spacing=24)
+    first = data.iloc[0] if len(data) else None
+    what = (f"{first['kernel']} ({first['mode']}, {first['dtype']})" if first is not None
+            else "no timed rows")
+    notes = ["one line per rank, in its colour" if len(sizes) > 1
+             else "one dot per rank, in its colour"]
+    if interpreted:
+        notes.append("each panel has its own time axis: the interpreter's times check the "
+                     "harness, they are not a kernel's speed")
+    untimed = sorted(set(frame["provider"]) - set(data["provider"]))
+    if untimed:
+        notes.append(f"{', '.join(untimed)}: not timed on any rank (the errors are printed "
+                     "above the chart)")
+    wrong = data[data["result"] == "wrong result"]
+    if len(wrong):
+        ranks_wrong = sorted(set(wrong["rank"]))
+        sizes_wrong = ", ".join(map(str, sorted(set(wrong["size"].astype(int)))))
+        notes.append(f"red cross: a wrong result (rank{'s' if len(ranks_wrong) > 1 else ''} "
+                     f"{format_ranks(ranks_wrong)}, row length {sizes_wrong})")
+    label = "bandwidth" if bandwidth else "median time per call"
+    return OfflineChart(chart.properties(title=alt.TitleParams(
+        f"{what}: {label} by {'row length' if len(sizes) > 1 else 'rank'}",
+        subtitle=notes, anchor="start")))
 
 
 # -- planning ---------------------------------------------------------------------------------
@@ -283,12 +616,13 @@ def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
     largest = frame.groupby("layout")["gib"].sum().max() * 2**30 if len(frame) else 0
     usable_gib = float(frame["usable_gib"].iloc[0]) if len(frame) else 0.0
     unit, size = byte_unit(max(largest, 1))
-    data = frame.assign(amount=frame["gib"] * 2**30 / size,
-                        usable=frame["usable_gib"] * 2**30 / size)
+    data = _stacked(frame.assign(amount=frame["gib"] * 2**30 / size,
+                                 usable=frame["usable_gib"] * 2**30 / size), "part", parts)
     bars = alt.Chart(data).mark_bar().encode(
         y=alt.Y("layout:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
         x=alt.X("sum(amount):Q", title=f"{unit} per GPU", axis=_axis()),
-        color=alt.Color("part:N", sort=parts, title=None),
+        color=alt.Color("part:N", sort=parts, legend=_legend()),
+        order=alt.Order("stack_index:Q"),
         tooltip=["layout", "part", alt.Tooltip("amount:Q", title=unit, format=".3~g")],
     )
     on_scale = largest > 0 and usable_gib * 2**30 <= 10 * largest
@@ -300,8 +634,9 @@ def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
         title += " (dashed)"
     else:
         title += ", far off this scale"
-    height = max(60, 22 * len(order))
-    return OfflineChart(alt.layer(*layers).properties(title=title, width=480, height=height))
+    height = max(60, ROW * len(order))
+    return OfflineChart(alt.layer(*layers).properties(
+        title=title, width=_fit(order, parts), height=height))
 
 
 def dryrun_memory_chart(frame: pd.DataFrame, *, usable_gib: float | None = None
@@ -319,7 +654,7 @@ def dryrun_memory_chart(frame: pd.DataFrame, *, usable_gib: float | None = None
     bars = alt.Chart(data).mark_bar().encode(
         y=alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
         x=alt.X("sum(amount):Q", title=f"{unit} per GPU", axis=_axis()),
-        color=alt.Color("category:N", sort=parts, title=None),
+        color=alt.Color("category:N", sort=parts, legend=_legend()),
         order=alt.Order("category_index:Q"),
         tooltip=["row", "category", alt.Tooltip("amount:Q", title=unit, format=".3~g")],
     ).transform_calculate(category_index=f"indexof({parts!r}, datum.category)")
@@ -330,8 +665,9 @@ def dryrun_memory_chart(frame: pd.DataFrame, *, usable_gib: float | None = None
         layers.append(alt.Chart(rule).mark_rule(color="black", strokeDash=[4, 3])
                       .encode(x="usable:Q"))
         title += f"; usable {usable_gib:.3g} GiB dashed"
-    height = max(60, 22 * len(order))
-    return OfflineChart(alt.layer(*layers).properties(title=title, width=480, height=height))
+    height = max(60, ROW * len(order))
+    return OfflineChart(alt.layer(*layers).properties(
+        title=title, width=_fit(order, parts), height=height))
 
 
 def plan_comm_chart(frame: pd.DataFrame) -> OfflineChart:
@@ -352,6 +688,7 @@ def plan_comm_chart(frame: pd.DataFrame) -> OfflineChart:
         order=alt.Order("kind:N", sort="ascending"),
         tooltip=["axis", "what", "collective", "ranks", "link", "calls",
                  alt.Tooltip("mib_each:Q", title="MiB each", format=".3~g"),
-                 alt.Tooltip("amount:Q", title=unit, format=".3~g"), "kind"],
-    ).properties(width=480, height=max(60, 24 * data["axis"].nunique()))
+                 alt.Tooltip("amount:Q", title=f"{unit} per step", format=".3~g"), "kind"],
+    ).properties(width=_fit(data["row"], ["overlapped"]),
+                 height=max(60, 24 * data["axis"].nunique()))
     return OfflineChart(chart)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -11,6 +13,7 @@ import vl_convert
 from meshlab.notebook import charts
 from meshlab.notebook.charts import (
     VEGALITE,
+    bench_chart,
     comms_chart,
     plan_comm_chart,
     plan_memory_chart,
@@ -102,7 +105,7 @@ def test_comms_chart_axis_names_its_byte_unit() -> None:
                            "count": 1, "bytes": 3 * 2**20, "wire_bytes": 3 * 2**20}
                           for r in range(2)])
     spec = comms_chart(frame).chart.to_dict()
-    assert spec["encoding"]["y"]["title"] == "payload (MiB)"
+    assert spec["encoding"]["x"]["title"] == "payload (MiB)"
 
 
 def _every_kind_of_chart() -> list[charts.OfflineChart]:
@@ -111,8 +114,10 @@ def _every_kind_of_chart() -> list[charts.OfflineChart]:
     plan_frame_ = pd.DataFrame({"layout": ["tp=8"], "part": ["params"], "gib": [60.0],
                                 "usable_gib": [76.0]})
     bench = pd.DataFrame([{"rank": 0, "provider": p, "size": s, "median_ms": 1.0, "gbps": g,
-                           "kernel": "rmsnorm", "timer": "interpreter",
-                           "correct": True} for p, g in (("triton", 2.0), ("torch", 1.0))
+                           "p20_ms": 0.9, "p80_ms": 1.1, "kernel": "rmsnorm", "mode": "fwd",
+                           "dtype": "float32", "timer": t, "max_error": 0.0, "correct": True}
+                          for p, g, t in (("triton", 2.0, "interpreter"),
+                                          ("torch", 1.0, "cpu wall clock"))
                           for s in (256, 1024)])
     memory = pd.DataFrame([{"rank": r, "source": src, "params": 2**20, "grads": 2**20}
                            for r in range(2) for src in ("measured", "formula")])
@@ -122,8 +127,10 @@ def _every_kind_of_chart() -> list[charts.OfflineChart]:
 
 
 @pytest.mark.parametrize("version", ["5.8", "5.14"])  # JupyterLab 4.6 bundles a 5.x
-def test_every_chart_renders_in_the_vega_lite_5_front_ends_draw_with(version: str) -> None:
-    for chart in _every_kind_of_chart():
+def test_every_chart_renders_in_the_vega_lite_5_front_ends_draw_with(
+        version: str, sequence_parallel_layouts: list[Any]) -> None:
+    for chart in [*_every_kind_of_chart(),
+                  charts.activation_layout_chart(sequence_parallel_layouts)]:
         svg = vl_convert.vegalite_to_svg(chart.spec(), vl_version=version)
         assert svg.startswith("<svg") and "<text" in svg
 
@@ -132,7 +139,9 @@ def test_bundle_has_the_vega_lite_spec_and_the_svg() -> None:
     from IPython.core.interactiveshell import InteractiveShell
 
     chart = _every_kind_of_chart()[0]
-    data, metadata = InteractiveShell.instance().display_formatter.format(chart)
+    formatter = InteractiveShell.instance().display_formatter
+    assert formatter is not None
+    data, metadata = formatter.format(chart)
     assert data[VEGALITE]["$schema"].endswith("/v5.json") and "datasets" in data[VEGALITE]
     assert data["image/svg+xml"].startswith("<svg")
     assert metadata[VEGALITE]["embed_options"]["actions"] is False  # no links off the page
@@ -166,3 +175,367 @@ def test_numbers_read_rounded_and_summaries_wrap_between_words() -> None:
     html = Lines("step 43.2 s, 310,828 tokens/s")._repr_html_()
     assert "word-break: normal" in html and "310,828\u00a0tokens/s" in html
     assert plan("llama3-8b", gpus=16, top=1).table()["tokens_per_s"].dtype.kind == "i"
+
+
+# -- charts that fit, stack as their legends read, and name their units --------------------------
+# Built from real data: collectives traced (meshlab.comms) and memory measured (meshlab.memory) on
+# a fake process group (torch's "fake" backend: this process plays each rank in turn, collectives
+# return without peers), the activation layouts a real tensor + sequence parallel forward
+# reports, and a real Triton kernel benchmarked in the interpreter (in a subprocess).
+
+FAKE_PG = "torch.testing._internal.distributed.fake_pg"
+
+
+def _as_fake_rank(rank: int, world_size: int, mesh: str, work: Any) -> Any:
+    """``work(mesh)`` as ``rank`` of a fake ``world_size``-rank process group."""
+    import torch.distributed as dist
+
+    from meshlab.mesh import build, forget_built
+
+    fake_pg = pytest.importorskip(FAKE_PG)
+    if dist.is_initialized():
+        pytest.skip("needs no process group already in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+    try:
+        return work(build(mesh))
+    finally:
+        forget_built()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def traced_comms() -> pd.DataFrame:
+    """What %%mesh --comms charts for a cell issuing collectives on tp, dp and the world."""
+    import torch
+    import torch.distributed as dist
+
+    import meshlab.comms
+    from meshlab.mesh import MeshSpec
+    from meshlab.notebook.tables.comms import comms_frame
+
+    def cell(mesh: Any) -> list[Any]:
+        meshlab.comms.start()
+        dist.all_reduce(torch.ones(128 * 1024), group=mesh["tp"].get_group())  # 512 KiB
+        out = torch.empty(2 * 32 * 1024)
+        dist.all_gather_into_tensor(out, torch.ones(32 * 1024), group=mesh["dp"].get_group())
+        dist.all_reduce(torch.ones(4))  # 16 bytes: far too thin to draw beside 768 KiB
+        return meshlab.comms.stop()
+
+    per_rank = {r: _as_fake_rank(r, 4, "dp=2 tp=2", cell) for r in range(4)}
+    return comms_frame(per_rank, MeshSpec.parse("dp=2 tp=2"), 4)
+
+
+@pytest.fixture(scope="module")
+def measured_memory() -> dict[str, pd.DataFrame]:
+    """%mesh memory's frames for a ZeRO-3 model after one step: kept on the device (beside
+    the ZeRO-3 formula), and with parameters, gradients, states and activations offloaded."""
+    from meshlab.memory import activation_placement, measure
+    from meshlab.models import ModelConfig, Transformer, local_batch
+    from meshlab.notebook.tables.memory import memory_frame
+    from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
+    from meshlab.parallel.verify import train
+
+    def step(offload: bool) -> Any:
+        def work(mesh: Any) -> pd.DataFrame:
+            plan = ParallelPlan(data_parallel="zero3", offload_params=offload,
+                                offload_activations=offload)
+            model = parallelize(Transformer(ModelConfig()), mesh, plan)
+            opt = build_optimizer(model, mesh, plan)
+            batch = local_batch(step=0, batch=4, seq=16, vocab=256, rank=0, ranks=2)
+            train(model, opt, [batch])
+            report, saved = measure(model, opt), activation_placement(model, batch[0])
+            whole = sum(p.numel() for p in Transformer(ModelConfig()).parameters())
+            return memory_frame({r: report for r in range(2)}, params=whole, dp=2,
+                                stage=None if offload else 3,
+                                activations={r: saved for r in range(2)})
+        return _as_fake_rank(0, 2, "dp=2", work)
+
+    return {"kept": step(False), "offloaded": step(True)}
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_layouts() -> list[Any]:
+    """What rank 0 of notebook 04's dp=2 tp=2 mesh reports for one forward under TP + SP."""
+    from meshlab.activation_layout import activation_layouts
+    from meshlab.models import ModelConfig, Transformer, local_batch
+    from meshlab.parallel import ParallelPlan, parallelize
+
+    def work(mesh: Any) -> list[Any]:
+        model = parallelize(Transformer(ModelConfig()), mesh,
+                            ParallelPlan(data_parallel="zero3", sequence_parallel=True))
+        tokens, _ = local_batch(step=0, batch=4, seq=16, vocab=256, rank=0, ranks=2)
+        return activation_layouts(model, tokens)
+
+    return list(_as_fake_rank(0, 4, "dp=2 tp=2", work))
+
+
+BENCHED = '''
+import os, pickle, sys
+import torch
+import triton
+import triton.language as tl
+import pandas as pd
+from meshlab.kernels.bench import bench
+
+
+@triton.jit
+def _square(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    tl.store(y_ptr + offsets, x * x, mask=mask)
+
+
+def forgot_the_relu(x):  # notebook 06's wrong kernel: relu(x)**2 without the relu
+    y = torch.empty_like(x)
+    _square[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), BLOCK=256)
+    return y
+
+
+frames = {}
+for rank in (0, 1):  # two ranks' rows, as each rank's bench returns them
+    os.environ["RANK"] = str(rank)
+    frames.setdefault("rmsnorm", []).append(bench("rmsnorm", sizes=[64, 1024]))
+    frames.setdefault("wrong", []).append(bench(forgot_the_relu, lambda x: torch.relu(x) ** 2,
+                                                sizes=[64, 1024], name="forgot_the_relu"))
+with open(sys.argv[1], "wb") as f:
+    pickle.dump({k: pd.concat(v, ignore_index=True) for k, v in frames.items()}, f)
+'''
+
+
+@pytest.fixture(scope="module")
+def benched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pd.DataFrame]:
+    """%mesh bench's frames on CPU ranks: rmsnorm (right) and notebook 06's forgotten ReLU
+    (wrong), each in Triton's interpreter beside torch. In a fresh process: importing
+    meshlab.kernels sets TRITON_INTERPRET, which must not leak into this one."""
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tmp_path_factory.mktemp("bench")
+    script, out = folder / "bench_two_ranks.py", folder / "frames.pkl"
+    script.write_text(BENCHED)  # @triton.jit reads its kernel's source from a file
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                          text=True, timeout=240, cwd=Path(__file__).parents[2],
+                          env={**__import__("os").environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    frames = pickle.loads(out.read_bytes())
+    for name, frame in frames.items():  # as run_bench adds it
+        fastest = frame.groupby(["provider", "size"])["median_ms"].transform("min")
+        frames[name] = frame.assign(vs_fastest_rank=frame["median_ms"] / fastest)
+    return frames
+
+
+def _svg_width(chart: charts.OfflineChart) -> float:
+    """The width the chart draws at, in px (vl-convert lays it out as the front ends do)."""
+    import re
+
+    return float(re.search(r'width="([\d.]+)"', chart.svg())[1])  # type: ignore[index]
+
+
+def _rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for rows in spec["datasets"].values() for r in rows]
+
+
+def test_comms_chart_is_a_row_per_rank_as_wide_as_the_output_area(
+        traced_comms: pd.DataFrame) -> None:
+    chart = comms_chart(traced_comms)
+    spec = chart.chart.to_dict()
+    assert spec["encoding"]["y"]["field"] == "rank" and spec["width"] == charts.WIDTH
+    assert spec["height"] >= charts.ROW * 4
+    assert 0.6 * charts.OUTPUT <= _svg_width(chart) <= charts.OUTPUT  # no sliver, no overflow
+
+
+def test_comms_chart_stacks_collectives_in_the_legends_order(traced_comms: pd.DataFrame) -> None:
+    spec = comms_chart(traced_comms).chart.to_dict()
+    legend = spec["encoding"]["color"]["sort"]
+    assert spec["encoding"]["order"] == {"field": "stack_index", "type": "quantitative"}
+    stacked = sorted({(r["stack_index"], r["collective"]) for r in _rows(spec)})
+    assert [c for _, c in stacked] == legend
+    assert legend[0] == "all_reduce on tp"  # the most bytes first
+
+
+def test_comms_chart_names_a_collective_too_thin_to_draw(traced_comms: pd.DataFrame) -> None:
+    spec = comms_chart(traced_comms).chart.to_dict()
+    assert "all_reduce on world (at most 16 B per rank: too thin to see)" in \
+        spec["encoding"]["color"]["sort"]
+
+
+def test_comms_chart_puts_byte_units_on_its_axis_and_tooltips(
+        traced_comms: pd.DataFrame) -> None:
+    spec = comms_chart(traced_comms).chart.to_dict()
+    assert spec["encoding"]["x"]["title"] == "payload (KiB)"
+    numbers = [t for t in spec["encoding"]["tooltip"] if t["type"] == "quantitative"]
+    assert {t["title"] for t in numbers} == {"calls", "payload (KiB)",
+                                            "sent on the wire (KiB)"}
+
+
+def test_memory_chart_stacks_parts_in_the_legends_order(
+        measured_memory: dict[str, pd.DataFrame]) -> None:
+    spec = charts.memory_chart(measured_memory["kept"]).chart.to_dict()
+    legend = spec["encoding"]["color"]["sort"]
+    assert legend == ["params", "grads", "optimizer", "activations"]
+    stacked = sorted({(r["stack_index"], r["part"]) for r in _rows(spec)})
+    assert [p for _, p in stacked] == legend
+    assert spec["encoding"]["order"]["field"] == "stack_index"
+
+
+def test_memory_chart_fades_the_formula_and_names_it_only_when_there(
+        measured_memory: dict[str, pd.DataFrame]) -> None:
+    kept = charts.memory_chart(measured_memory["kept"]).chart.to_dict()
+    # faded through an encoding of the data's own field: the aggregate keeps it
+    assert kept["encoding"]["opacity"]["field"] == "source"
+    assert kept["encoding"]["opacity"]["scale"] == {"domain": ["measured", "formula"],
+                                                    "range": [1.0, 0.45]}
+    assert "ZeRO-3 formula" in kept["title"]["subtitle"]
+    assert "ZeRO-3 formula" in kept["encoding"]["y"]["sort"]  # its own row, named on the axis
+    moved = charts.memory_chart(measured_memory["offloaded"]).chart.to_dict()
+    assert "formula" not in json.dumps(moved["title"])  # no bar promised that is not drawn
+
+
+def test_memory_chart_of_an_offloaded_model_shows_device_and_host_apart(
+        measured_memory: dict[str, pd.DataFrame]) -> None:
+    frame = measured_memory["offloaded"]
+    spec = charts.memory_chart(frame).chart.to_dict()
+    what, where = spec["vconcat"]
+    assert where["encoding"]["color"]["sort"] == ["device", "host"]
+    rows = [r for r in _rows(spec) if "place" in r]
+    for rank in ("0", "1"):
+        held = {r["place"]: r["bytes"] for r in rows if r["row"] == f"rank {rank}"}
+        assert held == {"device": frame.loc[rank, "device"], "host": frame.loc[rank, "host"]}
+        assert 0 < held["device"] < held["host"]  # the states and the blocks' activations moved
+    assert what["encoding"]["color"]["sort"] == ["params", "grads", "optimizer", "activations"]
+    assert spec["resolve"] == {"scale": {"color": "independent"}}  # two legends, two meanings
+
+
+def test_memory_chart_without_offloading_says_so_and_shows_no_host_entry(
+        measured_memory: dict[str, pd.DataFrame]) -> None:
+    spec = charts.memory_chart(measured_memory["kept"]).chart.to_dict()
+    assert "vconcat" not in spec and "host" not in json.dumps(spec["encoding"])
+    assert "nothing offloaded" in spec["title"]["subtitle"]
+    unit = spec["title"]["text"].removeprefix("memory per rank (").removesuffix(")")
+    assert unit in ("KiB", "MiB") and spec["encoding"]["x"]["title"] == f"{unit} per rank"
+    assert {t["title"] for t in spec["encoding"]["tooltip"] if t["type"] == "quantitative"} \
+        == {unit, "bytes"}
+
+
+def test_bench_table_is_one_row_per_provider_and_size_with_units_and_rounding(
+        benched: dict[str, pd.DataFrame]) -> None:
+    from meshlab.notebook.bench import bench_table
+
+    frame = benched["rmsnorm"]
+    table = bench_table(frame)
+    assert len(frame) == 2 * 2 * 2 and len(table.frame) == 2 * 2  # ranks folded into rows
+    assert table.frame[["provider (timer)", "row length"]].values.tolist() == [
+        ["triton (interpreter)", 64], ["triton (interpreter)", 1024],
+        ["torch (cpu wall clock)", 64], ["torch (cpu wall clock)", 1024]]
+    assert {"fastest rank (ms)", "slowest rank (ms)", "GB/s (median rank)"} <= set(table.frame)
+    text = table.text()
+    assert text.startswith("rmsnorm · fwd · float32 · cpu  (interpreter rows: Triton's CPU "
+                           "interpreter, not kernel speed)")
+    body = text.splitlines()[2:6]
+    decimals = [n for line in body for n in re.findall(r"\d*\.\d+", line)]
+    assert decimals and all(len(n.replace(".", "").lstrip("0")) <= 3 for n in decimals), body
+    assert all(" 1024 " in line or " 64 " in line for line in body)  # not 1.024k, not 1,024
+    # the interpreter's GB/s is left out: an interpreter timing is not a bandwidth
+    assert table.frame.loc[:1, "GB/s (median rank)"].isna().all()
+
+
+def test_bench_table_says_where_a_kernel_was_wrong(benched: dict[str, pd.DataFrame]) -> None:
+    from meshlab.notebook.bench import bench_table
+
+    table = bench_table(benched["wrong"]).frame.set_index(["provider (timer)", "row length"])
+    assert table.loc[("triton (interpreter)", 64), "check"] == "wrong result, every rank"
+    assert table.loc[("torch (cpu wall clock)", 64), "check"] == "the reference, every rank"
+
+
+def test_bench_chart_never_draws_the_interpreter_and_torch_on_one_axis(
+        benched: dict[str, pd.DataFrame]) -> None:
+    spec = bench_chart(benched["rmsnorm"]).chart.to_dict()
+    panels = spec["hconcat"]
+    assert [p["title"]["text"] for p in panels] == ["triton, in Triton's CPU interpreter",
+                                                    "torch, eager on the CPU (wall clock)"]
+    ys = [p["layer"][1]["encoding"]["y"] for p in panels]
+    assert all(y["field"] == "median_ms" and y["title"].startswith("median time (ms")
+               for y in ys)  # times, not GB/s: an interpreter's GB/s means nothing
+    interpreted, eager = (y["scale"]["domain"] for y in ys)
+    assert interpreted != eager  # each panel its own time axis
+    for panel in panels:  # and its own rows only
+        paths = {r["path"] for r in spec["datasets"][panel["data"]["name"]]}
+        assert paths == {panel["title"]["text"]}
+
+
+def test_bench_chart_draws_points_on_its_lines_and_sizes_as_integers(
+        benched: dict[str, pd.DataFrame]) -> None:
+    spec = bench_chart(benched["rmsnorm"]).chart.to_dict()
+    lines, points = spec["hconcat"][0]["layer"]
+    assert lines["mark"]["type"] == "line" and points["mark"]["type"] == "point"
+    x = points["encoding"]["x"]
+    assert x["axis"]["values"] == [64, 1024] and x["axis"]["format"] == "d"
+    assert points["encoding"]["color"]["field"] == "rank"  # a line per rank, in its colour
+
+
+def test_bench_chart_marks_a_wrong_kernel_with_a_red_cross(
+        benched: dict[str, pd.DataFrame]) -> None:
+    spec = bench_chart(benched["wrong"]).chart.to_dict()
+    points = spec["hconcat"][0]["layer"][1]["encoding"]
+    results = dict(zip(points["shape"]["scale"]["domain"], zip(
+        points["shape"]["scale"]["range"], points["size"]["scale"]["range"],
+        points["stroke"]["scale"]["range"], strict=True), strict=True))
+    assert results["wrong result"] == ("cross", 280, "#c00000")
+    assert points["size"]["scale"]["type"] == "ordinal"  # a point scale would blur the sizes
+    drawn = {r["result"] for r in _rows(spec)}
+    assert drawn == {"wrong result", "the reference"}
+    assert points["shape"]["legend"]["values"] == ["the reference", "wrong result"]
+    assert "red cross: a wrong result (ranks 0-1, row length 64, 1024)" in spec["title"][
+        "subtitle"]
+
+
+def test_activation_layout_shows_the_sequence_split_between_the_tp_regions(
+        sequence_parallel_layouts: list[Any]) -> None:
+    frame = charts.activation_layout_frame(sequence_parallel_layouts)
+    held = {(r["input of"].split(" (")[0], r["rank"]): (r["layout"], r["positions"],
+                                                       r["features"])
+            for r in frame.to_dict("records")}
+    # the norms hold half of the sequence each (sequence parallel)
+    assert held["layers.0.attention_norm", 0] == ("split along the sequence", "0-7 of 16",
+                                                  "0-63 of 64")
+    assert held["layers.0.attention_norm", 1][1] == "8-15 of 16"
+    # the attention gathers it whole; its row-parallel output projection takes half the features
+    assert held["layers.0.attention", 1][0] == "whole on every rank"
+    assert held["layers.0.attention.wq, wk, wv", 0][0] == "whole on every rank"
+    assert held["layers.0.attention.wo", 1] == ("split along the features", "0-15 of 16",
+                                                "32-63 of 64")
+    assert held["layers.0.feed_forward.w2", 0][2] == "0-63 of 128"
+    assert held["norm", 1][0] == "split along the sequence"
+    assert not any(name.startswith("layers.1") for name, _ in held)  # one block stands for all
+
+
+def test_activation_layout_chart_is_a_row_per_module_input_and_a_column_per_tp_rank(
+        sequence_parallel_layouts: list[Any]) -> None:
+    chart = charts.activation_layout_chart(sequence_parallel_layouts)
+    spec = chart.chart.to_dict()
+    assert spec["facet"]["column"]["sort"] == ["rank 0 (tp 0)", "rank 1 (tp 1)"]
+    assert spec["facet"]["row"]["sort"][1].startswith("layers.0.attention_norm")
+    held = spec["spec"]["layer"][1]["encoding"]
+    assert held["x"]["title"] == "sequence position"
+    assert held["color"]["sort"] == ["split along the sequence", "whole on every rank",
+                                     "split along the features"]
+    assert any(t.get("title") == "this rank holds (KiB)" for t in held["tooltip"])
+    assert _svg_width(chart) <= charts.OUTPUT
+
+
+def test_every_chart_fits_the_output_area(
+        traced_comms: pd.DataFrame, measured_memory: dict[str, pd.DataFrame],
+        benched: dict[str, pd.DataFrame], sequence_parallel_layouts: list[Any]) -> None:
+    drawn = {"comms": comms_chart(traced_comms),
+             "memory": charts.memory_chart(measured_memory["offloaded"]),
+             "bench": bench_chart(benched["rmsnorm"]),
+             "wrong bench": bench_chart(benched["wrong"]),
+             "activations": charts.activation_layout_chart(sequence_parallel_layouts),
+             "schedules": timeline_chart(_timelines()),
+             "plan memory": plan_memory_chart(plan("llama3-8b", gpus=16, top=3).memory_frame()),
+             "plan comms": plan_comm_chart(plan("llama3-8b", gpus=16, top=1).comm_frame())}
+    widths = {name: _svg_width(chart) for name, chart in drawn.items()}
+    assert all(500 <= w <= charts.OUTPUT for w in widths.values()), widths

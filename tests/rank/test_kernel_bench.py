@@ -119,7 +119,10 @@ def test_bench_magic_times_a_built_in_on_every_rank_with_a_chart(shell: Any) -> 
     assert set(frame.loc[frame["provider"] == "triton", "timer"]) == {TRITON_TIMER}
     assert (frame["vs_fastest_rank"] >= 1).all()
     table, chart = cap.outputs[-2:]
-    assert "[16 rows x" in table.data["text/plain"]
+    shown = table.data["text/plain"]  # one row per provider and size, over all ranks
+    assert "provider (timer)" in shown and "fastest rank (ms)" in shown, shown
+    assert sum(line.lstrip().startswith(("triton", "torch")) for line in shown.splitlines()) \
+        == 2 * 2, shown
     assert "<svg" in chart.data["image/svg+xml"] and "rmsnorm" in chart.data["image/svg+xml"]
 
 
