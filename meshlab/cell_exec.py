@@ -29,9 +29,9 @@ from meshlab import profiling, runtime
 _transformed: dict[str, str] = {}  # cell text -> IPython's static transform of it
 _TRANSFORMED_KEPT = 1024
 
-# meshlab's second, stronger stop (README, "When a cell will not stop"), for a cell that
-# caught Ctrl-C's KeyboardInterrupt and went on. Not SIGUSR1: Slurm's --signal, Lightning's
-# requeue and faulthandler.register conventionally use that one.
+# meshlab's second, stronger stop (docs/guides/notebook-basics.md, "When a cell will not
+# stop"), for a cell that caught Ctrl-C's KeyboardInterrupt and went on. Not SIGUSR1: Slurm's
+# --signal, Lightning's requeue and faulthandler.register conventionally use that one.
 STOP_SIGNAL = signal.SIGUSR2
 running = False  # a cell is running on the main thread (read by the probe thread)
 interrupts = 0  # SIGINTs the running cell has seen: one still running after one caught it

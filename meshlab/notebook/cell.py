@@ -184,9 +184,10 @@ class CellRun:
         return died
 
     def _stop(self, why: str) -> None:
-        """Timeout or Ctrl-C: note stacks, then the ladder (README, "When a cell will not
-        stop"): SIGINT; after GRACE, meshlab's stop signal to the ranks whose cell caught it
-        and went on, SIGINT again to the rest; after GRACE, say what each rank still does."""
+        """Timeout or Ctrl-C: note stacks, then the ladder (docs/guides/notebook-basics.md,
+        "When a cell will not stop"): SIGINT; after GRACE, meshlab's stop signal to the ranks
+        whose cell caught it and went on, SIGINT again to the rest; after GRACE, say what each
+        rank still does."""
         running = [r for r in self.result.ranks
                    if not self._done(r) and self.result.outputs[r].status != "died"]
         if not running:  # the only rank still running just died

@@ -1,6 +1,7 @@
 """Whether the process group is usable after a cell, and making it so before the next:
 ranks still stuck in a collective, a group a backend error broke, a destroyed default group,
-groups made by some ranks only. Mixed into Cluster (the recovery model in the README)."""
+groups made by some ranks only. Mixed into Cluster (the recovery model in
+docs/guides/faults-and-recovery.md)."""
 
 from __future__ import annotations
 

@@ -189,8 +189,8 @@ def test_search_keeps_the_options_a_constraint_names() -> None:
                            and lay.dp_replicate > 1 and lay.pp == 1 for lay in layouts)
 
 
-# The README's example: Llama 3 8B on 1,024 H100s whose nodes talk over one 100 Gb/s NIC
-# each (~1.4 GB/s per GPU, as in a cloud without InfiniBand)
+# The planning guide's example (docs/guides/planning.md): Llama 3 8B on 1,024 H100s whose
+# nodes talk over one 100 Gb/s NIC each (~1.4 GB/s per GPU, as in a cloud without InfiniBand)
 SLOW_NETWORK = dataclasses.replace(HARDWARE["h100-sxm"], name="h100, 100 Gb/s per node",
                                    inter=Link(bandwidth_gbs=1.4, latency_us=30.0))
 
