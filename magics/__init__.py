@@ -17,9 +17,9 @@ from IPython.display import display
 
 from meshlab.mesh import crossing_hosts
 from meshlab.notebook import commands
+from meshlab.notebook.bench import bench_views
 from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
-    bench_chart,
     comms_chart,
     memory_chart,
     plan_comm_chart,
@@ -31,8 +31,11 @@ from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_l
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
+from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.profile import profile_views
+from meshlab.notebook.tables.schedule import schedule_table
+from meshlab.notebook.tables.status import status_table
 from meshlab.notebook.tables.table import Table
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
@@ -95,8 +98,8 @@ class MeshMagics(Magics):
     def _debug(self, args: Any) -> None:
         print(self.session.postmortem(args.rank))
 
-    def _status(self, args: Any) -> Any:
-        return self.session.status()
+    def _status(self, args: Any) -> Table:
+        return status_table(self.session.status())  # Session.status(): the frame
 
     def _throttle(self, args: Any) -> None:
         print(self.session.throttle(None if args.ranks == "off" else args.ranks, args.factor))
@@ -115,7 +118,7 @@ class MeshMagics(Magics):
     def _memory(self, args: Any) -> None:
         frame = self.session.memory(args.model, args.optimizer, stage=args.stage, dp=args.dp,
                                     inputs=args.inputs)
-        display(frame, memory_chart(frame))
+        display(memory_table(frame), memory_chart(frame))
 
     def _push(self, args: Any) -> None:
         missing = [n for n in args.names if n not in self.shell.user_ns]
@@ -145,7 +148,7 @@ class MeshMagics(Magics):
             namespace=self.shell.user_ns)
         if args.output:
             self.shell.user_ns[args.output] = schedules[0]
-        display(table, timeline_chart(frame))
+        display(schedule_table(table), timeline_chart(frame))
 
     def _pipeline(self, args: Any) -> None:
         pipeline = self.session.pipeline(args.model, args.schedule,
@@ -191,15 +194,7 @@ class MeshMagics(Magics):
                   f"{row['error']}")
         if args.output:
             self.shell.user_ns[args.output] = frame
-        # columns the same on every row go in one caption line; empty ones (peak_pct on CPU) go
-        same = [c for c in ("kernel", "mode", "dtype", "device") if frame[c].nunique() == 1]
-        print(" · ".join(str(frame[c].iloc[0]) for c in same)
-              + ("  (interpreter rows: Triton's CPU interpreter, not kernel speed)"
-                 if (frame["timer"] == "interpreter").any() else ""))
-        display(frame.drop(columns=same).dropna(axis=1, how="all")
-                .set_index(["rank", "provider", "size"]))
-        if frame["median_ms"].notna().any():
-            display(bench_chart(frame))
+        display(*bench_views(frame))  # one compact table, and a chart if anything was timed
 
     def _calibrate(self, args: Any) -> None:
         from meshlab.calibrate import parse_sizes

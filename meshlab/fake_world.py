@@ -297,7 +297,8 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
     """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
     (every rank sends each expert the same count, so it receives what it sends)."""
     import torch.distributed as dist
-    from torch.distributed.nn.functional import all_to_all_single
+
+    from meshlab.parallel.expert import all_to_all
 
     local = moe.n_experts // ranks
     me = dist.get_rank(group) if ranks > 1 else 0
@@ -310,8 +311,7 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
     routed = tokens[token_of_pair]
     arrived = routed
     if ranks > 1:
-        arrived = all_to_all_single(tokens.new_empty(sum(mine) * ranks, tokens.shape[1]),
-                                    routed, [sum(mine)] * ranks, send, group=group)
+        arrived = all_to_all(routed, send=send, recv=[sum(mine)] * ranks, group=group)
         received = moe.get_buffer("tokens_received")
         received.add_(torch.tensor(mine, device=received.device) * ranks)
     pieces, start = [], 0
@@ -322,8 +322,7 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
     done = torch.cat(pieces)
     returned = done
     if ranks > 1:
-        returned = all_to_all_single(torch.empty_like(routed), done, send,
-                                     [sum(mine)] * ranks, group=group)
+        returned = all_to_all(done, send=[sum(mine)] * ranks, recv=send, group=group)
     gate = weights.flatten()[order, None]
     out = torch.zeros_like(tokens)
     return out.index_add(0, token_of_pair, (returned * gate).to(out.dtype))

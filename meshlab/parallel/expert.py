@@ -1,10 +1,11 @@
 """Expert parallel: each rank of the ep axis keeps n_experts / ep of every MoE layer's experts.
 
-Tokens travel to the rank that holds their expert and back with all-to-all. The autograd
-version (torch.distributed.nn.functional.all_to_all_single) is required: the plain
-dist.all_to_all_single is invisible to autograd, and the experts would silently get no
-gradient. ep is carved out of dp_shard x cp (meshlab.mesh), so the ranks of an ep group
-also hold different data.
+Tokens travel to the rank that holds their expert and back with all-to-all, through
+``all_to_all`` below: the plain dist.all_to_all_single is invisible to autograd, and the
+experts would silently get no gradient (torch's autograd version,
+torch.distributed.nn.functional.all_to_all_single, warns it is deprecated since torch 2.13).
+ep is carved out of dp_shard x cp (meshlab.mesh), so the ranks of an ep group also hold
+different data.
 
 Two kinds of MoE layer are split, both through the one exchange below (``exchange``):
 
@@ -241,8 +242,6 @@ def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     ``group``. ``run(arrived, counts)`` runs this rank's experts on the rows that arrived:
     ``counts[source, e]`` rows from each source rank for each local expert, in that order.
     ``received`` (local,) counts the rows each local expert got."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     local = n_experts // ranks
     flat = experts.flatten()  # (N * k,) global expert ids
     order = flat.argsort(stable=True)  # group the pairs by expert, hence by owner rank
@@ -253,12 +252,40 @@ def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     send, recv = counts.sum(1).tolist(), received_counts.sum(1).tolist()
 
     routed = tokens[token_of_pair]
-    arrived = all_to_all_single(tokens.new_empty(sum(recv), tokens.shape[1]), routed, recv, send,
-                                group=group)
+    arrived = all_to_all(routed, send=send, recv=recv, group=group)
     received.add_(received_counts.sum(0).detach())
     done = run(arrived, received_counts)
-    returned = all_to_all_single(torch.empty_like(routed), done, send, recv, group=group)
+    returned = all_to_all(done, send=recv, recv=send, group=group)  # the way back
     gate = weights.flatten()[order, None]
     out = torch.zeros_like(tokens)
     # the weights may be wider than the tokens (transformers' routers give float32)
     return cast(torch.Tensor, out.index_add(0, token_of_pair, (returned * gate).to(out.dtype)))
+
+
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single seen by autograd: each row's gradient goes back the way it came."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], recv: list[int],
+                group: Any) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(rows, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any
+                ) -> torch.Tensor:
+    out = rows.new_empty(sum(recv), *rows.shape[1:])
+    dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return out
+
+
+def all_to_all(rows: torch.Tensor, *, send: list[int], recv: list[int], group: Any
+               ) -> torch.Tensor:
+    """Rows (N, ...) -> the rows the other ranks sent here (sum(recv), ...), in rank order:
+    the first ``send[r]`` rows go to rank r of ``group`` after those for ranks < r, and
+    ``recv[r]`` rows arrive from it. Differentiable."""
+    return cast(torch.Tensor, _AllToAll.apply(rows, send, recv, group))

@@ -49,5 +49,39 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     # The root's parameters (embedding, norm, output) are used last in backward: no point
     # resharding them after forward.
     fully_shard(model, reshard_after_forward=False, **kw)
+    _quiet_view_output(model)
     cast(Any, model).params_on_host = offload  # what meshlab.memory.measure counts as host
     return model
+
+
+# torch >= 2.13 warns whenever an FSDP2 module's forward returns a view (pytorch/pytorch#181850):
+# an in-place op on that output (`out += y`) would skip the module's pre-backward all-gather
+# (pytorch/pytorch#181832). Under TP the root's output always is one: DTensor.to_local returns
+# a view of the local shard (torch's _ToTorchTensor), and a copy of the logits to avoid it
+# would cost memory at real size. meshlab's losses and checks never modify the output in
+# place, and their gradients match one process. torch means to warn on such a mutation
+# instead of on every view (pytorch/pytorch#197154).
+VIEW_OUTPUT = r"FSDP2-wrapped module \(.*\) returned a view tensor\."
+
+
+def _quiet_view_output(model: nn.Module) -> None:
+    """Run FSDP's post-forward hook of the root ``model`` (it returns what the caller gets)
+    with VIEW_OUTPUT ignored; every other warning still shows, and the blocks' own hooks are
+    left as torch made them."""
+    import functools
+    import warnings
+
+    state = getattr(model, "_get_fsdp_state", lambda: None)()
+    handle = getattr(state, "_post_forward_hook_handle", None)
+    hooks = model._forward_hooks
+    if handle is None or handle.id not in hooks:  # another torch: its warning shows
+        return
+    hook = hooks[handle.id]
+
+    @functools.wraps(hook)
+    def quiet(*args: Any) -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=VIEW_OUTPUT, category=UserWarning)
+            return hook(*args)
+
+    hooks[handle.id] = quiet

@@ -134,7 +134,7 @@ class Plan:
                  + f"), step {e.step_s:.3g} s, "
                  f"{e.tokens_per_s:,.0f} tokens/s, per GPU {e.tflops_per_gpu:.3g} model / "
                  f"{e.hw_tflops_per_gpu:.3g} hardware TFLOP/s (recompute counted), MFU "
-                 f"{e.mfu:.2g}, HFU {e.hfu:.2g}, bubble {e.bubble_fraction:.0%}"]
+                 f"{_percent(e.mfu)}, HFU {_percent(e.hfu)}, bubble {e.bubble_fraction:.0%}"]
         if self.tokens:
             lines.append(f"{self.tokens:.3g} tokens: {e.train_days(self.tokens):.1f} days, "
                          f"{e.gpu_hours(self.tokens):,.0f} GPU-hours")
@@ -215,3 +215,8 @@ def count_text(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+def _percent(fraction: float) -> str:
+    """A fraction as a percentage to two figures: 0.52 -> '52%', 1.77e-05 -> '0.0018%'."""
+    return f"{float(f'{fraction * 100:.2g}'):g}%"

@@ -99,7 +99,7 @@ def test_push_pull_and_status(shell: Any) -> None:
     shell.user_ns["lr"] = 3e-4
     run(shell, "%mesh push lr")
     assert shell.run_line_magic("mesh", "pull lr --ranks 0-1") == {0: 3e-4, 1: 3e-4}
-    assert list(shell.run_line_magic("mesh", "status").index) == [0, 1, 2, 3]
+    assert list(shell.run_line_magic("mesh", "status").frame["rank"]) == [0, 1, 2, 3]
 
 
 def test_auto_mode_runs_plain_cells_on_the_ranks(shell: Any) -> None:

@@ -28,7 +28,7 @@ def test_schedule_magic_compares_schedules_in_a_table_and_a_chart(shell: Any) ->
     text = table.data["text/plain"]
     for name in ("1f1b", "interleaved_1f1b", "zb_h1"):
         assert name in text
-    assert "bubble_fraction" in text and "image/svg+xml" in chart.data
+    assert "bubble" in text and "%" in text and "image/svg+xml" in chart.data
     assert shell.user_ns["chosen"].name == "1f1b"
 
 

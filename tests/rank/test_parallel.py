@@ -7,6 +7,7 @@ float64 runs hold to 1e-9.
 from __future__ import annotations
 
 import ast
+import re
 
 import pandas as pd
 import pytest
@@ -387,8 +388,11 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     assert "ZeRO-3 formula" in table.data["text/plain"]
     svg = chart.data["image/svg+xml"]  # drawn offline: the formula's bar beside the ranks'
     assert svg.startswith("<svg") and "ZeRO-3 formula" in svg and "optimizer" in svg
-    header = table.data["text/plain"].splitlines()[0].split()
-    assert header[-4:] == ["activations", "total", "device", "host"]
+    caption, header = table.data["text/plain"].splitlines()[:2]
+    columns = re.findall(r"(\w+) \((\w+)\)", header)  # each named with its unit
+    assert [name for name, _ in columns][-4:] == ["activations", "total", "device", "host"]
+    unit = columns[0][1]
+    assert {u for _, u in columns} == {unit} and caption.startswith(f"memory per rank ({unit})")
 
 
 WARMUP = """

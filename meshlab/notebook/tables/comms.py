@@ -9,7 +9,7 @@ import pandas as pd
 from meshlab.comms import CommRecord
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
-from meshlab.notebook.tables.table import Table
+from meshlab.notebook.tables.table import Table, in_byte_unit
 
 COLUMNS = ["rank", "op", "axis", "group", "count", "bytes", "wire_bytes"]
 
@@ -67,12 +67,20 @@ def comms_by_ranks(frame: pd.DataFrame) -> pd.DataFrame:
 
 def comms_tables(frame: pd.DataFrame) -> tuple[Table, Table]:
     """What ``%%mesh --comms`` shows: identical ranks folded into one row, and the totals,
-    each with a caption and bytes with thousands separators."""
-    counts = {"count": "{:,}", "bytes": "{:,}", "wire_bytes": "{:,}"}
-    wire = "wire_bytes: what a ring algorithm sends per rank (e.g. 2(n-1)/n of an all_reduce)"
-    per_rank = Table(comms_by_ranks(frame), formats=counts, note=wire,
-                     caption="collectives per rank (ranks that issued the same ones share a "
-                             "row)")
-    totals = Table(comms_totals(frame), formats=counts,
-                   caption="totals over all ranks, by collective and mesh axis")
+    each with a caption, the bytes in the unit of the chart (the frames keep bytes)."""
+    wire = ("on the wire: what a ring algorithm sends per rank (e.g. 2(n-1)/n of an "
+            "all_reduce)")
+    per_rank = _in_unit(comms_by_ranks(frame), note=wire,
+                        caption="collectives per rank (ranks that issued the same ones share a "
+                                "row)")
+    totals = _in_unit(comms_totals(frame),
+                      caption="totals over all ranks, by collective and mesh axis")
     return per_rank, totals
+
+
+def _in_unit(frame: pd.DataFrame, *, caption: str, note: str = "") -> Table:
+    """Payload and wire bytes in one unit, as ``payload (KiB)`` and ``on the wire (KiB)``."""
+    shown = in_byte_unit(frame.rename(columns={"bytes": "payload", "wire_bytes": "on the wire"}),
+                         ["payload", "on the wire"])
+    return Table(shown.frame, formats={"count": "{:,}", **shown.formats}, caption=caption,
+                 note=note)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from meshlab.notebook.tables.table import Lines, Table, sig
+from meshlab.notebook.tables.table import Lines, Table, in_byte_unit, sig
 from meshlab.plan.reconcile import Row, planner_beside
 from meshlab.plan.report import Plan, count_text
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from meshlab.dry_run import DryRun
     from meshlab.plan.hardware import Hardware
 
-GIB, MIB = 2**30, 2**20
+GIB = 2**30
 
 
 def dryrun_views(dry: DryRun, hardware: str | Hardware | None = None) -> list[Any]:
@@ -40,12 +40,16 @@ def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
              f"sequences of {dry.seq:,} tokens per data-parallel rank: "
              f"{len(dry.ranks)} representative rank{'s' if len(dry.ranks) > 1 else ''} ran a "
              f"training step in {dry.seconds:.1f} s"]
+    from meshlab.notebook.charts import byte_unit
+
     for run in dry.ranks:
         peak = run.memory["total"]
+        unit, size = byte_unit(peak)
         line = (f"rank {run.rank} ({run.role}): holds {count_text(run.params)} parameters, peak "
-                f"{peak / GIB:.3g} GiB")
+                f"{peak / size:.3g} {unit}")
         if run.rank in planned and peak:
-            line += f" (planner {planned[run.rank] / GIB:.3g} GiB, x{planned[run.rank] / peak:.2f})"
+            line += (f" (planner {planned[run.rank] / size:.3g} {unit}, "
+                     f"x{planned[run.rank] / peak:.2f})")
         if run.fits is not None:
             line += f"; fits {dry.hardware}: {'yes' if run.fits else 'NO'}"
         lines.append(line)
@@ -56,7 +60,7 @@ def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
 def dryrun_memory_table(rows: list[Row]) -> Table:
     """Memory per category and rank: the dry run's peak, the planner's, the planner's with
     the differences it knows of applied, and what is left between them."""
-    return _beside(rows, "memory", "category", GIB, "GiB",
+    return _beside(rows, "memory", "category",
                    "memory per GPU at the step's peak: the dry run (torch's tracker) beside the "
                    "planner")
 
@@ -68,7 +72,7 @@ def dryrun_bytes_table(dry: DryRun, rows: list[Row]) -> Table:
     for run in dry.ranks:
         for t in run.collectives:
             ops.setdefault((run.rank, t.axis), []).append(f"{t.op} x{t.calls}")
-    table = _beside(rows, "bytes", "axis", MIB, "MiB",
+    table = _beside(rows, "bytes", "axis",
                     "bytes per step on each mesh axis: the dry run (every collective traced) "
                     "beside the planner")
     table.frame.insert(2, "collectives", [", ".join(ops.get((r, a), []))
@@ -77,17 +81,16 @@ def dryrun_bytes_table(dry: DryRun, rows: list[Row]) -> Table:
     return table
 
 
-def _beside(rows: list[Row], what: str, name: str, unit: int, said: str, caption: str
-            ) -> Table:
+def _beside(rows: list[Row], what: str, name: str, caption: str) -> Table:
+    """The dry run, the planner and the planner with the differences applied, in the unit
+    of their chart."""
     frame = pd.DataFrame([
-        {"rank": r.rank, name: r.name, f"dry run ({said})": r.dry_run / unit,
-         f"planner ({said})": r.planner / unit,
-         f"planner, differences applied ({said})": r.explained / unit,
+        {"rank": r.rank, name: r.name, "dry run": r.dry_run, "planner": r.planner,
+         "planner, differences applied": r.explained,
          "left over": r.error if r.comparable else None,
          "what differs": r.difference} for r in rows if r.what == what])
-    three = sig(3)
-    formats: dict[str, Any] = {c: three for c in frame.columns if said in c}
-    return Table(frame, caption=caption, formats={**formats, "left over": _percent},
+    shown = in_byte_unit(frame, ["dry run", "planner", "planner, differences applied"])
+    return Table(shown.frame, caption=caption, formats={**shown.formats, "left over": _percent},
                  note="left over: the planner with the differences applied, against the dry "
                       "run (blank where the dry run cannot run what the planner counts)")
 
@@ -115,8 +118,7 @@ def verified_table(plan: Plan, hardware: Hardware | None = None) -> Table:
         apart = [(r.name, error) for r in beside if r.rank == busiest.rank and r.comparable
                  and (error := r.error) is not None and abs(error) > 0.1]
         rows.append({"layout": estimate.layout.describe(),
-                     "planner (GiB)": estimate.memory["total"] / GIB,
-                     "dry run peak (GiB)": peak / GIB,
+                     "planner": estimate.memory["total"], "dry run peak": peak,
                      "planner / dry run": estimate.memory["total"] / peak if peak else None,
                      "fits (planner)": estimate.fits, "fits (dry run)": busiest.fits,
                      "left over, above 10%": ", ".join(
@@ -124,10 +126,10 @@ def verified_table(plan: Plan, hardware: Hardware | None = None) -> Table:
                          sorted(apart, key=lambda a: -abs(a[1]))[:2]),
                      "dry run (s)": dry.seconds})
     three = sig(3)
-    return Table(pd.DataFrame(rows), caption=f"the best {len(rows)} layouts, dry-run on "
+    shown = in_byte_unit(pd.DataFrame(rows), ["planner", "dry run peak"])
+    return Table(shown.frame, caption=f"the best {len(rows)} layouts, dry-run on "
                  f"{plan.gpus:,} fake ranks (the busiest representative rank of each)",
-                 formats={c: three for c in ("planner (GiB)", "dry run peak (GiB)",
-                                             "planner / dry run", "dry run (s)")})
+                 formats={**shown.formats, "planner / dry run": three, "dry run (s)": three})
 
 
 def _totals(rows: list[Row]) -> dict[int, float]:

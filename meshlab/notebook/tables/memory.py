@@ -7,6 +7,7 @@ from typing import Any
 import pandas as pd
 
 from meshlab.memory import zero_bytes
+from meshlab.notebook.tables.table import Table, in_byte_unit
 
 PARTS = ("params", "grads", "optimizer")
 
@@ -49,3 +50,15 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     host = frame.pop("host")
     frame["host"] = host  # after device: total = device + host
     return frame.set_index("rank")
+
+
+def memory_table(frame: pd.DataFrame) -> Table:
+    """``memory_frame`` as ``%mesh memory`` shows it: the bytes in its chart's unit."""
+    columns = [c for c in (*PARTS, "activations", "total", "device", "host") if c in frame]
+    shown = in_byte_unit(frame.reset_index()[["rank", *columns]], columns)
+    formula = "; the last row: the ZeRO paper's formula" if (frame["source"] == "formula").any() \
+        else ""
+    return Table(shown.frame, formats=shown.formats,
+                 caption=f"memory per rank ({shown.unit}){formula}",
+                 note="host: offloaded to host memory; total = device + host"
+                      if frame["host"].any() else "")

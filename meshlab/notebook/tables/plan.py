@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from meshlab.notebook.tables.table import Lines, Table, sig
+from meshlab.notebook.tables.table import Lines, Table, in_byte_unit, in_second_unit, percent, sig
+from meshlab.plan.hardware import GIB
 from meshlab.plan.report import Plan
+
+# Plan.table()'s columns as the table names them; the units come with the values
+HEADERS = {"memory_gib": "memory", "host_gib": "host", "step_s": "step",
+           "exposed_comm_s": "exposed comm", "tokens_per_s": "tokens/s",
+           "tflops_per_gpu": "TFLOP/s per GPU", "mfu": "MFU",
+           "hw_tflops_per_gpu": "hw TFLOP/s per GPU", "hfu": "HFU", "gpu_hours": "GPU-hours"}
 
 
 def plan_summary(plan: Plan) -> Lines:
@@ -12,11 +19,18 @@ def plan_summary(plan: Plan) -> Lines:
 
 
 def plan_table(plan: Plan) -> Table:
-    """One row per layout, numbers to three significant figures with thousands separated."""
-    three = sig(3)
-    formats = {c: three for c in ("memory_gib", "step_s", "exposed_comm_s", "tokens_per_s",
-                                  "tflops_per_gpu", "mfu", "hw_tflops_per_gpu", "hfu",
-                                  "gpu_hours")}
-    return Table(plan.table(), formats={**formats, "bubble": "{:.1%}", "days": "{:,.1f}"},
+    """One row per layout: memory in the unit of the memory chart, times in s or ms, MFU,
+    HFU and the bubble as percentages, other numbers to three significant figures."""
+    frame = plan.table()
+    frame = frame.assign(**{c: frame[c] * GIB for c in ("memory_gib", "host_gib")
+                            if c in frame}).rename(columns=HEADERS)
+    memory = in_byte_unit(frame, ["memory", "host"])
+    times = in_second_unit(memory.frame, ["step", "exposed comm"])
+    three, share = sig(3), percent(3)
+    formats = {**memory.formats, **times.formats,
+               **{c: three for c in ("tokens/s", "TFLOP/s per GPU", "hw TFLOP/s per GPU",
+                                     "GPU-hours")},
+               **{c: share for c in ("MFU", "HFU", "bubble")}, "days": "{:,.1f}"}
+    return Table(times.frame, formats=formats,
                  caption=f"{plan.model.name} on {plan.gpus} x {plan.hardware.name}: "
                          "layouts, best first")

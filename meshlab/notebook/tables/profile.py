@@ -9,7 +9,7 @@ import pandas as pd
 
 from meshlab.notebook.cell_profile import CellProfile
 from meshlab.notebook.charts import profile_chart
-from meshlab.notebook.tables.table import Table, sig
+from meshlab.notebook.tables.table import Table, in_byte_unit, sig
 
 DRAWN_SPANS = 600  # per rank: neighbouring ops closer than the window / this are one bar
 
@@ -51,11 +51,12 @@ def waits_table(profile: CellProfile, top: int = 10) -> Table | None:
     frame = frame.sort_values("longest", ascending=False).head(top)
     rows = pd.DataFrame({
         "at (ms)": frame["first"], "op": frame["op"], "axis": frame["axis"],
-        "group": frame["group"], "bytes": frame["bytes"], "last to arrive": frame["last"],
+        "group": frame["group"], "payload": frame["bytes"], "last to arrive": frame["last"],
         "others waited (ms)": [", ".join(f"{r}: {w:,.2f}" for r, w in sorted(ws.items()))
                                for ws in frame["waits"]],
         "done (ms)": frame["done"]})
-    return Table(rows, formats={"at (ms)": sig(4), "done (ms)": sig(4), "bytes": "{:,}"},
+    shown = in_byte_unit(rows, ["payload"])
+    return Table(shown.frame, formats={"at (ms)": sig(4), "done (ms)": sig(4), **shown.formats},
                  caption=f"the {len(rows)} collectives with the longest waits for their "
                          "last rank")
 
