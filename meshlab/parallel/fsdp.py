@@ -58,9 +58,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
 # an in-place op on that output (`out += y`) would skip the module's pre-backward all-gather
 # (pytorch/pytorch#181832). Under TP the root's output always is one: DTensor.to_local returns
 # a view of the local shard (torch's _ToTorchTensor), and a copy of the logits to avoid it
-# would cost memory at real size. meshlab's losses and checks never modify the output in
-# place, and their gradients match one process. torch means to warn on such a mutation
-# instead of on every view (pytorch/pytorch#197154).
+# would cost memory at real size. Harmless here: the root keeps its parameters gathered after
+# forward (reshard_after_forward=False above), so an in-place edit of its output cannot skip
+# an all-gather its backward needs; the blocks' hooks, whose all-gathers matter, still warn.
+# torch means to warn on such a mutation instead of on every view (pytorch/pytorch#197154).
 VIEW_OUTPUT = r"FSDP2-wrapped module \(.*\) returned a view tensor\."
 
 
