@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,10 +220,9 @@ def _keep(found: dict[int, _Where], key: int, where: _Where) -> None:
 
 def _experts(t: torch.Tensor, module: nn.Module | None, attr: str) -> tuple[list[int], int]:
     """The global experts an expert-parallel rank's slice holds, and how many there are."""
-    materialize = sys.modules.get("meshlab.parallel.materialize")  # where slices are marked
-    if module is None or materialize is None:
-        return [], 0
-    cut = getattr(module, materialize._SLICES, {}).get(attr)
+    from meshlab.parallel.materialize import marked_slice
+
+    cut = marked_slice(module, attr) if module is not None else None
     if cut is None:
         return [], 0
     dim, start = cut

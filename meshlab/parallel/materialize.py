@@ -45,6 +45,13 @@ def mark_slice(module: nn.Module, attr: str, *, dim: int, start: int) -> None:
     module.__dict__.setdefault(_SLICES, {})[attr] = (dim, start)
 
 
+def marked_slice(module: nn.Module, attr: str) -> tuple[int, int] | None:
+    """``(dim, start)`` of the part ``module.<attr>`` holds, as ``mark_slice`` noted; None if
+    it holds the whole tensor."""
+    cut = getattr(module, _SLICES, {}).get(attr)
+    return None if cut is None else (int(cut[0]), int(cut[1]))
+
+
 @dataclass(slots=True)
 class Origins:
     """The unsharded model, taken before sharding changes it: which module initializes each
@@ -309,7 +316,7 @@ def _part(target: torch.Tensor, full: torch.Tensor, owner: nn.Module | None, nam
     if target.shape == full.shape:
         return full
     attr = name.rpartition(".")[2]
-    cut = getattr(owner, _SLICES, {}).get(attr) if owner is not None else None
+    cut = marked_slice(owner, attr) if owner is not None else None
     if cut is None:
         raise ValueError(f"{name} holds {tuple(target.shape)} of a {tuple(full.shape)} tensor "
                          "and nothing says which part: a parallelism sliced it without "
