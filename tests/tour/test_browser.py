@@ -490,6 +490,17 @@ def drawn_in_file(path: Path) -> dict[str, int]:
                           for o in outputs)}
 
 
+# what the sharding widget must say of each holder where ranks hold different tensors: the
+# stages of 09 (pp=2) and the experts of 08, each drawn apart (never "[ranks 0,4]")
+HOLDERS = {"09-composed-3d": ["(pp 0)", "(pp 1)"], "08-expert-parallel": ["experts 0 of 4", "experts 3 of 4"]}
+
+# each drawn part's ranks: a block whose ranks lie in two parts would draw them as one
+PARTS = """() => [...document.querySelectorAll('.meshlab-part')].map(p => ({
+  holder: (p.querySelector('.meshlab-holder') || {innerText: ''}).innerText,
+  ranks: p.dataset.ranks,
+  blocks: [...p.querySelectorAll('.meshlab-block')].map(b => b.dataset.ranks)}))"""
+
+
 @pytest.mark.parametrize("name", OPENED)
 def test_a_saved_tour_notebook_shows_every_picture_clean(
         browser: Any, jupyterlab: str, lab_root: Path, executed: Any, name: str) -> None:
@@ -506,6 +517,11 @@ def test_a_saved_tour_notebook_shows_every_picture_clean(
         raise AssertionError(f"{name} shows {lab.pictures()}; its file holds {held}") from None
     lab.page.screenshot(path=str(ARTIFACTS / f"{name}-opened.png"), full_page=True)
     lab.check_clean()
+    if name in HOLDERS:
+        parts = lab.page.evaluate(PARTS)
+        holders = " ".join(p["holder"] for p in parts)
+        assert all(h in holders for h in HOLDERS[name]), parts
+        assert len({p["ranks"] for p in parts}) == len(parts) > 1, parts
     lab.close()
 
 
