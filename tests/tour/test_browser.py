@@ -492,7 +492,8 @@ def drawn_in_file(path: Path) -> dict[str, int]:
 
 # what the sharding widget must say of each holder where ranks hold different tensors: the
 # stages of 09 (pp=2) and the experts of 08, each drawn apart (never "[ranks 0,4]")
-HOLDERS = {"09-composed-3d": ["(pp 0)", "(pp 1)"], "08-expert-parallel": ["experts 0 of 4", "experts 3 of 4"]}
+HOLDERS = {"09-composed-3d": ["(pp 0)", "(pp 1)"],
+           "08-expert-parallel": ["experts 0 of 4", "experts 3 of 4"]}
 
 # each drawn part's ranks: a block whose ranks lie in two parts would draw them as one
 PARTS = """() => [...document.querySelectorAll('.meshlab-part')].map(p => ({
