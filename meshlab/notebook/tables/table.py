@@ -113,6 +113,18 @@ class Table:
     def __repr__(self) -> str:
         return self.text()
 
+    # `status = %mesh status; status["host"]`: a table reads as the frame it shows
+    def __getitem__(self, key: Any) -> Any:
+        return self.frame[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "frame":  # not while unpickling or half-built
+            raise AttributeError(name)
+        return getattr(self.frame, name)
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
 
 class Lines:
     """Plain text whose lines wrap at spaces, never inside a word or a number and its unit
