@@ -500,11 +500,10 @@ def drawn_in_file(path: Path) -> dict[str, int]:
 HOLDERS = {"09-composed-3d": ["(pp 0)", "(pp 1)"],
            "08-expert-parallel": ["experts 0 of 4", "experts 3 of 4"]}
 
-# each drawn part's ranks: a block whose ranks lie in two parts would draw them as one
-PARTS = """() => [...document.querySelectorAll('.meshlab-part')].map(p => ({
-  holder: (p.querySelector('.meshlab-holder') || {innerText: ''}).innerText,
-  ranks: p.dataset.ranks,
-  blocks: [...p.querySelectorAll('.meshlab-block')].map(b => b.dataset.ranks)}))"""
+# each drawn part's caption (an untrusted notebook, as nbclient saved it, shows the widget's
+# static HTML, which JupyterLab's sanitizer strips of data- attributes: the text says it)
+PARTS = """() => [...document.querySelectorAll('.meshlab-part')].map(p =>
+  (p.querySelector('.meshlab-holder') || {innerText: ''}).innerText)"""
 
 
 @pytest.mark.parametrize("name", OPENED)
@@ -524,10 +523,9 @@ def test_a_saved_tour_notebook_shows_every_picture_clean(
     lab.page.screenshot(path=str(ARTIFACTS / f"{name}-opened.png"), full_page=True)
     lab.check_clean()
     if name in HOLDERS:
-        parts = lab.page.evaluate(PARTS)
-        holders = " ".join(p["holder"] for p in parts)
-        assert all(h in holders for h in HOLDERS[name]), parts
-        assert len({p["ranks"] for p in parts}) == len(parts) > 1, parts
+        parts = lab.page.evaluate(PARTS)  # each holder drawn apart, captioned
+        assert all(any(h in part for part in parts) for h in HOLDERS[name]), parts
+        assert len(set(parts)) == len(parts) > 1, parts
     lab.close()
 
 
