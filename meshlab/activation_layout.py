@@ -6,7 +6,7 @@ laid the input out: a sequence-parallel norm gets its slice of the sequence, a
 column-parallel projection the whole sequence, a row-parallel one its slice of the
 features). Each record is a ``meshlab.sharding.ShardingReport``: the global shape, the
 placements and every rank's piece, computed from the placements, so one rank's records
-describe its whole tp group. The notebook draws them (``charts.activation_layout_chart``).
+describe its whole tp group. The notebook draws them (``meshlab.notebook.activation_chart``).
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ from a CDN, and no widget state has to be saved."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import altair as alt
 import pandas as pd
 
 from meshlab.notebook.palette import rank_colour, text_colour
-from meshlab.notebook.ranks import format_ranks
 
 # JupyterLab 4 and VS Code render Vega-Lite 5 themselves (vega bundled with the front end);
 # altair 6 writes Vega-Lite 6, which they do not render. The charts here use nothing v6 added.
@@ -127,7 +125,7 @@ def _thin(data: pd.DataFrame, field: str, width: float, bar: str = "rank") -> di
             for v, b in largest.items() if b * width / longest < THIN_PX}
 
 
-def _legend(title: str | None = None, **kwargs: Any) -> alt.Legend:
+def chart_legend(title: str | None = None, **kwargs: Any) -> alt.Legend:
     """A legend whose labels are never cut short (a cut label reads as another name)."""
     return alt.Legend(title=title, labelLimit=0, **kwargs)
 
@@ -149,7 +147,7 @@ def comms_chart(frame: pd.DataFrame) -> OfflineChart:
         y=alt.Y("rank:O", title="rank", sort=ranks, axis=alt.Axis(labelAngle=0)),
         x=alt.X("amount:Q", title=f"payload ({unit})", stack="zero", axis=_axis()),
         color=alt.Color("collective:N", sort=order, scale=alt.Scale(scheme="tableau10"),
-                        legend=_legend("collective on mesh axis")),
+                        legend=chart_legend("collective on mesh axis")),
         order=alt.Order("stack_index:Q"),
         tooltip=[alt.Tooltip("rank:O"), alt.Tooltip("op:N", title="collective"),
                  alt.Tooltip("axis:N", title="mesh axis"), alt.Tooltip("group:N"),
@@ -197,7 +195,7 @@ def memory_chart(frame: pd.DataFrame) -> OfflineChart:
             .mark_bar(stroke="white", strokeWidth=0.5).encode(
             y=y, x=x, opacity=opacity, order=alt.Order("stack_index:Q"),
             color=alt.Color(f"{column}:N", sort=names, scale=colours,
-                            legend=_legend(column)),
+                            legend=chart_legend(column)),
             tooltip=[alt.Tooltip("row:N", title="rank"), alt.Tooltip(f"{column}:N"),
                      alt.Tooltip("amount:Q", title=unit, format=",.3~r"),
                      alt.Tooltip("bytes:Q", title="bytes", format=",")],
@@ -221,125 +219,6 @@ def memory_chart(frame: pd.DataFrame) -> OfflineChart:
         chart = alt.vconcat(what, where, spacing=18).resolve_scale(color="independent")
     return OfflineChart(chart.properties(title=alt.TitleParams(
         f"memory per rank ({unit})", subtitle="; ".join(notes), anchor="start")))
-
-
-# -- activation layouts ----------------------------------------------------------------------
-
-LAYOUT_COLOURS = {"split along the sequence": "#4e79a7", "whole on every rank": "#9c9c9c",
-                  "split along the features": "#e15759", "partial sums (a reduction pending)":
-                  "#edc948"}
-
-
-def _layout_kind(placement: str, ndim: int) -> str:
-    """A placement on the tp axis in words, for an activation laid out (batch, sequence,
-    features)."""
-    if placement == "Shard(1)" and ndim >= 2:
-        return "split along the sequence"
-    if placement in (f"Shard({ndim - 1})", "Shard(-1)") and ndim >= 3:
-        return "split along the features"
-    if placement.startswith("Replicate"):
-        return "whole on every rank"
-    if placement.startswith("Partial"):
-        return "partial sums (a reduction pending)"
-    return placement
-
-
-def activation_layout_frame(reports: Sequence[Any], axis: str = "tp") -> pd.DataFrame:
-    """One row per (module input, rank) from ``meshlab.activation_layout.activation_layouts``:
-    the slice of the sequence (dim 1) and of the features (the last dim) the rank holds, the
-    placement on ``axis`` in words. Sibling modules in a row with the same input layout (q, k
-    and v) share one row."""
-    groups: list[list[Any]] = []
-    for report in reports:
-        last = groups[-1][-1] if groups else None
-        if last is not None and (report.name.rpartition(".")[0] == last.name.rpartition(".")[0]
-                                 and "." in report.name and report.global_shape ==
-                                 last.global_shape and report.placements == last.placements):
-            groups[-1].append(report)
-        else:
-            groups.append([report])
-    rows = []
-    for order, group in enumerate(groups):
-        first = group[0]
-        shape = list(first.global_shape)
-        names = [first.name] + [r.name.rpartition(".")[2] for r in group[1:]]
-        label = f"{', '.join(names)} ({'x'.join(map(str, shape))})"
-        at = list(first.mesh_axes).index(axis) if axis in first.mesh_axes else 0
-        placement = first.placements[at] if first.placements else "Replicate()"
-        seq, feat = (shape[1], shape[-1]) if len(shape) >= 3 else (shape[-1], 1)
-        for shard in first.shards:
-            offsets, local = list(shard.offsets), list(shard.local_shape)
-            s0 = offsets[1] if len(shape) >= 2 else 0
-            s1 = s0 + (local[1] if len(shape) >= 2 else seq)
-            f0 = offsets[-1] if len(shape) >= 3 else 0
-            f1 = f0 + (local[-1] if len(shape) >= 3 else feat)
-            rows.append({"order": order, "input of": label, "rank": int(shard.rank),
-                         "column": f"rank {shard.rank} ({axis} {shard.coordinate[at]})"
-                                   if shard.coordinate else f"rank {shard.rank}",
-                         "placement": placement, "layout": _layout_kind(placement, len(shape)),
-                         "seq_start": s0, "seq_end": s1, "seq_len": seq,
-                         "feat_start": f0 / feat, "feat_end": f1 / feat,
-                         "positions": f"{s0}-{s1 - 1} of {seq}" if s1 > s0 else "none",
-                         "features": f"{f0}-{f1 - 1} of {feat}" if f1 > f0 else "none",
-                         "global_shape": " x ".join(map(str, shape)),
-                         "local_shape": " x ".join(map(str, local)), "bytes": shard.bytes})
-    return pd.DataFrame(rows)
-
-
-def activation_layout_chart(reports: Sequence[Any], *, axis: str = "tp") -> OfflineChart:
-    """Where each rank's part of the activations lies at each module's input (the records
-    ``activation_layouts`` makes on a rank): a row per module input in forward order, a
-    column per rank of the ``axis`` group; each cell is the whole activation, its sequence
-    across and its features down, the rank's part filled and coloured by its layout."""
-    data = activation_layout_frame(reports, axis)
-    unit, size = byte_unit(float(data["bytes"].max()) if len(data) else 0)
-    data = data.assign(amount=data["bytes"] / size)
-    rows = list(dict.fromkeys(data.sort_values("order")["input of"]))
-    columns = list(dict.fromkeys(data.sort_values("rank")["column"]))
-    kinds = [k for k in LAYOUT_COLOURS if k in set(data["layout"])]
-    kinds += sorted(set(data["layout"]) - set(kinds))
-    scale = alt.Scale(domain=kinds, range=[LAYOUT_COLOURS.get(k, "#b07aa1") for k in kinds])
-    seq = int(data["seq_len"].max()) if len(data) else 1
-    ticks = sorted({0, seq, *data["seq_start"].astype(int), *data["seq_end"].astype(int)})
-    x = alt.X("seq_start:Q", title="sequence position", scale=alt.Scale(domain=[0, seq],
-                                                                       nice=False),
-              axis=alt.Axis(values=ticks, format="d", labelOverlap="greedy"))
-    y = alt.Y("feat_start:Q", title=None, scale=alt.Scale(domain=[0, 1], reverse=True),
-              axis=None)
-    whole = alt.Chart().mark_rect(fill="#f4f4f4", stroke="#bdbdbd", strokeWidth=0.5).encode(
-        x=alt.X("zero:Q", scale=alt.Scale(domain=[0, seq], nice=False),
-                title="sequence position"),
-        x2="seq_len:Q", y=alt.Y("zero:Q", scale=alt.Scale(domain=[0, 1], reverse=True),
-                                axis=None), y2="one:Q")
-    tooltip = [alt.Tooltip("input of:N"), alt.Tooltip("column:N", title="rank"),
-               alt.Tooltip("placement:N", title=f"placement on {axis}"),
-               alt.Tooltip("layout:N"), alt.Tooltip("global_shape:N", title="whole shape"),
-               alt.Tooltip("local_shape:N", title="this rank's shape"),
-               alt.Tooltip("positions:N", title="sequence positions held"),
-               alt.Tooltip("features:N", title="features held"),
-               alt.Tooltip("amount:Q", title=f"this rank holds ({unit})", format=",.3~r")]
-    held = alt.Chart().mark_rect(stroke="white", strokeWidth=0.5).encode(
-        x=x, x2="seq_end:Q", y=y, y2="feat_end:Q", tooltip=tooltip,
-        color=alt.Color("layout:N", scale=scale, sort=kinds,
-                        legend=_legend(f"the {axis} rank's part", orient="bottom",
-                                       direction="horizontal", columns=2)))
-    width = max(120, min(280, WIDTH // max(1, len(columns))))
-    cells = alt.layer(whole, held, data=data.assign(zero=0, one=1)).properties(
-        width=width, height=ROW)
-    chart = cells.facet(
-        row=alt.Row("input of:N", sort=rows, title=None, header=alt.Header(
-            labelAngle=0, labelAlign="left", labelOrient="left", labelLimit=0,
-            labelFontSize=11)),
-        column=alt.Column("column:N", sort=columns, title=None, header=alt.Header(
-            labelFontWeight="bold", labelFontSize=11)),
-        spacing={"row": 4, "column": 12})
-    return OfflineChart(chart.properties(title=alt.TitleParams(
-        f"which part of each activation every {axis} rank holds, at the input of each module",
-        subtitle=["one forward, modules in the order it runs them; a repeated block is "
-                  "shown once",
-                  "each cell is the whole activation: its sequence across, its features "
-                  "down; the filled part is the rank's"],
-        anchor="start")))
 
 
 # -- pipeline schedules -----------------------------------------------------------------------
@@ -478,133 +357,6 @@ def profile_chart(frame: pd.DataFrame, *, title: str = "what every rank did") ->
         title=alt.TitleParams(title, subtitle=subtitle)))
 
 
-# -- kernels ----------------------------------------------------------------------------------
-
-BENCH_RESULTS = {"matches the reference": ("circle", 70, "white"),
-                 "the reference": ("square", 60, "white"),
-                 "wrong result": ("cross", 280, "#c00000"),
-                 "not checked": ("triangle-up", 70, "white")}
-"""How a benchmark point is drawn by its check: a wrong result a large cross outlined red."""
-
-
-def bench_path(provider: str, timer: str) -> str:
-    """Which code produced a benchmark row's time: an interpreter timing is not a kernel
-    speed, so it never shares an axis with one."""
-    if timer == "interpreter":
-        return f"{provider}, in Triton's CPU interpreter"
-    if timer == "do_bench":
-        return f"{provider}, on the GPU (do_bench)"
-    return f"{provider}, eager on the CPU (wall clock)"
-
-
-def bench_result(provider: str, correct: Any) -> str:
-    """A row's check against the reference, in words."""
-    if provider == "torch":
-        return "the reference"
-    if correct is None or correct != correct:  # NaN: nothing to compare with
-        return "not checked"
-    return "matches the reference" if bool(correct) else "wrong result"
-
-
-def bench_chart(frame: pd.DataFrame) -> OfflineChart:
-    """Time per call (GB/s where every panel is compiled code) against row length, one
-    panel per provider and the path that ran it, one line per rank in its colour: a slow
-    rank stands out. Triton's CPU interpreter has a panel and a time axis of its own (its
-    milliseconds are not a kernel's); a wrong result is a large red cross."""
-    data = frame[frame["median_ms"].notna()].copy()  # timed, right or wrong
-    data["path"] = [bench_path(p, t) for p, t in zip(data["provider"], data["timer"],
-                                                      strict=True)]
-    data["result"] = [bench_result(p, c) for p, c in zip(data["provider"], data["correct"],
-                                                         strict=True)]
-    data["rank"] = data["rank"].astype(int)
-    paths = list(dict.fromkeys(data.sort_values("provider", key=lambda s: s != "triton")["path"]))
-    interpreted = bool((data["timer"] == "interpreter").any())
-    bandwidth = not interpreted and data["gbps"].notna().all() and len(data) > 0
-    y_field, y_title = ("gbps", "bandwidth (GB/s)") if bandwidth else ("median_ms",
-                                                                      "median time (ms)")
-    ranks = sorted(data["rank"].unique())
-    sizes = sorted(set(data["size"].astype(int)))
-    colour = alt.Color("rank:O", title="rank", sort=ranks, legend=_legend("rank"),
-                       scale=alt.Scale(domain=ranks, range=[rank_colour(r) for r in ranks]))
-    # every result in the scales (a one-value range draws nothing), the legend lists those shown
-    results = [r for r in BENCH_RESULTS if r in set(data["result"])]
-    # ordinal: a point scale (the default for a nominal size) would interpolate the sizes
-    shape, size, stroke = (alt.Scale(type="ordinal", domain=list(BENCH_RESULTS),
-                                     range=[v[i] for v in BENCH_RESULTS.values()])
-                           for i in range(3))
-    tooltip = [alt.Tooltip("rank:O"), alt.Tooltip("path:N", title="ran as"),
-               alt.Tooltip("size:Q", title="row length (elements)", format="d"),
-               alt.Tooltip("median_ms:Q", title="median (ms)", format=",.3~r"),
-               alt.Tooltip("p20_ms:Q", title="20th percentile (ms)", format=",.3~r"),
-               alt.Tooltip("p80_ms:Q", title="80th percentile (ms)", format=",.3~r"),
-               alt.Tooltip("result:N", title="check"),
-               alt.Tooltip("max_error:Q", title="max error vs reference", format=".3~g")]
-    if bandwidth:
-        tooltip.insert(6, alt.Tooltip("gbps:Q", title="GB/s", format=",.3~r"))
-    def span(values: pd.Series, margin: float) -> list[float]:
-        """A log axis's domain with room for the markers at either end."""
-        low, high = float(values.min()), float(values.max())
-        return [low / margin, high * margin] if low > 0 else [high / 10, high * margin]
-
-    if len(sizes) > 1:
-        # log2: sizes are powers of two or near them; ticks at the sizes run, as integers
-        x = alt.X("size:Q", title="row length (elements, log scale)",
-                  scale=alt.Scale(type="log", base=2, domain=span(data["size"], 1.25)),
-                  axis=alt.Axis(values=sizes, format="d", labelOverlap="greedy"))
-    else:  # one size: a dot per rank, not one lonely dot per line
-        x = alt.X("rank:O", title=f"rank (row length {sizes[0] if sizes else 0})",
-                  sort=ranks, axis=alt.Axis(labelAngle=0))
-    width = max(200, min(WIDTH // max(1, len(paths)), 300))
-
-    def panel(path: str) -> alt.LayerChart | alt.FacetChart:
-        # its own time axis for the interpreter: its milliseconds are not a kernel's
-        values = data.loc[data["path"] == path, y_field] if interpreted else data[y_field]
-        low, high = float(values.min()), float(values.max())
-        if low > 0 and high / low > 8:  # log: sizes and ranks apart by orders of magnitude
-            scale = alt.Scale(type="log", domain=span(values, 1.15))
-            title = y_title.replace(")", ", log)")
-        else:  # a linear axis reads better, and labels more ticks, over a narrow range
-            pad = 0.1 * (high - low) or 0.1 * high or 1.0
-            scale = alt.Scale(domain=[max(0.0, low - pad), high + pad], nice=False)
-            title = y_title
-        y = alt.Y(f"{y_field}:Q", title=title, scale=scale,
-                  axis=alt.Axis(format=AXIS_FORMAT, tickCount=5, labelOverlap="greedy"))
-        points = alt.Chart().mark_point(filled=True, strokeWidth=2, opacity=1).encode(
-            x=x, y=y, color=colour, tooltip=tooltip,
-            shape=alt.Shape("result:N", scale=shape, legend=_legend("check", values=results)),
-            size=alt.Size("result:N", scale=size, legend=_legend("check", values=results)),
-            stroke=alt.Stroke("result:N", scale=stroke, legend=_legend("check", values=results)))
-        lines = alt.Chart().mark_line(strokeWidth=1.5).encode(x=x, y=y, color=colour,
-                                                             detail="rank:O")
-        return alt.layer(*([lines, points] if len(sizes) > 1 else [points]),
-                         data=data[data["path"] == path]).properties(
-            width=width, height=180, title=alt.TitleParams(path, fontSize=11, anchor="start"))
-
-    chart = alt.hconcat(*(panel(p) for p in paths), spacing=24)
-    first = data.iloc[0] if len(data) else None
-    what = (f"{first['kernel']} ({first['mode']}, {first['dtype']})" if first is not None
-            else "no timed rows")
-    notes = ["one line per rank, in its colour" if len(sizes) > 1
-             else "one dot per rank, in its colour"]
-    if interpreted:
-        notes.append("each panel has its own time axis: the interpreter's times check the "
-                     "harness, they are not a kernel's speed")
-    untimed = sorted(set(frame["provider"]) - set(data["provider"]))
-    if untimed:
-        notes.append(f"{', '.join(untimed)}: not timed on any rank (the errors are printed "
-                     "above the chart)")
-    wrong = data[data["result"] == "wrong result"]
-    if len(wrong):
-        ranks_wrong = sorted(set(wrong["rank"]))
-        sizes_wrong = ", ".join(map(str, sorted(set(wrong["size"].astype(int)))))
-        notes.append(f"red cross: a wrong result (rank{'s' if len(ranks_wrong) > 1 else ''} "
-                     f"{format_ranks(ranks_wrong)}, row length {sizes_wrong})")
-    label = "bandwidth" if bandwidth else "median time per call"
-    return OfflineChart(chart.properties(title=alt.TitleParams(
-        f"{what}: {label} by {'row length' if len(sizes) > 1 else 'rank'}",
-        subtitle=notes, anchor="start")))
-
-
 # -- planning ---------------------------------------------------------------------------------
 
 def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
@@ -621,7 +373,7 @@ def plan_memory_chart(frame: pd.DataFrame) -> OfflineChart:
     bars = alt.Chart(data).mark_bar().encode(
         y=alt.Y("layout:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
         x=alt.X("sum(amount):Q", title=f"{unit} per GPU", axis=_axis()),
-        color=alt.Color("part:N", sort=parts, legend=_legend()),
+        color=alt.Color("part:N", sort=parts, legend=chart_legend()),
         order=alt.Order("stack_index:Q"),
         tooltip=["layout", "part", alt.Tooltip("amount:Q", title=unit, format=".3~g")],
     )
@@ -654,7 +406,7 @@ def dryrun_memory_chart(frame: pd.DataFrame, *, usable_gib: float | None = None
     bars = alt.Chart(data).mark_bar().encode(
         y=alt.Y("row:N", sort=order, title=None, axis=alt.Axis(labelLimit=0)),
         x=alt.X("sum(amount):Q", title=f"{unit} per GPU", axis=_axis()),
-        color=alt.Color("category:N", sort=parts, legend=_legend()),
+        color=alt.Color("category:N", sort=parts, legend=chart_legend()),
         order=alt.Order("category_index:Q"),
         tooltip=["row", "category", alt.Tooltip("amount:Q", title=unit, format=".3~g")],
     ).transform_calculate(category_index=f"indexof({parts!r}, datum.category)")

@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 import vl_convert
 
-from meshlab.notebook import charts
+from meshlab.notebook import activation_chart, charts
+from meshlab.notebook.bench import bench_chart
 from meshlab.notebook.charts import (
     VEGALITE,
-    bench_chart,
     comms_chart,
     plan_comm_chart,
     plan_memory_chart,
@@ -122,7 +122,7 @@ def _every_kind_of_chart() -> list[charts.OfflineChart]:
     memory = pd.DataFrame([{"rank": r, "source": src, "params": 2**20, "grads": 2**20}
                            for r in range(2) for src in ("measured", "formula")])
     return [comms_chart(comms), charts.memory_chart(memory), timeline_chart(_timelines()),
-            charts.bench_chart(bench), plan_memory_chart(plan_frame_),
+            bench_chart(bench), plan_memory_chart(plan_frame_),
             plan_comm_chart(plan("llama3-8b", gpus=16, top=1).comm_frame())]
 
 
@@ -130,7 +130,7 @@ def _every_kind_of_chart() -> list[charts.OfflineChart]:
 def test_every_chart_renders_in_the_vega_lite_5_front_ends_draw_with(
         version: str, sequence_parallel_layouts: list[Any]) -> None:
     for chart in [*_every_kind_of_chart(),
-                  charts.activation_layout_chart(sequence_parallel_layouts)]:
+                  activation_chart.activation_layout_chart(sequence_parallel_layouts)]:
         svg = vl_convert.vegalite_to_svg(chart.spec(), vl_version=version)
         assert svg.startswith("<svg") and "<text" in svg
 
@@ -494,7 +494,7 @@ def test_bench_chart_marks_a_wrong_kernel_with_a_red_cross(
 
 def test_activation_layout_shows_the_sequence_split_between_the_tp_regions(
         sequence_parallel_layouts: list[Any]) -> None:
-    frame = charts.activation_layout_frame(sequence_parallel_layouts)
+    frame = activation_chart.activation_layout_frame(sequence_parallel_layouts)
     held = {(r["input of"].split(" (")[0], r["rank"]): (r["layout"], r["positions"],
                                                        r["features"])
             for r in frame.to_dict("records")}
@@ -514,7 +514,7 @@ def test_activation_layout_shows_the_sequence_split_between_the_tp_regions(
 
 def test_activation_layout_chart_is_a_row_per_module_input_and_a_column_per_tp_rank(
         sequence_parallel_layouts: list[Any]) -> None:
-    chart = charts.activation_layout_chart(sequence_parallel_layouts)
+    chart = activation_chart.activation_layout_chart(sequence_parallel_layouts)
     spec = chart.chart.to_dict()
     assert spec["facet"]["column"]["sort"] == ["rank 0 (tp 0)", "rank 1 (tp 1)"]
     assert spec["facet"]["row"]["sort"][1].startswith("layers.0.attention_norm")
@@ -533,7 +533,7 @@ def test_every_chart_fits_the_output_area(
              "memory": charts.memory_chart(measured_memory["offloaded"]),
              "bench": bench_chart(benched["rmsnorm"]),
              "wrong bench": bench_chart(benched["wrong"]),
-             "activations": charts.activation_layout_chart(sequence_parallel_layouts),
+             "activations": activation_chart.activation_layout_chart(sequence_parallel_layouts),
              "schedules": timeline_chart(_timelines()),
              "plan memory": plan_memory_chart(plan("llama3-8b", gpus=16, top=3).memory_frame()),
              "plan comms": plan_comm_chart(plan("llama3-8b", gpus=16, top=1).comm_frame())}
