@@ -7,7 +7,8 @@ from pathlib import Path
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.palette import RANKS, contrast, rank_colour, text_colour
 from meshlab.notebook.widgets import MeshView
-from meshlab.notebook.widgets.sharding import ShardingView, blocks, render_html, tensor_state
+from meshlab.notebook.widgets.sharding import ShardingView, render_html
+from meshlab.notebook.widgets.sharding_layout import blocks, tensor_state
 from meshlab.sharding import RankShard, ShardingReport
 
 

@@ -80,7 +80,7 @@ def test_strided_shard_is_said_in_words() -> None:
     # TP + FSDP2 gives torch's internal _StridedShard, printed as "_S(0, 2)"
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from meshlab.notebook.widgets.sharding import default_dims
+    from meshlab.notebook.widgets.sharding_layout import default_dims
     from meshlab.sharding import ShardingReport, _placement
 
     text = _placement(_StridedShard(0, split_factor=2))
