@@ -55,7 +55,7 @@ class StartProgress:
         self._drawn = 0.0
         self.phases: dict[str, float] = {}  # phase -> seconds it took
         self._phase = "controller"
-        self._says = self.SAYS["controller"]
+        self.says = self.SAYS["controller"]  # what the line says now
         self._display: Any = None  # the notebook's output, updated in place
         self._bar: Any = None  # tqdm's, in a terminal
         if not enabled:
@@ -67,7 +67,7 @@ class StartProgress:
         else:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=n, unit="rank", desc=self._says,
+            self._bar = tqdm(total=n, unit="rank", desc=self.says,
                              bar_format="{desc}: {n_fmt}/{total_fmt} ranks {bar} {elapsed}")
 
     def phase(self, name: str) -> None:
@@ -80,7 +80,7 @@ class StartProgress:
     def registered(self, k: int) -> None:
         if k != self.k or time.perf_counter() - self._drawn > self.REDRAW:
             self.k = k
-            self._redraw(self._says)
+            self._redraw(self.says)
 
     def close(self, ok: bool = True) -> str:
         """End the line; returns the phases with their times ('controller 1.1 s, ...')."""
@@ -94,10 +94,10 @@ class StartProgress:
         return time.perf_counter() - self._started
 
     def text(self) -> str:
-        return f"{self._says}: {self.k}/{self.n} ranks {self.elapsed():.1f} s"
+        return f"{self.says}: {self.k}/{self.n} ranks {self.elapsed():.1f} s"
 
     def _redraw(self, says: str) -> None:
-        self._says, self._drawn = says, time.perf_counter()
+        self.says, self._drawn = says, time.perf_counter()
         if self._display is not None:
             self._display.update(_Drawn(self))
         elif self._bar is not None:
@@ -111,8 +111,8 @@ class _Drawn:
     def __init__(self, progress: StartProgress) -> None:
         self.text = progress.text()
         self.fraction = progress.k / progress.n if progress.n else 1.0
-        self.failed = progress._says.startswith("failed")
-        self.ready = progress._says == "ready"
+        self.failed = progress.says.startswith("failed")
+        self.ready = progress.says == "ready"
 
     def __repr__(self) -> str:
         return self.text
