@@ -169,8 +169,11 @@ class Communication:
                          lay.pp, lay.stride("pp"), act, calls, overlapped=True)
         return total / calls
 
-    def gradient_sync(self, *, last_backward_s: float) -> float:
-        """Seconds of once-per-step gradient (and ZeRO-1 parameter) sync left exposed."""
+    def gradient_sync(self, *, last_backward_s: float, forward_s: float = 0.0,
+                      step_compute_s: float = 0.0) -> float:
+        """Seconds of once-per-step gradient (and ZeRO-1 parameter) sync left exposed;
+        ``forward_s`` (a micro-batch's) and ``step_compute_s`` are what EDiT's and the
+        parameter servers' traffic can hide behind."""
         s = self.stage
         lay, dt = s.layout, s.dtypes
         dense, expert = s.params
@@ -211,20 +214,40 @@ class Communication:
                           overlapped=True)
             exposed += s.not_hidden(ar, last_backward_s) if lay.overlap_grad_reduce else ar
         if alone:
-            exposed += self.replica_sync()
+            exposed += self.replica_sync(forward_s=forward_s, step_compute_s=step_compute_s)
         return exposed
 
-    def replica_sync(self) -> float:
-        """Local SGD's parameter average or DiLoCo's pseudo-gradient all-reduce over the
-        replicas, of this rank's (fp32) parameters, once every H steps: its share per step.
-        The replicas wait for it, between steps."""
+    def replica_sync(self, *, forward_s: float = 0.0, step_compute_s: float = 0.0) -> float:
+        """The replicas' synchronisation of this rank's fp32 parameter shard, its exposed
+        share per step: local SGD's average or DiLoCo's pseudo-gradient all-reduce every H
+        steps, between steps; EDiT's and A-EDiT's the same bytes, block by block behind the
+        next forward (Cheng et al. 2024, section 3.2); parameter servers' push of gradient
+        pieces and pull of parameter pieces every step, each (R-1)/R of the shard (the
+        ring all-reduce's bytes), behind the next step's compute when staleness >= 1."""
         s = self.stage
         lay = s.layout
         shard = sum(s.params) * 4 / (lay.shard_group if lay.zero >= 2 else 1)
-        what = ("DiLoCo all-reduce of pseudo-gradients" if lay.replica_sync == "diloco"
-                else "local SGD all-reduce of parameters") + f" (every {lay.sync_every} steps)"
-        return self.add("dp_replicate", what, "all_reduce", lay.dp_replicate,
-                        lay.stride("dp_replicate"), shard, 1 / lay.sync_every, overlapped=False)
+        replicas, stride = lay.dp_replicate, lay.stride("dp_replicate")
+        if lay.replica_sync == "parameter_server":
+            hidden = lay.staleness >= 1
+            moved = sum(self.add("dp_replicate", f"parameter servers: {what}", "all_to_all",
+                                 replicas, stride, shard, 1, overlapped=hidden)
+                        for what in ("gradient pieces pushed", "parameter pieces pulled"))
+            return s.not_hidden(moved, step_compute_s) if hidden else moved
+        names = {"diloco": "DiLoCo all-reduce of pseudo-gradients",
+                 "edit": "EDiT all-reduce of pseudo-gradients, block by block in the forward",
+                 "a_edit": "A-EDiT all-reduce of pseudo-gradients, block by block in the "
+                           "forward"}
+        what = names.get(lay.replica_sync, "local SGD all-reduce of parameters")
+        overlapped = lay.replica_sync in ("edit", "a_edit")
+        seconds = self.add("dp_replicate", what + f" (every {lay.sync_every} steps)",
+                           "all_reduce", replicas, stride, shard, 1 / lay.sync_every,
+                           overlapped=overlapped)
+        if not overlapped:
+            return seconds
+        # the first block's share waits; each later one runs behind the block before it
+        first = seconds / max(1, s.layers)
+        return max(first, s.not_hidden(seconds, forward_s / lay.sync_every))
 
     def host_copies(self) -> float:
         """Seconds of one step's copies between device and host memory (offloading), the

@@ -162,7 +162,8 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
     before = len(comm.collectives)
-    synced = comm.gradient_sync(last_backward_s=t_b)
+    synced = comm.gradient_sync(last_backward_s=t_b, forward_s=t_f,
+                                step_compute_s=lay.microbatches * compute_mb)
     edges = comm.fsdp_edges()
     exposed = synced + edges
     by_axis = _add(by_axis, _exposed(comm.collectives[before:], synced),

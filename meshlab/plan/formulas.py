@@ -8,9 +8,14 @@ from __future__ import annotations
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_MODES = ("none", "selective", "full")
-REPLICA_SYNC = ("every_step", "local_sgd", "diloco")
+REPLICA_SYNC = ("every_step", "local_sgd", "diloco", "edit", "a_edit", "parameter_server")
 """How dp_replicate replicas agree: gradients reduced every step (DDP, HSDP), parameters
-averaged every H steps (local SGD), or DiLoCo's outer step every H steps."""
+averaged every H steps (local SGD), DiLoCo's outer step every H steps, EDiT's (the same
+outer step, block by block in the next forward), A-EDiT's (after a time budget), or through
+parameter servers (gradients pushed, parameters pulled, a bounded staleness)."""
+EVERY_H = ("local_sgd", "diloco", "edit", "a_edit")
+"""The modes that synchronise every H optimizer steps (a_edit: the steps its time budget
+holds; meshlab.parallel's ParallelPlan gives a_edit a budget in seconds instead)."""
 
 
 def zero_bytes(params: int, *, dp: int, stage: int, param_bytes: int = 2, grad_bytes: int = 2,

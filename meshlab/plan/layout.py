@@ -15,7 +15,7 @@ from typing import Any
 
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
-from meshlab.plan.formulas import RECOMPUTE_MODES, REPLICA_SYNC, ZERO_STAGES
+from meshlab.plan.formulas import EVERY_H, RECOMPUTE_MODES, REPLICA_SYNC, ZERO_STAGES
 from meshlab.plan.shapes import ModelShape
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
 
@@ -108,10 +108,17 @@ class Layout:
     the backward; the device holds the layers being computed only."""
     replica_sync: str = "every_step"
     """How the dp_replicate replicas agree: every_step (gradients reduced each step: DDP,
-    HSDP), local_sgd (parameters averaged every sync_every steps) or diloco (an outer step on
-    the averaged pseudo-gradient every sync_every steps)."""
+    HSDP), local_sgd (parameters averaged every sync_every steps), diloco (an outer step on
+    the averaged pseudo-gradient every sync_every steps), edit (that step's all-reduce run
+    block by block behind the next forward), a_edit (the same after a time budget: planned
+    as sync_every steps, what the budget holds at the planned step time) or parameter_server
+    (each step's gradients pushed to and parameters pulled from shards held across the
+    replicas, behind the next step's compute when staleness >= 1)."""
     sync_every: int = 1
-    """H: optimizer steps between the replicas' synchronisations (local_sgd, diloco)."""
+    """H: optimizer steps between the replicas' synchronisations (local_sgd, diloco, edit,
+    a_edit)."""
+    staleness: int = 0
+    """parameter_server: versions a worker's parameters may lag (0: it waits every step)."""
 
     def __post_init__(self) -> None:
         # the degrees are checked again, in full, by MeshSpec below: this names the fix first
@@ -149,9 +156,12 @@ class Layout:
         if self.replica_sync not in REPLICA_SYNC:
             raise ValueError(f"replica_sync must be one of {', '.join(REPLICA_SYNC)}, got "
                              f"{self.replica_sync!r}")
-        if self.sync_every > 1 and self.replica_sync == "every_step":
-            raise ValueError(f"sync_every={self.sync_every} needs replica_sync=local_sgd or "
-                             "replica_sync=diloco: every_step synchronises every step")
+        if self.sync_every > 1 and self.replica_sync not in EVERY_H:
+            raise ValueError(f"sync_every={self.sync_every} needs replica_sync="
+                             f"{'/'.join(EVERY_H)}: {self.replica_sync} synchronises every step")
+        if self.staleness < 0 or (self.staleness and self.replica_sync != "parameter_server"):
+            raise ValueError(f"staleness={self.staleness} applies to "
+                             "replica_sync=parameter_server only, as an integer >= 0")
         if self.replica_sync != "every_step" and self.dp_replicate < 2:
             raise ValueError(f"replica_sync={self.replica_sync} synchronises dp_replicate "
                              "replicas, and this layout has none: give dp_replicate=2 or more")
@@ -218,7 +228,9 @@ class Layout:
             parts.append("overlap_grad_reduce=0")
         parts += [f"{k}=1" for k in ("offload_params", "offload_activations") if getattr(self, k)]
         if self.replica_sync != "every_step":
-            parts.append(f"replica_sync={self.replica_sync} sync_every={self.sync_every}")
+            parts.append(f"replica_sync={self.replica_sync}")
+            parts.append(f"staleness={self.staleness}" if self.replica_sync == "parameter_server"
+                         else f"sync_every={self.sync_every}")
         return " ".join(parts)
 
     @classmethod

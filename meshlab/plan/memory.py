@@ -41,9 +41,12 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     if expert:  # experts are sharded over the data ranks outside their ep group
         experts = zero_bytes(round(expert), dp=lay.shard_group // lay.ep, **kw)
         states = {k: states[k] + experts[k] for k in states}
-    if lay.replica_sync == "diloco":  # the last synchronised fp32 parameters, the outer momentum
-        states["optimizer"] += 2 * 4 * (dense + expert) / (lay.shard_group if lay.zero >= 2
-                                                            else 1)
+    shard = (dense + expert) / (lay.shard_group if lay.zero >= 2 else 1)
+    if lay.replica_sync in ("diloco", "edit", "a_edit"):
+        states["optimizer"] += 2 * 4 * shard  # the last synchronised fp32 parameters, momentum
+    if lay.replica_sync == "parameter_server":
+        # each rank's server steps 1/R of the shard; the versions pulled land in one fp32 copy
+        states["optimizer"] = states["optimizer"] / lay.dp_replicate + 4 * shard
     host = 0.0
     if lay.offload_params:  # the shards on the host; ZeRO-2 keeps its gathered copy
         host = sharded_params(stage) + states["grads"] + states["optimizer"]

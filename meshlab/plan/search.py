@@ -24,9 +24,9 @@ SEARCHED = (*(a for a in AXES if a != "dp_shard"), "ep", "zero", "micro_batch", 
 # the schedules production trainers run by default (Megatron, torchtitan); any other is
 # tried when pinned (schedule=zbv)
 SEARCHED_SCHEDULES = (DEFAULT_SCHEDULE, "interleaved_1f1b")
-KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every")
-"""Options a search does not try on its own (offloading trades speed for memory; local SGD
-and DiLoCo change the training), kept for every candidate when a constraint names them."""
+KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every", "staleness")
+"""Options a search does not try on its own (offloading trades speed for memory; the
+replica modes change the training), kept for every candidate when a constraint names them."""
 _OPS = {"=": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
         "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 

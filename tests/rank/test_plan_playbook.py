@@ -34,8 +34,10 @@ def test_the_options_parse_describe_and_round_trip() -> None:
 @pytest.mark.parametrize("text, match", [
     ("dp=4 zero=1 offload_params=1", r"offload_params with zero=1: .* use zero=2 or zero=3"),
     ("dp=4 replica_sync=diloco", r"and this layout has none: give dp_replicate=2 or more"),
-    ("dp_replicate=2 sync_every=8", r"sync_every=8 needs replica_sync=local_sgd or "
-                                    r"replica_sync=diloco"),
+    ("dp_replicate=2 sync_every=8", r"sync_every=8 needs "
+                                    r"replica_sync=local_sgd/diloco/edit/a_edit"),
+    ("dp_replicate=2 replica_sync=diloco staleness=2",
+     r"staleness=2 applies to replica_sync=parameter_server only"),
     ("dp_replicate=2 pp=2 replica_sync=local_sgd", r"with pp or ep is not verified .* pp=1"),
     ("dp_replicate=2 replica_sync=sometimes", r"replica_sync must be one of every_step, "
                                               r"local_sgd, diloco"),
@@ -174,6 +176,36 @@ def test_diloco_keeps_the_synchronised_parameters_and_the_outer_momentum() -> No
                                   replica_sync="local_sgd", sync_every=10), TOY).memory
     assert diloco["optimizer"] - plain["optimizer"] == pytest.approx(8 * TINY_PARAMS / 4)
     assert local["optimizer"] == plain["optimizer"]
+
+
+def test_edit_moves_diloco_bytes_behind_the_next_forward() -> None:
+    # EDiT's sync is DiLoCo's all-reduce run block by block inside a forward: the same bytes,
+    # and on hardware that overlaps, less of it exposed
+    lay = {mode: Layout(dp_replicate=2, dp_shard=4, zero=3, replica_sync=mode, sync_every=4)
+           for mode in ("diloco", "edit", "a_edit")}
+    assert replica_bytes(lay["edit"]) == replica_bytes(lay["diloco"]) == replica_bytes(
+        lay["a_edit"])
+    sync = {m: [c for c in estimate(TINY, lay[m], HARDWARE["h100-sxm"]).collectives
+                if c.axis == "dp_replicate"] for m in lay}
+    assert [c.overlapped for c in sync["diloco"] + sync["edit"]] == [False, True]
+    exposed = {m: estimate(TINY, lay[m], HARDWARE["h100-sxm"]).exposed_by_axis["dp_replicate"]
+               for m in lay}
+    assert exposed["edit"] < exposed["diloco"]
+
+
+def test_parameter_servers_move_an_all_reduce_worth_and_hold_a_share_of_the_states() -> None:
+    plain = estimate(TINY, Layout(dp_replicate=4, dp_shard=2, zero=3), TOY).memory
+    ps = {s: Layout(dp_replicate=4, dp_shard=2, zero=3, replica_sync="parameter_server",
+                    staleness=s) for s in (0, 2)}
+    shard = TINY_PARAMS / 2
+    # each worker pushes (R-1)/R of its fp32 gradient shard and pulls as much back: the
+    # all-to-all convention counts what one rank holds
+    assert replica_bytes(ps[0]) == pytest.approx(2 * 4 * shard)
+    memory = estimate(TINY, ps[0], TOY).memory
+    assert memory["optimizer"] == pytest.approx(plain["optimizer"] / 4 + 4 * shard)
+    hidden = {s: [c.overlapped for c in estimate(TINY, lay, TOY).collectives
+                  if c.axis == "dp_replicate"] for s, lay in ps.items()}
+    assert hidden == {0: [False, False], 2: [True, True]}  # staleness 0 waits every step
 
 
 def test_search_keeps_the_options_a_constraint_names() -> None:
