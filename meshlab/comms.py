@@ -11,6 +11,9 @@ tables and charts.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,29 @@ class CommRecord:
     # direction between the same two ranks, the order their messages match in)
     issued_ns: int = 0  # the call began: this rank arrived at the collective
     done_ns: int = 0  # its result was ready here (the work's future, or the wait's end)
+    # the all-reduce algorithm (meshlab.allreduce) whose send/recv this is, or the backend
+    # ("gloo", "nccl") that ran a collective itself
+    algorithm: str = ""
+
+
+_running: ContextVar[str] = ContextVar("meshlab_comms_algorithm", default="")
+
+
+@contextmanager
+def algorithm(name: str) -> Iterator[None]:
+    """Tag the send/recv issued inside as steps of the collective algorithm ``name``."""
+    token = _running.set(name)
+    try:
+        yield
+    finally:
+        _running.reset(token)
+
+
+def op_label(op: str, algorithm: str) -> str:
+    """What a table calls a record: ``send (ring)`` for a step of a meshlab algorithm, the op
+    alone (``all_reduce``) for what the backend ran itself."""
+    return f"{op} ({algorithm})" if algorithm and algorithm not in dist.Backend.backend_list \
+        else op
 
 
 def collective_name(func_name: str) -> str | None:
@@ -159,7 +185,8 @@ def _record(op: str, func: Any, args: Any, kwargs: Any) -> CommRecord:
     if op == "all_gather" and not outputs:  # functional: the output is not an argument
         outputs = inputs * int(named.get("group_size", len(group)))
     payload = max(inputs, outputs)
-    record = CommRecord(op, group, payload, wire_bytes(op, payload, len(group)))
+    record = CommRecord(op, group, payload, wire_bytes(op, payload, len(group)),
+                        algorithm=_running.get() or _backend(pg))
     if op in ("send", "recv") and isinstance(peer := named.get("dst", named.get("src")), int):
         record.peer = dist.get_global_rank(pg, peer) if pg is not None else peer
     return record
@@ -178,6 +205,13 @@ def _group_ranks(named: dict[str, Any]) -> tuple[Any, list[int]]:
                                                        dist.group.WORLD))
     except (RuntimeError, ValueError):
         return pg, list(range(dist.get_world_size()))
+
+
+def _backend(pg: Any) -> str:
+    try:
+        return str(dist.get_backend(pg))
+    except (RuntimeError, ValueError):  # a group this rank is not in, or fake ones
+        return ""
 
 
 def _bytes(value: Any) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.comms import P2P, CommRecord, call_key
+from meshlab.comms import P2P, CommRecord, call_key, op_label
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.comms import axis_of
@@ -187,7 +187,8 @@ class CellProfile:
             done = [self._ms(r, c.done_ns) for r, c in members.items() if c.done_ns]
             p2p = first.op in ("send", "recv")
             rows.append({
-                "op": "send/recv" if p2p else first.op, "axis": self.axis(first),
+                "op": op_label("send/recv" if p2p else first.op, first.algorithm),
+                "axis": self.axis(first),
                 "group": _label(group),
                 "seq": seq, "bytes": first.bytes, "first": min(arrived.values()),
                 "last": last, "arrived": arrived[last],

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.comms import CommRecord
+from meshlab.comms import CommRecord, op_label
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.table import Table, in_byte_unit
@@ -25,8 +25,10 @@ def axis_of(group: list[int], spec: MeshSpec | None, world_size: int) -> str:
 
 def comms_frame(per_rank: dict[int, list[CommRecord]], spec: MeshSpec | None,
                 world_size: int) -> pd.DataFrame:
-    """One row per (rank, op, group): how many calls and how many bytes."""
-    rows = [{"rank": rank, "op": r.op, "axis": axis_of(r.group, spec, world_size),
+    """One row per (rank, op, group): how many calls and how many bytes; the send/recv of a
+    meshlab all-reduce algorithm name it (``send (ring)``)."""
+    rows = [{"rank": rank, "op": op_label(r.op, r.algorithm),
+             "axis": axis_of(r.group, spec, world_size),
              "group": f"[{format_ranks(r.group)}]", "count": 1, "bytes": r.bytes,
              "wire_bytes": r.wire_bytes}
             for rank, records in sorted(per_rank.items()) for r in records]
