@@ -27,6 +27,7 @@ from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
 from meshlab.parallel.zero import apply_zero1
+from meshlab.plan.formulas import EVERY_H as PLANNED_EVERY_H
 from meshlab.plan.formulas import REPLICA_SYNC
 from meshlab.schedules import Schedule, ScheduleError, build, canonical, check_virtual
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
+EVERY_H = tuple(m for m in PLANNED_EVERY_H if m != "a_edit")  # a_edit: sync_seconds
 OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
 """build_optimizer's kinds: the class and what it takes besides lr and weight decay."""
@@ -82,10 +84,24 @@ class ParallelPlan:
     CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
     replica_sync: str = "every_step"
     """How the dp_replicate replicas agree: every_step (their gradients reduced each step:
-    DDP, HSDP), local_sgd (parameters averaged every sync_every steps) or diloco (an outer
-    Nesterov step on the averaged pseudo-gradient every sync_every steps)."""
+    DDP, HSDP), local_sgd (parameters averaged every sync_every steps), diloco (an outer
+    Nesterov step on the averaged pseudo-gradient every sync_every steps), edit (EDiT: that
+    outer step taken block by block in the next forward, with the pseudo-gradient penalty),
+    a_edit (the same, each replica syncing after sync_seconds of local steps, so fast ones
+    take more) or parameter_server (workers push gradients to parameter shards held across
+    the replicas and compute on versions at most ``staleness`` behind)."""
     sync_every: int = 1
-    """H: optimizer steps between synchronisations, with local_sgd or diloco."""
+    """H: optimizer steps between synchronisations, with local_sgd, diloco or edit."""
+    sync_seconds: float | None = None
+    """A-EDiT's time budget: each replica takes local steps until this many seconds have
+    passed since the last synchronisation (a_edit only)."""
+    staleness: int = 0
+    """parameter_server: how many versions behind the newest a worker's parameters may be
+    when it computes a gradient (0: every worker waits for every update, synchronous DP)."""
+    pseudo_grad_penalty: bool = True
+    """edit, a_edit: EDiT's pseudo-gradient penalty (a replica whose pseudo-gradient norm is
+    anomalous is left out, the others weighted by their norms; meshlab.parallel.edit.Penalty
+    holds its thresholds and an optional clip of the average)."""
     outer_lr: float = 0.7
     """DiLoCo's outer learning rate (the paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -121,9 +137,24 @@ class ParallelPlan:
         if not isinstance(self.sync_every, int) or self.sync_every < 1:
             raise ValueError(f"sync_every={self.sync_every!r} must be an integer >= 1 "
                              "(optimizer steps between synchronisations)")
-        if self.sync_every > 1 and self.replica_sync == "every_step":
-            raise ValueError(f"sync_every={self.sync_every} needs replica_sync='local_sgd' or "
-                             "'diloco': every_step synchronises every step")
+        if self.sync_every > 1 and self.replica_sync not in EVERY_H:
+            raise ValueError(f"sync_every={self.sync_every} applies to replica_sync="
+                             f"{', '.join(map(repr, EVERY_H))}, not {self.replica_sync!r}"
+                             + (" (a_edit syncs by time: give sync_seconds)"
+                                if self.replica_sync == "a_edit" else ""))
+        if (self.sync_seconds is None) == (self.replica_sync == "a_edit"):
+            raise ValueError(f"sync_seconds={self.sync_seconds!r} with replica_sync="
+                             f"{self.replica_sync!r}: a_edit, and only a_edit, syncs every "
+                             "sync_seconds seconds (e.g. sync_seconds=2.0)")
+        if self.sync_seconds is not None and not self.sync_seconds > 0:
+            raise ValueError(f"sync_seconds={self.sync_seconds!r} must be a positive number "
+                             "of seconds between the replicas' synchronisations")
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ValueError(f"staleness={self.staleness!r} must be an integer >= 0 "
+                             "(versions a worker's parameters may lag the newest)")
+        if self.staleness and self.replica_sync != "parameter_server":
+            raise ValueError(f"staleness={self.staleness} applies to "
+                             f"replica_sync='parameter_server', not {self.replica_sync!r}")
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum={self.grad_accum!r} must be an integer >= 1 "
                              "(micro-steps per optimizer step)")
@@ -327,6 +358,10 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
     cls, extra = OPTIMIZERS[kind]
     args = {"lr": lr, "weight_decay": weight_decay, **extra}
     alone = plan.replica_sync != "every_step"
+    if plan.replica_sync == "parameter_server":  # the servers step; workers push and pull
+        from meshlab.parallel.parameter_server import ParameterServerOptimizer
+
+        return ParameterServerOptimizer(model, mesh, plan, optimizer_class=cls, **args)
     if plan.data_parallel == "zero1" and axis_size(mesh, "dp_shard" if alone else "dp") > 1:
         optimizer = apply_zero1(model, mesh, axis="dp_shard" if alone else "dp",
                                 optimizer_class=cls, **args)
@@ -340,8 +375,17 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
 
         optimizer.register_step_pre_hook(clip)
     if alone:
-        sync = ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
-                           outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)
+        sync = replica_sync(model, mesh, plan)
         optimizer.register_step_post_hook(sync.after_step)
         optimizer.replica_sync = sync  # type: ignore[attr-defined]  # for a look at its count
     return optimizer
+
+
+def replica_sync(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> Any:
+    """The object that synchronises the replicas after optimizer steps (``after_step``)."""
+    if plan.replica_sync in ("edit", "a_edit"):
+        from meshlab.parallel.edit import EDiTSync
+
+        return EDiTSync(model, mesh, plan)
+    return ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
+                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)

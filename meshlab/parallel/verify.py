@@ -143,6 +143,10 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
             total += value.detach().double()
         return total
 
+    # a replica_sync may refuse a fixed-length loop (A-EDiT) and hold a sync to apply at the end
+    sync: Any = getattr(optimizer, "replica_sync", None)
+    if hasattr(sync, "check_fixed_steps"):
+        sync.check_fixed_steps(len(batches))
     for inputs, targets in batches:
         optimizer.zero_grad()
         value = (step or forward_backward)(inputs, targets).detach().clone()
@@ -151,8 +155,13 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
             dist.all_reduce(value, group=average_over)
             value /= dist.get_world_size(average_over)
         losses.append(value.item())
+    if hasattr(sync, "finish"):
+        sync.finish()
     return losses
 
+
+REPLAYED = ("a_edit", "parameter_server")
+"""Asynchronous replica_sync modes: checked against a one-process replay of their log."""
 
 TOLERANCES = {torch.bfloat16: (5e-3, 5e-2), torch.float32: (1e-5, 2e-4),
               torch.float64: (1e-9, 1e-8)}  # (loss, params)
@@ -181,6 +190,16 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     ``on_meta``: both models are built on the meta device; the reference is materialized
     whole in one process, the parallel one sharded by parallelize, and their initial
     parameters must be equal exactly (a note says where not)."""
+    if plan.replica_sync in REPLAYED:
+        # which versions and how many local steps an asynchronous run took is known only
+        # after it: its reference replays the run's own log, in one process
+        from meshlab.parallel import edit_replay, parameter_server_replay
+
+        module = (parameter_server_replay if plan.replica_sync == "parameter_server"
+                  else edit_replay)
+        return module.compare_replayed(model, mesh, plan, steps=steps, batch=batch, seq=seq,
+                                       lr=lr, dtype=dtype, loss=loss, vocab=vocab, seed=seed,
+                                       optimizer=optimizer)
     if isinstance(model, ModelConfig):
         cfg = model
         seed, vocab = cfg.seed, cfg.vocab_size
@@ -378,10 +397,25 @@ def _optimizer(model: torch.nn.Module, lr: float, kind: str, max_grad_norm: floa
 
 def _train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],
                     sizes: list[int], lr: float, kind: str, loss: LossFn) -> list[float]:
-    """Local SGD or DiLoCo in one process: replica r trains on the r-th block of rows of each
-    global batch (the rows its data ranks get), and every ``plan.sync_every`` steps the
-    replicas are averaged, or take DiLoCo's outer step; returns the mean loss per step."""
+    """Local SGD, DiLoCo or EDiT in one process: replica r trains on the r-th block of rows
+    of each global batch (the rows its data ranks get), and every ``plan.sync_every`` steps
+    the replicas are averaged, or take DiLoCo's outer step (EDiT's: penalised, block by
+    block, meshlab.parallel.edit_replay.simulate); returns the mean loss per step."""
     optimizers = [_optimizer(m, lr, kind, plan.max_grad_norm) for m in models]
+    if plan.replica_sync == "edit":
+        from meshlab.parallel.edit_replay import simulate
+
+        def batch_of(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = global_batch(step=step, batch=sizes[step], **shape)
+            rows = inputs.shape[0] // len(models)
+            return inputs[r * rows:][:rows], targets[r * rows:][:rows]
+
+        every, steps = plan.sync_every, len(sizes)
+        rounds = [[every] * len(models)] * (steps // every) + (
+            [[steps % every] * len(models)] if steps % every else [])
+        by_replica = simulate(models, optimizers, batch_of, rounds, plan, loss=loss,
+                              sync_last=steps % every == 0)
+        return [sum(ls) / len(ls) for ls in zip(*by_replica, strict=True)]
     params = [list(m.parameters()) for m in models]
     backup = [p.detach().clone() for p in params[0]]
     outer = torch.optim.SGD(backup, lr=plan.outer_lr, momentum=plan.outer_momentum,

@@ -114,8 +114,8 @@ def test_plans_refuse_replica_sync_that_cannot_work() -> None:
         ParallelPlan(replica_sync="gossip")
     with pytest.raises(ValueError, match=r"sync_every=0 must be an integer >= 1"):
         ParallelPlan(replica_sync="diloco", sync_every=0)
-    with pytest.raises(ValueError, match=r"sync_every=4 needs replica_sync='local_sgd' or "
-                                         r"'diloco'"):
+    with pytest.raises(ValueError, match=r"sync_every=4 applies to replica_sync='local_sgd', "
+                       r"'diloco', 'edit', not 'every_step'"):
         ParallelPlan(sync_every=4)
 
 
