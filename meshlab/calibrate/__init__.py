@@ -4,8 +4,10 @@ Every rank calls ``calibrate(mesh)`` at once. Matmuls and a large copy run on al
 together, so ranks that share cores or a memory bus slow each other as they do in training
 (``compute``). Then each collective is timed on every mesh axis (all of its groups at once)
 and on the whole world over a sweep of message sizes, and fitted to the planner's alpha-beta
-model (``collectives``). ``Calibration.profile(name)`` is the
-``meshlab.plan.hardware.Hardware`` the planner reads (``result``). Plain torch, so it runs
+model (``collectives``); each all-reduce algorithm of ``meshlab.allreduce`` is timed on the
+world at the same sizes, and where it beats ring, measured and modelled (``algorithms``).
+``Calibration.profile(name)`` is the ``meshlab.plan.hardware.Hardware`` the planner reads
+(``result``). Plain torch, so it runs
 under torchrun:
 
 $ torchrun --standalone --nproc_per_node=4 -m meshlab.calibrate --mesh "dp=2 tp=2" -o cpu.toml
@@ -22,6 +24,12 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from meshlab import runtime
+from meshlab.calibrate.algorithms import (
+    AllreduceSweep,
+    compare_allreduce,
+    links,
+    time_allreduce_algorithms,
+)
 from meshlab.calibrate.collectives import (
     BATCH,
     QUICK_SIZES,
@@ -55,9 +63,10 @@ REPS = {"cpu": 5, "cuda": 20}  # timed repetitions per point (the median is kept
 QUICK_REPS = {"cpu": 3, "cuda": 10}
 
 __all__ = ["BATCH", "COPY_BYTES", "MATMULS", "QUICK_MATMULS", "QUICK_REPS", "QUICK_SIZES",
-           "REPS", "SIZES", "Calibration", "CollectiveFit", "MatmulPoint", "calibrate",
-           "choose_axes", "dtypes_for", "fit_alpha_beta", "fit_collective", "main",
-           "parse_sizes", "summary", "write_profile"]
+           "REPS", "SIZES", "AllreduceSweep", "Calibration", "CollectiveFit", "MatmulPoint",
+           "calibrate", "choose_axes", "compare_allreduce", "dtypes_for", "fit_alpha_beta",
+           "fit_collective", "main", "parse_sizes", "summary", "time_allreduce_algorithms",
+           "write_profile"]
 
 
 def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = None,
@@ -95,6 +104,11 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
     per_layer = dict(zip(here, slowest(list(here.values()), device), strict=True))
     collectives = time_collectives(mesh, sizes, device, reps)
     intra, inter, notes = choose_axes(collectives, hosts)
+    # the algorithms on the world, hosts from hostnames; the model from the profile's links
+    allreduce = None
+    if dist.get_world_size() > 1:
+        allreduce = time_allreduce_algorithms(None, sizes, device, reps)
+        allreduce.predict(*links(collectives, intra, inter))
     if mesh is None:
         notes.insert(0, "no mesh: only the world group was timed (%mesh init to time each axis)")
     axes = [] if mesh is None else [f"{n}={s}" for n, s in zip(
@@ -107,7 +121,7 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
         memory_bandwidth_gbs=2 * copy_bytes / copy_s / 1e9, layer_seconds=per_layer,
         matmul=matmul, tflops=tflops, sms=sms, gemm_tile=tile, gemm_k0=k0,
         collectives=collectives, intra_axis=intra, inter_axis=inter,
-        seconds=time.perf_counter() - started, notes=notes)
+        seconds=time.perf_counter() - started, notes=notes, allreduce=allreduce)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlab.calibrate.algorithms import AllreduceSweep
 from meshlab.calibrate.collectives import CollectiveFit
 from meshlab.calibrate.compute import MatmulPoint
 from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
@@ -59,6 +60,9 @@ class Calibration:
     seconds: float
     """How long the calibration took."""
     notes: list[str] = field(default_factory=list)
+    allreduce: AllreduceSweep | None = None
+    """Each all-reduce algorithm timed on the world group, with the model's crossovers from
+    this calibration's intra and inter links (None: not timed)."""
 
     def fit(self, axis: str, collective: str) -> CollectiveFit:
         """The fit of ``collective`` on ``axis``."""
@@ -101,7 +105,9 @@ class Calibration:
                       # CPU ranks share their cores among dispatch, gloo and the math
                       asynchronous=self.device == "cuda",
                       gpus_per_node=self.gpus_per_node, intra=collectives["all_reduce"],
-                      inter=inter, collectives=collectives)
+                      inter=inter, collectives=collectives,
+                      allreduce_crossover_bytes=self.allreduce.profile_crossovers()
+                      if self.allreduce else {})
         return self._with_host_costs(hw)
 
     def _with_host_costs(self, hw: Hardware) -> Hardware:
@@ -139,6 +145,11 @@ def write_profile(calibration: Calibration, path: str | Path, name: str | None =
              f"# mesh {c.mesh or '(none: world group only)'}; intra = {c.intra_axis}, "
              f"inter = {c.inter_axis or c.intra_axis}; tflops at the largest matmul"]
     lines += [f"# note: {n}" for n in c.notes]
+    if c.allreduce is not None:
+        lines += [f"# all-reduce on the world group: {line}" for line in c.allreduce.lines()]
+        if hw.allreduce_crossover_bytes:
+            lines.append("# allreduce_crossover_bytes: each measured crossover; where an "
+                         "algorithm beat ring at every size measured, the largest size")
     with path.open("a") as f:
         f.write("\n".join(lines) + "\n")
     return hw
@@ -158,4 +169,17 @@ def summary(calibration: Calibration) -> str:
            f"{'bandwidth_gbs':>14}{'residual':>9}"]
     out += [f"{f.axis:<14}{f.ranks:>5}  {f.collective:<15}{f.latency_us:>11.1f}"
             f"{f.bandwidth_gbs:>14.4g}{f.residual:>9.2f}" for f in c.collectives]
+    if c.allreduce is not None:
+        out += allreduce_table(c.allreduce)
     return "\n".join(out + [f"note: {n}" for n in c.notes])
+
+
+def allreduce_table(sweep: AllreduceSweep) -> list[str]:
+    """Plain-text lines: each algorithm's time per size (ms), the fastest, the crossovers."""
+    names = list(sweep.seconds)
+    out = [f"all-reduce on {sweep.ranks} ranks ({len(set(sweep.hosts))} host(s)), ms on the "
+           "slowest rank", f"{'bytes':>10}" + "".join(f"{n:>18}" for n in names) + "  fastest"]
+    for i, (size, best) in enumerate(zip(sweep.nbytes, sweep.fastest(), strict=True)):
+        out.append(f"{size:>10}" + "".join(f"{sweep.seconds[n][i] * 1e3:>18.3g}" for n in names)
+                   + f"  {best}")
+    return out + sweep.lines() + [f"note: {n}" for n in sweep.notes]

@@ -4,14 +4,14 @@ hardware profile, and lay out what was measured as tables."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from meshlab.calibrate import Calibration, write_profile
 from meshlab.notebook.cluster import Cluster
-from meshlab.notebook.tables.table import Table, sig
+from meshlab.notebook.tables.table import Table, in_byte_unit, in_second_unit, sig
 from meshlab.plan.gemm import shape_factor
 from meshlab.plan.hardware import Hardware
 
@@ -31,6 +31,9 @@ class CalibrationReport:
     """One row per (dtype, shape): achieved TFLOP/s on the slowest rank."""
     points: pd.DataFrame
     """One row per measured message: measured and fitted time, to plot one beside the other."""
+    algorithms: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per message size: each all-reduce algorithm's seconds on the world group, the
+    backend's, and the fastest (empty: not timed)."""
 
     def describe(self) -> str:
         """One line: what the profile says."""
@@ -40,7 +43,9 @@ class CalibrationReport:
                 f"{hw.memory_bandwidth_gbs:.3g} GB/s; {hw.layer_overhead_us:.0f} us host time "
                 f"per layer (+{hw.fsdp_overhead_us:.0f} FSDP, +{hw.tp_overhead_us:.0f} TP); "
                 f"{hw.gpus_per_node} ranks/node; all_reduce "
-                f"{hw.intra.latency_us:.1f} us + {hw.intra.bandwidth_gbs:.3g} GB/s bus")
+                f"{hw.intra.latency_us:.1f} us + {hw.intra.bandwidth_gbs:.3g} GB/s bus"
+                + "".join(f"; {a} all-reduce below {size / 2**10:,.0f} KiB"
+                          for a, size in hw.allreduce_crossover_bytes.items()))
 
 
 def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
@@ -60,7 +65,8 @@ def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
     hardware = write_profile(calibration, path, name)
     return CalibrationReport(hardware=hardware, path=path.resolve(), calibration=calibration,
                              collectives=collectives_frame(calibration),
-                             matmul=matmul_frame(calibration), points=points_frame(calibration))
+                             matmul=matmul_frame(calibration), points=points_frame(calibration),
+                             algorithms=algorithms_frame(calibration))
 
 
 PROFILE_FIELDS = ("used_in_profile: the profile fields a fit fills (intra: all_reduce within a "
@@ -104,9 +110,10 @@ def matmul_frame(calibration: Calibration) -> pd.DataFrame:
                                        "model_tflops", "used_in_profile"])
 
 
-def calibration_tables(report: CalibrationReport) -> tuple[Table, Table]:
-    """What ``%mesh calibrate`` shows: matmul speeds and collective fits, rounded to the
-    digits a timing supports (three significant), each with a caption and a note."""
+def calibration_tables(report: CalibrationReport) -> tuple[Table, ...]:
+    """What ``%mesh calibrate`` shows: which all-reduce algorithm wins at which size (when
+    timed), matmul speeds and collective fits, rounded to the digits a timing supports (three
+    significant), each with a caption and a note."""
     three = sig(3)
     matmul = Table(report.matmul, caption="matmul: achieved TFLOP/s on the slowest rank",
                    formats={"median_ms": three, "tflops": three, "model_tflops": three},
@@ -118,7 +125,26 @@ def calibration_tables(report: CalibrationReport) -> tuple[Table, Table]:
                  caption="collectives: time = latency + bytes / bandwidth, fitted per axis",
                  formats={"latency_us": three, "bandwidth_gbs": three,
                           "fit_residual": "{:.1%}"})
-    return matmul, fits
+    sweep = report.calibration.allreduce
+    if sweep is None or report.algorithms.empty:
+        return matmul, fits
+    times = in_second_unit(report.algorithms, list(sweep.seconds))
+    sized = in_byte_unit(times.frame, ["size"])
+    algorithms = Table(sized.frame, formats={**times.formats, **sized.formats},
+                       caption=f"all-reduce algorithms on the world group ({sweep.ranks} ranks, "
+                               f"{len(set(sweep.hosts))} host(s)): median on the slowest rank",
+                       note="; ".join(sweep.lines() + sweep.notes))
+    return algorithms, matmul, fits
+
+
+def algorithms_frame(calibration: Calibration) -> pd.DataFrame:
+    """Per message size: each all-reduce algorithm's seconds, the backend's, the fastest."""
+    sweep = calibration.allreduce
+    if sweep is None:
+        return pd.DataFrame()
+    frame = pd.DataFrame({"size": sweep.nbytes, **sweep.seconds})
+    frame["fastest"] = sweep.fastest()
+    return frame
 
 
 def points_frame(calibration: Calibration) -> pd.DataFrame:

@@ -213,7 +213,9 @@ def bench(line: str) -> None:
           "in a few seconds")
 def calibrate(line: str) -> None:
     """%mesh calibrate: time matmuls, memory copies and every collective on each mesh axis of
-    the live ranks; fit the planner's alpha-beta model; write a hardware profile."""
+    the live ranks; fit the planner's alpha-beta model; time each all-reduce algorithm (ring,
+    halving-doubling, tree, hierarchical) on the world and say which wins at which size;
+    write a hardware profile."""
 
 
 @magic_arguments()

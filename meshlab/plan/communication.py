@@ -33,6 +33,9 @@ class Collective:
     """All calls of the step together."""
     overlapped: bool
     """Can run behind compute (else it is on the critical path)."""
+    algorithm: str = "ring"
+    """How it is costed: ring, or for an all-reduce below a crossover the hardware profile
+    measured, that algorithm (``meshlab.allreduce``)."""
 
 
 class Communication:
@@ -52,10 +55,16 @@ class Communication:
         # ranks x stride consecutive ranks
         inter = ranks > 1 and ranks * stride > hw.gpus_per_node
         link = hw.link(collective, inter_node=inter)
-        one = collective_seconds(collective, ranks, nbytes, latency_s=link.latency_us * 1e-6,
-                                 bandwidth_bytes_s=link.bandwidth_gbs * 1e9)
+        # below a measured crossover an all-reduce runs another algorithm than ring; the
+        # group's ranks on one node: all of them, or a node's worth `stride` apart
+        per_node = max(1, min(ranks, hw.gpus_per_node // stride)) if inter else ranks
+        chosen = hw.allreduce_choice(ranks, per_node, nbytes) if collective == "all_reduce" \
+            else None
+        algorithm, one = chosen or ("ring", collective_seconds(
+            collective, ranks, nbytes, latency_s=link.latency_us * 1e-6,
+            bandwidth_bytes_s=link.bandwidth_gbs * 1e9))
         self.collectives.append(Collective(axis, what, collective, ranks, nbytes, calls,
-                                           inter, one * calls, overlapped))
+                                           inter, one * calls, overlapped, algorithm))
         return one * calls
 
     def critical_path(self) -> tuple[float, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-from meshlab.plan.formulas import COLLECTIVES
+from meshlab.plan.formulas import ALLREDUCE_ALGORITHMS, COLLECTIVES, allreduce_seconds
 
 GB = 1e9
 GIB = 2**30
@@ -95,6 +95,10 @@ class Hardware:
     collectives: dict[str, Link] = field(default_factory=dict)
     """Measured links per collective, inside a node (from ``%mesh calibrate``); they
     override ``intra`` for that collective."""
+    allreduce_crossover_bytes: dict[str, float] = field(default_factory=dict)
+    """Per all-reduce algorithm of ``meshlab.allreduce``, the message size (bytes) below which
+    ``%mesh calibrate`` measured it beating ring; the planner costs smaller all-reduces with
+    that algorithm's model (``allreduce_choice``). Empty: ring at every size."""
 
     def __post_init__(self) -> None:
         unknown = set(self.tflops) - set(DTYPES)
@@ -120,6 +124,12 @@ class Hardware:
         if unknown:
             raise ValueError(f"{self.name}: unknown collectives {sorted(unknown)}; "
                              f"choose from {', '.join(COLLECTIVES)}")
+        crossovers = self.allreduce_crossover_bytes
+        unknown = set(crossovers) - set(ALLREDUCE_ALGORITHMS[1:])
+        if unknown or min(crossovers.values(), default=1) <= 0:
+            raise ValueError(f"{self.name}: allreduce_crossover_bytes {crossovers} names unknown "
+                             f"all-reduce algorithms {sorted(unknown)} or a size <= 0; give "
+                             f"sizes > 0 for {', '.join(ALLREDUCE_ALGORITHMS[1:])}")
 
     def tflops_peak(self, dtype: str) -> float:
         """Dense peak TFLOP/s in ``dtype``."""
@@ -137,6 +147,26 @@ class Hardware:
         if inter_node:
             return self.inter
         return self.collectives.get(collective, self.intra)
+
+    def allreduce_choice(self, ranks: int, ranks_per_host: int, nbytes: float
+                         ) -> tuple[str, float] | None:
+        """(algorithm, seconds) of an all-reduce of ``nbytes`` among ``ranks`` ranks, hosts of
+        ``ranks_per_host``, when the profile measured an algorithm beating ring at that size
+        (the one the model finds fastest if several did); None: ring, as the planner's
+        ``collective_seconds`` costs it. The inter link stands for a host's link, shared by
+        the transfers that leave it (as a ring over the hosts measures it)."""
+        below = [a for a, size in self.allreduce_crossover_bytes.items() if nbytes < size
+                 and (a != "hierarchical" or ranks % min(ranks_per_host, ranks) == 0)]
+        if ranks <= 1 or not below:
+            return None
+        intra = self.link("all_reduce", inter_node=False)
+        seconds = {a: allreduce_seconds(
+            a, ranks, nbytes, latency_s=intra.latency_us * 1e-6,
+            bandwidth_bytes_s=intra.bandwidth_gbs * 1e9, ranks_per_host=ranks_per_host,
+            inter_latency_s=self.inter.latency_us * 1e-6,
+            inter_bandwidth_bytes_s=self.inter.bandwidth_gbs * 1e9) for a in below}
+        best = min(below, key=lambda a: seconds[a])
+        return best, seconds[best]
 
     @property
     def usable_bytes(self) -> float:
@@ -237,6 +267,8 @@ def load(path: str | Path) -> Hardware:
         for key in ("intra", "inter"):
             data[key] = Link(**data[key])
         data["collectives"] = {k: Link(**v) for k, v in data.get("collectives", {}).items()}
+        data["allreduce_crossover_bytes"] = {  # older profiles have none: ring everywhere
+            k: float(v) for k, v in data.get("allreduce_crossover_bytes", {}).items()}
         if "gemm_tile" in data:  # TOML has arrays, the profile a pair
             data["gemm_tile"] = tuple(data["gemm_tile"])
         return Hardware(**data)
@@ -253,6 +285,9 @@ def save(hw: Hardware, path: str | Path) -> Path:
     for key, value in data.items():
         if key in ("tflops", "intra", "inter"):
             sections[key] = value
+        elif key == "allreduce_crossover_bytes":
+            if value:  # a profile without crossovers reads as before
+                sections[key] = value
         elif key == "collectives":
             sections.update({f"collectives.{k}": v for k, v in value.items()})
         else:

@@ -1,0 +1,267 @@
+"""Each all-reduce algorithm of ``meshlab.allreduce`` timed over message sizes beside the
+backend's own ``dist.all_reduce``, where ring stops winning, and where the planner says it does.
+
+The planner's prediction comes from the links a calibration already fits (the all-reduce fits
+on the axis inside a host and the one across hosts: the profile's ``intra`` and ``inter``), not
+from these points, so measured and modelled crossovers are two answers to compare. Rank side:
+every member of the group calls ``time_allreduce_algorithms`` at once.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from meshlab.allreduce import ALGORITHMS, all_reduce, host_of_ranks
+from meshlab.calibrate.collectives import BATCH, CollectiveFit
+from meshlab.plan.formulas import allreduce_crossover, allreduce_seconds
+from meshlab.plan.hardware import Link
+from meshlab.timing import median_seconds
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+KIB, MIB = 2**10, 2**20
+# a sweep that crosses over on gloo CPU ranks and on a slowed link between test hosts
+SWEEP = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
+
+
+@dataclass(slots=True)
+class AllreduceSweep:
+    """Each algorithm's all-reduce timed over message sizes on one group, and the model's."""
+
+    ranks: int
+    hosts: list[int]
+    """A host index per member: the hosts the model puts ranks on."""
+    backend: str
+    """The process group's backend: the label of ``dist.all_reduce``'s row."""
+    nbytes: list[int]
+    seconds: dict[str, list[float]]
+    """Per algorithm (and the backend), per size: median over repetitions, slowest rank."""
+    model: dict[str, float] = field(default_factory=dict)
+    """The planner's crossover per algorithm (``allreduce_crossover``): inf, beats ring at
+    every size; 0, at none below some size. Empty until ``predict``."""
+    model_seconds: dict[str, list[float]] = field(default_factory=dict)
+    """The planner's seconds per algorithm at each measured size."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ranks_per_host(self) -> int:
+        return max(Counter(self.hosts).values())
+
+    @property
+    def algorithms(self) -> list[str]:
+        """The algorithms timed (hierarchical only where hosts hold equal shares)."""
+        return [a for a in ALGORITHMS if a in self.seconds]
+
+    def fastest(self) -> list[str]:
+        """Per size, the quickest of the algorithms and the backend."""
+        return [min(self.seconds, key=lambda a: self.seconds[a][i])
+                for i in range(len(self.nbytes))]
+
+    def measured(self) -> dict[str, float | None]:
+        """Per algorithm other than ring, the measured size below which it beats ring (None:
+        no such crossing within the sweep)."""
+        ring = self.seconds["ring"]
+        return {a: crossover_below(self.nbytes, ring, self.seconds[a])
+                for a in self.algorithms if a != "ring"}
+
+    def predict(self, intra: Link, inter: Link) -> None:
+        """Fill the model's crossovers and times from a profile's links."""
+        self.notes.append(f"model links: intra {intra.latency_us:.0f} us + "
+                          f"{intra.bandwidth_gbs * 1e3:.4g} MB/s, inter {inter.latency_us:.0f} "
+                          f"us + {inter.bandwidth_gbs * 1e3:.4g} MB/s")
+        links = dict(latency_s=intra.latency_us * 1e-6, bandwidth_bytes_s=intra.bandwidth_gbs * 1e9,
+                     ranks_per_host=self.ranks_per_host, inter_latency_s=inter.latency_us * 1e-6,
+                     inter_bandwidth_bytes_s=inter.bandwidth_gbs * 1e9)
+        self.model = allreduce_crossover(self.ranks, **links)  # type: ignore[arg-type]
+        self.model_seconds = {a: [allreduce_seconds(a, self.ranks, b, **links)  # type: ignore[arg-type]
+                                  for b in self.nbytes] for a in self.algorithms}
+        if self.hosts != sorted(self.hosts):
+            self.notes.append("the model puts each host's ranks next to each other; these "
+                              f"are not ({self.hosts}): its crossovers are approximate")
+
+    def lines(self) -> list[str]:
+        """One sentence per algorithm: where it beats ring, measured and modelled."""
+        out = []
+        for a, x in self.measured().items():
+            mine, ring = self.seconds[a], self.seconds["ring"]
+            m = self.model.get(a)
+            model = ("" if m is None else "at every size" if math.isinf(m)
+                     else "not at small sizes" if m == 0 else f"below {_size(m)}")
+            if x is not None:
+                text = f"{a} beats ring below {_size(x)} (measured)" + (
+                    f", {_size(m)} (model)" if m and math.isfinite(m) else
+                    f"; model: {model}" if model else "")
+            else:
+                if all(t < r for t, r in zip(mine, ring, strict=True)):
+                    text = (f"{a} beats ring at every size measured ({_size(self.nbytes[0])} "
+                            f"to {_size(self.nbytes[-1])})")
+                elif all(t >= r for t, r in zip(mine, ring, strict=True)):
+                    text = f"ring beats {a} at every size measured"
+                else:
+                    text = f"{a} beats ring only above some size measured"
+                text += f"; model: {a} beats ring {model}" if model else ""
+            out.append(text)
+        return out
+
+    def profile_crossovers(self) -> dict[str, float]:
+        """What a hardware profile records: each measured crossover, and for an algorithm that
+        beat ring at every size measured, the largest size (the planner goes no further)."""
+        out = {}
+        ring = self.seconds["ring"]
+        for a, x in self.measured().items():
+            if x is not None:
+                out[a] = x
+            elif all(m < r for m, r in zip(self.seconds[a], ring, strict=True)):
+                out[a] = float(self.nbytes[-1])
+        return out
+
+
+def crossover_below(nbytes: Sequence[float], ring: Sequence[float], other: Sequence[float]
+                    ) -> float | None:
+    """The size where ring's time drops below ``other``'s, interpolated in log size and log
+    time between the two measured points around the first such change; None if none."""
+    gaps = [math.log(r / o) for r, o in zip(ring, other, strict=True)]  # > 0: other faster
+    for i in range(len(gaps) - 1):
+        if gaps[i] > 0 >= gaps[i + 1]:
+            lo, hi = math.log(nbytes[i]), math.log(nbytes[i + 1])
+            return math.exp(lo + (hi - lo) * gaps[i] / (gaps[i] - gaps[i + 1]))
+    return None
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as KiB below a MiB, else MiB, three significant figures."""
+    unit, scale = ("KiB", KIB) if nbytes < MIB else ("MiB", MIB)
+    return f"{nbytes / scale:.3g} {unit}"
+
+
+def links(fits: list[CollectiveFit], intra_axis: str | None, inter_axis: str | None
+          ) -> tuple[Link, Link]:
+    """The profile's intra and inter links: the all-reduce fits on those axes (each the
+    other where one is missing), as ``Calibration.profile`` takes them."""
+    def fit(axis: str) -> Link:
+        return next(f for f in fits if f.axis == axis and f.collective == "all_reduce").link()
+    if intra_axis is None and inter_axis is None:
+        raise ValueError("no all-reduce was fitted: calibrate a cluster of at least 2 ranks")
+    return fit(str(intra_axis or inter_axis)), fit(str(inter_axis or intra_axis))
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
+                              device: torch.device, reps: int,
+                              hosts: Sequence[int] | None = None) -> AllreduceSweep:
+    """Every algorithm of ``meshlab.allreduce`` and ``dist.all_reduce`` at each size (bytes)
+    on ``group`` (None: the world), each checked equal to ``dist.all_reduce`` first; median
+    seconds on the slowest rank. ``hosts``: a host index per member (default: hostnames)."""
+    p = dist.get_world_size(group)
+    if p < 2:
+        raise ValueError(f"timing all-reduce algorithms needs a group of 2 or more ranks, got {p}")
+    hosts = list(hosts) if hosts is not None else host_of_ranks(group)
+    backend = str(dist.get_backend(group))
+    notes = []
+    algorithms = list(ALGORITHMS)
+    per_host = Counter(hosts)
+    if len(per_host) == 1 or max(per_host.values()) == 1:
+        algorithms.remove("hierarchical")
+        notes.append("hierarchical not timed: with " + ("one host" if len(per_host) == 1 else
+                                                         "one rank per host") + " it is ring")
+    elif len(set(per_host.values())) > 1:
+        algorithms.remove("hierarchical")
+        notes.append(f"hierarchical not timed: the hosts hold unequal shares of the ranks "
+                     f"({dict(per_host)})")
+    below, batch = BATCH["cuda" if device.type == "cuda" else "cpu"]
+    medians = []
+    for size in sizes:
+        elems = max(p, size // 4)
+        _check(algorithms, elems, group, hosts, device)
+        buffer = torch.zeros(elems, device=device)  # zeros: repeated sums stay finite
+        ways = [_one(a, buffer, group, hosts) for a in algorithms]
+        ways.append(partial(dist.all_reduce, buffer, group=group))
+        inner = batch if size < below else 1
+        samples: list[list[float]] = [[] for _ in ways]
+        for op in ways:  # warm-up
+            op()
+        for rep in range(reps):
+            # the ways take turns (the same order on every rank, rotated each repetition), so
+            # a burst of load elsewhere on the machine hits them alike
+            for i in [(rep + j) % len(ways) for j in range(len(ways))]:
+                samples[i].append(median_seconds(ways[i], device, 1, inner=inner, warmup=0,
+                                                 before=lambda: dist.barrier(group=group)))
+        medians += [statistics.median(s) for s in samples]
+    maxima = iter(_most(medians, group, device))
+    seconds: dict[str, list[float]] = {a: [] for a in [*algorithms, backend]}
+    for _ in sizes:
+        for name in seconds:
+            seconds[name].append(next(maxima))
+    return AllreduceSweep(ranks=p, hosts=hosts, backend=backend,
+                          nbytes=[max(p, s // 4) * 4 for s in sizes], seconds=seconds,
+                          notes=notes)
+
+
+def _one(algorithm: str, buffer: torch.Tensor, group: ProcessGroup | None,
+         hosts: list[int]) -> Callable[[], object]:
+    return partial(all_reduce, buffer, group, algorithm=algorithm, hosts=hosts)
+
+
+def _check(algorithms: list[str], elems: int, group: ProcessGroup | None, hosts: list[int],
+           device: torch.device) -> None:
+    """Refuse to time an algorithm whose sum differs from ``dist.all_reduce``'s: on
+    integer-valued float32 (small integers, so every partial sum is exact) they must agree."""
+    me = dist.get_rank(group)
+    values = torch.randint(-64, 65, (elems,), generator=torch.Generator().manual_seed(me + 1))
+    x = values.to(device=device, dtype=torch.float32)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    errors = [float((all_reduce(x.clone(), group, algorithm=a, hosts=hosts) - want).abs().max())
+              for a in algorithms]
+    worst = _most(errors, group, device)
+    wrong = [f"{a} (off by up to {e:g})" for a, e in zip(algorithms, worst, strict=True) if e]
+    if wrong:
+        raise RuntimeError(f"all-reduce of {elems * 4} bytes on {len(hosts)} ranks (hosts "
+                           f"{hosts}): {', '.join(wrong)} differ from dist.all_reduce on exact "
+                           "integer sums, so they were not timed; this is a bug in "
+                           "meshlab.allreduce, please report it with this message")
+
+
+def _most(values: list[float], group: ProcessGroup | None, device: torch.device) -> list[float]:
+    """Each value's maximum over the group's ranks (``meshlab.timing.slowest`` for a group)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def compare_allreduce(mesh: DeviceMesh | None, sizes: Sequence[int] = SWEEP, *,
+                      reps: int = 3, fit_sizes: Sequence[int] | None = None) -> AllreduceSweep:
+    """The algorithms timed on the world group, and the planner's crossovers from the links
+    fitted on ``mesh``'s axes (as ``%mesh calibrate`` fits them, at ``fit_sizes``): what a
+    calibration reports, without its matmuls and host costs. Every rank calls it."""
+    from meshlab import runtime
+    from meshlab.calibrate.collectives import QUICK_SIZES, time_collectives
+    from meshlab.calibrate.hosts import choose_axes
+
+    device = runtime.device()
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    fits = time_collectives(mesh, fit_sizes or QUICK_SIZES[kind], device, reps)
+    hosts = host_of_ranks(None)
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(str(h), []).append(r)
+    intra_axis, inter_axis, notes = choose_axes(fits, by_host)
+    sweep = time_allreduce_algorithms(None, sizes, device, reps, hosts)
+    sweep.predict(*links(fits, intra_axis, inter_axis))
+    sweep.notes += [*notes, f"the model's links are the all_reduce fits on "
+                            f"{intra_axis or inter_axis} (intra) and {inter_axis or intra_axis} "
+                            "(inter)"]
+    return sweep
