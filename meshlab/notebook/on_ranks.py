@@ -83,7 +83,7 @@ def nbytes(name: str) -> int | None:
     value = globals()[name]
     if hasattr(value, "numel") and hasattr(value, "element_size"):  # a tensor
         return int(value.numel() * value.element_size())
-    if hasattr(value, "nbytes"):  # a numpy array
+    if isinstance(getattr(value, "nbytes", None), int):  # a numpy array (not a field of that name)
         return int(value.nbytes)
     return sys.getsizeof(value)
 

@@ -112,6 +112,13 @@ def test_push_and_pull_round_trip(cluster: Cluster) -> None:
     assert cluster.pull("batch", ranks="1") == {1: [1, 2]}
 
 
+def test_pull_of_a_dataclass_with_an_nbytes_field_is_not_taken_for_an_array(
+        cluster: Cluster) -> None:
+    # the size check before a pull read any .nbytes as numpy's (AllreduceSweep has a list)
+    cluster.run("from types import SimpleNamespace\nsweep = SimpleNamespace(nbytes=[4096, 8192])")
+    assert cluster.pull("sweep", ranks="0")[0].nbytes == [4096, 8192]
+
+
 def test_pull_of_an_unknown_name_says_where_it_is_missing(cluster: Cluster) -> None:
     with pytest.raises(KeyError, match="'nope' is not defined on rank"):
         cluster.pull("nope")

@@ -445,3 +445,30 @@ def test_timelines_notebook_profiles_a_step_a_straggler_and_a_pipeline(executed:
     written = scratch_files(nb)
     assert any(f.startswith("cell-") for f in written) and any(f.startswith("step-")
                                                                 for f in written), written
+
+
+def test_asynchronous_notebook_races_a_straggler_and_times_the_algorithms(executed: Any) -> None:
+    nb, _ = executed("16-asynchronous-training-and-collectives.ipynb")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = "\n".join(texts(c) for c in code)
+    assert "throttled: rank 3 x3" in shown
+    race = next(texts(c) for c in code if c.source.startswith("summary = "))
+    rows = {m[1]: m[2].split() for m in re.finditer(r"(?m)^\s*(\S.*?)\s{2,}(\d.*)$", race)}
+    # A-EDiT's fast replicas keep stepping until the time budget; every other mode takes the
+    # same 24 steps on every rank
+    a_edit = next(v for k, v in rows.items() if "A-EDiT" in k)
+    fastest, slowest = int(a_edit[-3]), int(a_edit[-2])
+    assert fastest > slowest, race
+    for mode, row in rows.items():
+        if mode.startswith(("synchronous", "local SGD", "DiLoCo", "EDiT", "parameter")):
+            assert row[-3] == row[-2] == "24", race
+    # --comms names the algorithm of each send and receive
+    assert "send (halving_doubling)" in shown and "recv (ring)" in shown, shown
+    table = next(texts(c) for c in code if "allreduce_table" in c.source)
+    for algorithm in ("ring", "halving_doubling", "tree", "gloo"):
+        assert algorithm in table, table
+    # the race against time and steps, and the algorithms against size (the --comms cell
+    # draws its own)
+    charts = [c for c in code if not c.source.startswith("%%mesh")
+              and any(VEGALITE in o.get("data", {}) for o in c.get("outputs", []))]
+    assert len(charts) == 2, [c.source[:40] for c in charts]
