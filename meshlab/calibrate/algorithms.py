@@ -1,9 +1,11 @@
 """Each all-reduce algorithm of ``meshlab.allreduce`` timed over message sizes beside the
 backend's own ``dist.all_reduce``, where ring stops winning, and where the planner says it does.
 
-The planner's prediction comes from the links a calibration already fits (the all-reduce fits
-on the axis inside a host and the one across hosts: the profile's ``intra`` and ``inter``), not
-from these points, so measured and modelled crossovers are two answers to compare. Rank side:
+The planner's prediction comes from what a calibration already fits and a ping-pong, not from
+these points, so measured and modelled crossovers are two answers to compare: a round of these
+algorithms is one point-to-point hop, so its latency is half a ping-pong (the send_recv fit on
+the axis inside a host; across hosts, a ping-pong this sweep posts as the algorithms post a
+round), and its bandwidths are the all-reduce fits' on those axes (``links``). Rank side:
 every member of the group calls ``time_allreduce_algorithms`` at once.
 """
 
@@ -20,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from meshlab.allreduce import ALGORITHMS, all_reduce, host_of_ranks
-from meshlab.calibrate.collectives import BATCH, CollectiveFit
+from meshlab.allreduce import ALGORITHMS, Round, Transfer, _run, all_reduce, host_of_ranks
+from meshlab.calibrate.collectives import BATCH, CollectiveFit, fit_collective
 from meshlab.plan.formulas import allreduce_crossover, allreduce_seconds
 from meshlab.plan.hardware import Link
 from meshlab.timing import median_seconds
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 KIB, MIB = 2**10, 2**20
 # a sweep that crosses over on gloo CPU ranks and on a slowed link between test hosts
 SWEEP = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB, 16 * MIB)
+# the cross-host ping-pong: small messages fix a hop's latency (the rounds near a crossover
+# carry 1 KiB to a few tens of KiB); its bandwidth is not used
+HOP_SIZES = (KIB, 4 * KIB, 16 * KIB, 64 * KIB)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,9 @@ class AllreduceSweep:
     model_seconds: dict[str, list[float]] = field(default_factory=dict)
     """The planner's seconds per algorithm at each measured size."""
     notes: list[str] = field(default_factory=list)
+    hop: CollectiveFit | None = None
+    """Half a ping-pong between members on different hosts, posted as a round of the
+    algorithms is, fitted: the latency of a round that crosses hosts (None: not timed)."""
 
     @property
     def ranks_per_host(self) -> int:
@@ -76,8 +84,12 @@ class AllreduceSweep:
                 for a in self.algorithms if a != "ring"}
 
     def predict(self, intra: Link, inter: Link) -> None:
-        """Fill the model's crossovers and times from a profile's links."""
-        self.notes.append(f"model links: intra {intra.latency_us:.0f} us + "
+        """Fill the model's crossovers and times from the links of one round (``links``): a
+        rank's link inside a host and a host's link to the others, latency per hop; where
+        this sweep timed its own hop across hosts (``hop``), that is the inter latency."""
+        if self.hop is not None:
+            inter = Link(bandwidth_gbs=inter.bandwidth_gbs, latency_us=self.hop.alpha_s * 1e6)
+        self.notes.append(f"model links per round: intra {intra.latency_us:.0f} us + "
                           f"{intra.bandwidth_gbs * 1e3:.4g} MB/s, inter {inter.latency_us:.0f} "
                           f"us + {inter.bandwidth_gbs * 1e3:.4g} MB/s")
         links = dict(latency_s=intra.latency_us * 1e-6, bandwidth_bytes_s=intra.bandwidth_gbs * 1e9,
@@ -147,13 +159,23 @@ def _size(nbytes: float) -> str:
 
 def links(fits: list[CollectiveFit], intra_axis: str | None, inter_axis: str | None
           ) -> tuple[Link, Link]:
-    """The profile's intra and inter links: the all-reduce fits on those axes (each the
-    other where one is missing), as ``Calibration.profile`` takes them."""
-    def fit(axis: str) -> Link:
-        return next(f for f in fits if f.axis == axis and f.collective == "all_reduce").link()
+    """The intra and inter links of one round of the algorithms (each axis the other where
+    one is missing): latency the send_recv fit's alpha on the axis (half a ping-pong, one
+    hop: what a round waits for, where the all-reduce fit's alpha is one step of the
+    backend's native ring), bandwidth the all-reduce fit's bus bandwidth on the axis."""
+    def fit(axis: str, collective: str) -> CollectiveFit:
+        return next(f for f in fits if f.axis == axis and f.collective == collective)
+
+    def link(axis: str) -> Link:
+        # the all-reduce's bus bandwidth, not the ping-pong's: round_seconds charges a
+        # round's bytes to each rank's link and to the host's link all ranks share, the
+        # load a ring all-reduce puts on them and fits up to the sweep's large sizes, where
+        # one pair's ping-pong has the links to itself
+        return Link(bandwidth_gbs=fit(axis, "all_reduce").bandwidth_gbs,
+                    latency_us=fit(axis, "send_recv").alpha_s * 1e6)
     if intra_axis is None and inter_axis is None:
         raise ValueError("no all-reduce was fitted: calibrate a cluster of at least 2 ranks")
-    return fit(str(intra_axis or inter_axis)), fit(str(inter_axis or intra_axis))
+    return link(str(intra_axis or inter_axis)), link(str(inter_axis or intra_axis))
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -182,6 +204,7 @@ def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
         notes.append(f"hierarchical not timed: the hosts hold unequal shares of the ranks "
                      f"({dict(per_host)})")
     below, batch = BATCH["cuda" if device.type == "cuda" else "cpu"]
+    hop = time_hop(group, hosts, device, reps)
     medians = []
     for size in sizes:
         elems = max(p, size // 4)
@@ -207,7 +230,39 @@ def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
             seconds[name].append(next(maxima))
     return AllreduceSweep(ranks=p, hosts=hosts, backend=backend,
                           nbytes=[max(p, s // 4) * 4 for s in sizes], seconds=seconds,
-                          notes=notes)
+                          notes=notes, hop=hop)
+
+
+def time_hop(group: ProcessGroup | None, hosts: Sequence[int], device: torch.device, reps: int,
+             sizes: Sequence[int] = HOP_SIZES) -> CollectiveFit | None:
+    """Half a ping-pong between member i and member i + p/2 where they are on different
+    hosts (the pairs at once), each way one round as ``meshlab.allreduce`` posts it, fitted;
+    None where no such pair crosses hosts. Every member calls it."""
+    p = dist.get_world_size(group)
+    pairs = [(i, i + p // 2) for i in range(p // 2) if hosts[i] != hosts[i + p // 2]]
+    if not pairs:
+        return None
+    me = dist.get_rank(group)
+    peers = [dist.get_global_rank(group, i) if group is not None else i for i in range(p)]
+    below, batch = BATCH["cuda" if device.type == "cuda" else "cpu"]
+    there = Round(tuple(Transfer(a, b, 0, 1, 1, False) for a, b in pairs))
+    back = Round(tuple(Transfer(b, a, 0, 1, 1, False) for a, b in pairs))
+    medians = []
+    for size in sizes:
+        flat = torch.zeros(size // 4, device=device)
+        bounds = [0, flat.numel()]
+
+        def ping_pong(flat: torch.Tensor = flat, bounds: list[int] = bounds) -> None:
+            # allreduce's own round runner: the hop costs what an algorithm's round costs
+            _run(there, flat, me, peers, group, bounds)
+            _run(back, flat, me, peers, group, bounds)
+
+        inner = batch if size < below else 1
+        medians.append(median_seconds(ping_pong, device, reps, inner=inner,
+                                      before=lambda: dist.barrier(group=group)) / 2)
+    seconds = _most(medians, group, device)
+    return fit_collective("hosts", 2, [[peers[a], peers[b]] for a, b in pairs], "send_recv",
+                          [s // 4 * 4 for s in sizes], seconds)
 
 
 def _one(algorithm: str, buffer: torch.Tensor, group: ProcessGroup | None,
@@ -261,7 +316,10 @@ def compare_allreduce(mesh: DeviceMesh | None, sizes: Sequence[int] = SWEEP, *,
     intra_axis, inter_axis, notes = choose_axes(fits, by_host)
     sweep = time_allreduce_algorithms(None, sizes, device, reps, hosts)
     sweep.predict(*links(fits, intra_axis, inter_axis))
-    sweep.notes += [*notes, f"the model's links are the all_reduce fits on "
-                            f"{intra_axis or inter_axis} (intra) and {inter_axis or intra_axis} "
-                            "(inter)"]
+    across = ("the sweep's cross-host ping-pong" if sweep.hop else
+              f"the send_recv fit on {inter_axis or intra_axis}")
+    sweep.notes += [*notes, f"the model's round latency is the send_recv fit on "
+                            f"{intra_axis or inter_axis} (intra) and {across} (inter); its "
+                            f"bandwidths the all_reduce fits on {intra_axis or inter_axis} and "
+                            f"{inter_axis or intra_axis}"]
     return sweep

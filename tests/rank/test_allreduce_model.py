@@ -15,6 +15,8 @@ import pytest
 
 from meshlab.allreduce import ALGORITHMS, rounds
 from meshlab.calibrate.algorithms import AllreduceSweep, crossover_below
+from meshlab.calibrate.algorithms import links as round_links
+from meshlab.calibrate.collectives import CollectiveFit
 from meshlab.plan.estimate import estimate
 from meshlab.plan.formulas import (
     ALLREDUCE_ALGORITHMS,
@@ -225,6 +227,32 @@ def test_sweep_says_which_algorithm_beats_ring_where_measured_and_modelled() -> 
                        "beats ring at every size"
     # the profile keeps measured crossovers, and the largest size where one won throughout
     assert s.profile_crossovers() == {"halving_doubling": 2**20, "tree": measured["tree"]}
+
+
+def fit(axis: str, collective: str, alpha_s: float, beta_s_per_byte: float) -> CollectiveFit:
+    return CollectiveFit(axis=axis, ranks=2, groups=[[0, 1]], collective=collective,
+                         nbytes=[4096, 2**20], seconds=[1.0, 2.0], alpha_s=alpha_s,
+                         beta_s_per_byte=beta_s_per_byte, residual=0.0)
+
+
+def test_a_round_waits_for_a_hop_and_moves_bytes_at_the_all_reduce_bandwidth() -> None:
+    fits = [fit("tp", "all_reduce", 5e-5, 1e-9), fit("tp", "send_recv", 4e-4, 3e-9),
+            fit("world", "all_reduce", 2e-4, 1e-8), fit("world", "send_recv", 9e-4, 5e-8)]
+    intra, inter = round_links(fits, "tp", "world")
+    # latency: half a ping-pong, not the all-reduce's ring step; bandwidth: the bus bandwidth
+    assert intra.latency_us == pytest.approx(400) and inter.latency_us == pytest.approx(900)
+    assert intra.bandwidth_gbs == pytest.approx(fits[0].bandwidth_gbs)
+    assert inter.bandwidth_gbs == pytest.approx(fits[2].bandwidth_gbs)
+
+
+def test_a_sweep_takes_the_latency_across_hosts_from_its_own_ping_pong() -> None:
+    s = sweep(ring=[4.0, 5.0, 6.0], halving_doubling=[1.0, 2.0, 3.0], tree=[2.0, 6.0, 12.0],
+              hierarchical=[5.0, 6.0, 7.0], gloo=[3.0, 3.0, 3.0])
+    s.hop = fit("hosts", "send_recv", 2e-3, 2e-8)
+    s.predict(Link(latency_us=300, bandwidth_gbs=1.0), Link(latency_us=1500, bandwidth_gbs=0.12))
+    assert s.model == allreduce_crossover(4, latency_s=3e-4, bandwidth_bytes_s=1e9,
+                                          ranks_per_host=2, inter_latency_s=2e-3,
+                                          inter_bandwidth_bytes_s=1.2e8)
 
 
 def test_profile_keeps_the_measured_crossover_through_its_file(tmp_path) -> None:
