@@ -243,7 +243,8 @@ class CellProfile:
             for c in p.collectives:
                 call = by_call.get((_label(call_key(r, c)), c.seq))
                 start, end = self._ms(r, c.issued_ns), self._ms(r, c.done_ns or c.issued_ns)
-                row = {"rank": r, "kind": "comm", "name": c.op, "axis": self.axis(c),
+                row = {"rank": r, "kind": "comm", "name": op_label(c.op, c.algorithm),
+                       "axis": self.axis(c),
                        "bytes": c.bytes, "waited on": ""}
                 if call is not None and call["last"] != r and call["arrived"] > start:
                     # arrived before the last member: waiting for it, then moving data
@@ -307,7 +308,7 @@ class CellProfile:
                 start = self._ms(r, c.issued_ns) * 1000
                 events.append({
                     "ph": "X", "pid": r, "tid": 0, "cat": "collective",
-                    "name": f"{c.op} {self.axis(c)}", "ts": start,
+                    "name": f"{op_label(c.op, c.algorithm)} {self.axis(c)}", "ts": start,
                     "dur": max(0.0, self._ms(r, c.done_ns or c.issued_ns) * 1000 - start),
                     "args": {"bytes": c.bytes, "group": c.group, "seq": c.seq,
                              "last to arrive": call.get("last"),

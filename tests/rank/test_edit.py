@@ -36,6 +36,35 @@ def test_edit_trains_like_its_one_process_simulation(cluster: Cluster, spec: str
                                                               param_error, worst)
 
 
+OTHERS = """
+import transformers as T
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.parallel.verify import compare_with_single_process
+def llama():  # a model meshlab did not write, its blocks found by transformers' own names
+    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           use_cache=False)
+    return T.LlamaForCausalLM(config)
+plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=2)
+results = []
+for name, model in (("meshlab over tp", ModelConfig()), ("transformers Llama", llama)):
+    r = compare_with_single_process(model, mesh, plan, steps=3, dtype=torch.float64)
+    results.append((name, r.max_loss_error, r.max_param_error, r.worst_param))
+results
+"""
+
+
+def test_edit_over_tp_and_on_a_transformers_llama_trains_like_its_simulation(
+        cluster: Cluster) -> None:
+    cluster.init_mesh("dp_replicate=2 tp=2")
+    result = cluster.run(OTHERS, keep_values=True, timeout=180)
+    for r, runs in result.values.items():
+        for name, loss_error, param_error, worst in runs:
+            assert loss_error < 1e-9 and param_error < 1e-9, (r, name, loss_error,
+                                                              param_error, worst)
+
+
 AS_DILOCO = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize

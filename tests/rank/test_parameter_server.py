@@ -55,12 +55,18 @@ from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.parameter_server_replay import run_and_replay
 from meshlab.throttle import off, throttle
+import transformers as T
+def llama():  # a model meshlab did not write
+    return T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
 if mesh["dp_replicate"].get_local_rank() == 0:
     throttle(3)  # replica 0 is the straggler: replica 1 runs up to `staleness` clocks ahead
 out = {{}}
 try:
     for name, plan, dtype in {cases}:
-        result, sync = run_and_replay(ModelConfig(), mesh, ParallelPlan(
+        model = llama if name.startswith("llama") else ModelConfig()
+        result, sync = run_and_replay(model, mesh, ParallelPlan(
             replica_sync="parameter_server", **plan), steps=5, dtype=getattr(torch, dtype))
         out[name] = (result.ok, result.max_loss_error, result.max_param_error,
                      dict(sync.lags()), [c - v for c, vs in enumerate(sync.used) for v in vs])
@@ -74,6 +80,7 @@ CASES_2X2 = [  # (name, plan, dtype)
     ("ddp s=2 accum clip", {"data_parallel": "ddp", "staleness": 2, "grad_accum": 2,
                             "max_grad_norm": 0.5}, "float64"),
     ("zero3 s=1 fp32", {"data_parallel": "zero3", "staleness": 1}, "float32"),
+    ("llama zero3 s=2", {"data_parallel": "zero3", "staleness": 2}, "float64"),
 ]
 CASES_4 = [("none s=2", {"data_parallel": "none", "staleness": 2}, "float64")]
 
