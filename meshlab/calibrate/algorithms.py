@@ -61,6 +61,9 @@ class AllreduceSweep:
     hop: CollectiveFit | None = None
     """Half a ping-pong between members on different hosts, posted as a round of the
     algorithms is, fitted: the latency of a round that crosses hosts (None: not timed)."""
+    hop_intra: CollectiveFit | None = None
+    """The same between neighbours on one host: the latency of a round inside a host, by
+    the same method as ``hop`` (a blocking send/recv fit reads a different overhead)."""
 
     @property
     def ranks_per_host(self) -> int:
@@ -89,6 +92,9 @@ class AllreduceSweep:
         this sweep timed its own hop across hosts (``hop``), that is the inter latency."""
         if self.hop is not None:
             inter = Link(bandwidth_gbs=inter.bandwidth_gbs, latency_us=self.hop.alpha_s * 1e6)
+        if self.hop_intra is not None:
+            intra = Link(bandwidth_gbs=intra.bandwidth_gbs,
+                         latency_us=self.hop_intra.alpha_s * 1e6)
         self.notes.append(f"model links per round: intra {intra.latency_us:.0f} us + "
                           f"{intra.bandwidth_gbs * 1e3:.4g} MB/s, inter {inter.latency_us:.0f} "
                           f"us + {inter.bandwidth_gbs * 1e3:.4g} MB/s")
@@ -204,7 +210,11 @@ def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
         notes.append(f"hierarchical not timed: the hosts hold unequal shares of the ranks "
                      f"({dict(per_host)})")
     below, batch = BATCH["cuda" if device.type == "cuda" else "cpu"]
-    hop = time_hop(group, hosts, device, reps)
+    p = dist.get_world_size(group)
+    hop = time_hop(group, [(i, i + p // 2) for i in range(p // 2)
+                           if hosts[i] != hosts[i + p // 2]], device, reps)
+    hop_intra = time_hop(group, [(i, i + 1) for i in range(0, p - 1, 2)
+                                 if hosts[i] == hosts[i + 1]], device, reps)
     medians = []
     for size in sizes:
         elems = max(p, size // 4)
@@ -230,16 +240,16 @@ def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
             seconds[name].append(next(maxima))
     return AllreduceSweep(ranks=p, hosts=hosts, backend=backend,
                           nbytes=[max(p, s // 4) * 4 for s in sizes], seconds=seconds,
-                          notes=notes, hop=hop)
+                          notes=notes, hop=hop, hop_intra=hop_intra)
 
 
-def time_hop(group: ProcessGroup | None, hosts: Sequence[int], device: torch.device, reps: int,
-             sizes: Sequence[int] = HOP_SIZES) -> CollectiveFit | None:
-    """Half a ping-pong between member i and member i + p/2 where they are on different
-    hosts (the pairs at once), each way one round as ``meshlab.allreduce`` posts it, fitted;
-    None where no such pair crosses hosts. Every member calls it."""
+def time_hop(group: ProcessGroup | None, pairs: Sequence[tuple[int, int]],
+             device: torch.device, reps: int, sizes: Sequence[int] = HOP_SIZES
+             ) -> CollectiveFit | None:
+    """Half a ping-pong between the members of each pair (group-local, the pairs at once),
+    each way one round as ``meshlab.allreduce`` posts it, fitted; None for no pairs. Every
+    member calls it."""
     p = dist.get_world_size(group)
-    pairs = [(i, i + p // 2) for i in range(p // 2) if hosts[i] != hosts[i + p // 2]]
     if not pairs:
         return None
     me = dist.get_rank(group)
@@ -318,8 +328,10 @@ def compare_allreduce(mesh: DeviceMesh | None, sizes: Sequence[int] = SWEEP, *,
     sweep.predict(*links(fits, intra_axis, inter_axis))
     across = ("the sweep's cross-host ping-pong" if sweep.hop else
               f"the send_recv fit on {inter_axis or intra_axis}")
-    sweep.notes += [*notes, f"the model's round latency is the send_recv fit on "
-                            f"{intra_axis or inter_axis} (intra) and {across} (inter); its "
+    inside = ("the sweep's ping-pong inside a host" if sweep.hop_intra else
+              f"the send_recv fit on {intra_axis or inter_axis}")
+    sweep.notes += [*notes, f"the model's round latency is {inside} (intra) and {across} "
+                            f"(inter); its "
                             f"bandwidths the all_reduce fits on {intra_axis or inter_axis} and "
                             f"{inter_axis or intra_axis}"]
     return sweep
