@@ -199,9 +199,10 @@ def _halving_doubling(p: int) -> tuple[Round, ...]:
     doubling, then an all-gather by vector doubling and distance halving: 2 log2 p rounds,
     each member sending 2(p-1)/p of the buffer. For p not a power of two, the standard fold
     (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations
-    in MPICH", IJHPCA 19(1), section 4.4): of the first 2r members (r = p minus the largest
-    power of two q below it) each even one sends its whole buffer to the odd one after it,
-    the q remaining members run the algorithm, and the odd ones send the result back."""
+    in MPICH", IJHPCA 19(1), 49-66; MPICH's allreduce does the same): of the first 2r
+    members (r = p minus the largest power of two q below it) each even one sends its whole
+    buffer to the odd one after it, the q remaining members run the algorithm, and the odd
+    ones send the result back."""
     q = 1 << (p.bit_length() - 1)
     extra = p - q
     # the q members that run the power-of-two algorithm, by their index among them

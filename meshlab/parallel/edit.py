@@ -66,7 +66,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(kw_only=True, slots=True)
 class Penalty:
-    """EDiT's pseudo-gradient penalty (§3.2); the defaults are the authors' code's."""
+    """EDiT's pseudo-gradient penalty; the defaults are the authors' released code's."""
 
     alpha: float = 0.02
     """α: weight of a new norm in the running (EMA) mean and variance."""

@@ -230,7 +230,7 @@ class Communication:
         """The replicas' synchronisation of this rank's fp32 parameter shard, its exposed
         share per step: local SGD's average or DiLoCo's pseudo-gradient all-reduce every H
         steps, between steps; EDiT's and A-EDiT's the same bytes, block by block behind the
-        next forward (Cheng et al. 2024, section 3.2); parameter servers' push of gradient
+        next forward (Cheng et al. 2024, EDiT); parameter servers' push of gradient
         pieces and pull of parameter pieces every step, each (R-1)/R of the shard (the
         ring all-reduce's bytes), behind the next step's compute when staleness >= 1."""
         s = self.stage

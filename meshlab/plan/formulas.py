@@ -350,17 +350,17 @@ def allreduce_seconds(algorithm: str, ranks: int, nbytes: float, *, latency_s: f
     ``ranks_per_host`` consecutive ranks, with one of ``ALLREDUCE_ALGORITHMS``.
 
     Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations
-    in MPICH", IJHPCA 19(1): the cost model of section 3 (a message costs alpha + n beta; a
+    in MPICH", IJHPCA 19(1), 49-66: their cost model (a message costs alpha + n beta; a
     rank sends one and receives one message at a time), per algorithm on one host:
 
-    - ring (reduce-scatter then all-gather, the ring of their allgather, section 4.1):
+    - ring (reduce-scatter then all-gather, the ring of their allgather):
       2(p-1) alpha + 2 (p-1)/p n beta;
     - halving_doubling (Rabenseifner's: reduce-scatter by recursive vector halving and distance
-      doubling, all-gather by vector doubling and distance halving, section 5):
+      doubling, all-gather by vector doubling and distance halving):
       2 log2 p alpha + 2 (p-1)/p n beta; for p not a power of two the fold into the largest
       power of two q adds 2 rounds of the whole buffer (meshlab's fold sends it whole and back
       where theirs halves it): (2 log2 q + 2) alpha + (2 + 2 (q-1)/q) n beta;
-    - tree (binomial reduce, then binomial broadcast, MPICH's old all-reduce, section 5):
+    - tree (binomial reduce, then binomial broadcast, MPICH's old all-reduce):
       2 ceil(log2 p) (alpha + n beta);
     - hierarchical (ring reduce-scatter inside each host, ring all-reduce of each rank's
       piece across the H hosts, ring all-gather inside): 2(k-1) intra rounds of n/k, then
@@ -369,7 +369,7 @@ def allreduce_seconds(algorithm: str, ranks: int, nbytes: float, *, latency_s: f
     Across hosts each round costs ``round_seconds``: the inter latency if any transfer
     crosses, and the busiest of the ranks' own links and the hosts' shared links. Chan,
     Heimlich, Purkayastha and van de Geijn 2007, "Collective communication: theory, practice,
-    and experience", CCPE 19(13), Table I, bound every all-reduce below by
+    and experience", CCPE 19(13), bound every all-reduce below by
     ceil(log2 p) alpha + 2 (p-1)/p n beta: ring meets the bandwidth term, the others trade it
     for fewer latency terms (log p against p).
     """
