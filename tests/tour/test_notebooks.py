@@ -462,6 +462,9 @@ def test_asynchronous_notebook_races_a_straggler_and_times_the_algorithms(execut
     for mode, row in rows.items():
         if mode.startswith(("synchronous", "local SGD", "DiLoCo", "EDiT", "parameter")):
             assert row[-3] == row[-2] == "24", race
+    # the bytes between replicas, traced, equal each mode's formula
+    traced = next(texts(c) for c in code if "pulled_bytes" in c.source)
+    assert traced.count("True") == 4 and "False" not in traced, traced
     # --comms names the algorithm of each send and receive
     assert "send (halving_doubling)" in shown and "recv (ring)" in shown, shown
     table = next(texts(c) for c in code if "allreduce_table" in c.source)
