@@ -411,9 +411,12 @@ def test_over_a_slow_link_between_hosts_all_reduces_win_by_rounds_small_and_by_b
     report = "\n".join(allreduce_table(sweep))
     s, last = sweep.seconds, len(sweep.nbytes) - 1
     assert sweep.hosts == [0, 0, 1, 1] and sweep.nbytes[0] == 4096 and sweep.nbytes[-1] == 2**24
-    # a small message: ring takes 6 rounds across the hosts, halving-doubling and
-    # hierarchical 2 inside a host and 2 across
-    assert min(s["halving_doubling"][0], s["hierarchical"][0]) < s["ring"][0], report
+    # small messages (4-64 KiB): ring takes 6 rounds across the hosts, halving-doubling and
+    # hierarchical 2 inside a host and 2 across. Summed over the three sizes: at one size
+    # alone a ~1 ms round's noise can tie them (4.63 against 4.62 ms at 4 KiB, once in 11)
+    small = {a: sum(s[a][:3]) for a in ("ring", "halving_doubling", "hierarchical")}
+    assert sweep.nbytes[2] == 65536, report
+    assert min(small["halving_doubling"], small["hierarchical"]) < small["ring"], report
     # a large one: per byte of the buffer, ring sends 3/2 out of each host, tree 2 (the whole
     # buffer up, then down), halving-doubling and hierarchical 1 (the large halves stay on
     # the host): ring beats tree. (That the two moving fewer bytes across beat ring there too
