@@ -21,7 +21,7 @@ start_timeout = 120
 """
 
 # Fixtures that hand a test running engines, and markers whose tests start their own.
-ENGINE_FIXTURES = {"cluster", "shell", "_shared_cluster"}
+ENGINE_FIXTURES = {"cluster", "module_cluster", "shell", "_shared_cluster"}
 ENGINE_MARKERS = {"notebook", "browser", "slurm", "hosts"}
 
 
@@ -80,13 +80,24 @@ def _shared_cluster(test_profile: Path) -> Iterator[Cluster]:
         yield c
 
 
+def healthy(cluster: Cluster) -> Cluster:
+    """``cluster``, with fresh engines first if an earlier test left a rank dead or stuck
+    past the process-group timeout (one such test must not fail all that follow)."""
+    if cluster._dead or cluster._wedged:
+        cluster.restart()
+    return cluster
+
+
 @pytest.fixture
 def cluster(_shared_cluster: Cluster) -> Cluster:
-    """The shared 4-rank cluster; fresh engines first if an earlier test left a rank dead or
-    stuck past the process-group timeout (one such test must not fail all that follow)."""
-    if _shared_cluster._dead or _shared_cluster._wedged:
-        _shared_cluster.restart()
-    return _shared_cluster
+    """The shared 4-rank cluster, healthy."""
+    return healthy(_shared_cluster)
+
+
+@pytest.fixture(scope="module")
+def module_cluster(_shared_cluster: Cluster) -> Cluster:
+    """The same, for a module's fixture that runs every case once."""
+    return healthy(_shared_cluster)
 
 
 @pytest.fixture(scope="session")

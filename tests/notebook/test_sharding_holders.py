@@ -39,11 +39,9 @@ moe = moe_model.layers["0"].feed_forward
 
 
 @pytest.fixture(scope="module")
-def held(_shared_cluster: Any) -> dict[str, Any]:
+def held(module_cluster: Any) -> dict[str, Any]:
     """Every report the tests draw, from two meshes built once."""
-    cluster = _shared_cluster
-    if cluster._dead or cluster._wedged:
-        cluster.restart()
+    cluster = module_cluster
     cluster.init_mesh("pp=2 dp=2")
     cluster.run(STAGES)
     reports = {name: cluster.inspect(expr) for name, expr in [

@@ -156,11 +156,9 @@ out
 
 
 @pytest.fixture(scope="module")
-def results(_shared_cluster: Cluster) -> dict[int, Any]:
+def results(module_cluster: Cluster) -> dict[int, Any]:
     """Every case run once on the 4 ranks: {rank: what the cell found}."""
-    cluster = _shared_cluster
-    if cluster._dead or cluster._wedged:
-        cluster.restart()
+    cluster = module_cluster
     cluster.init_mesh("dp=2 tp=2")
     return dict(cluster.run(CELL, keep_values=True, timeout=120).values)
 

@@ -5,6 +5,7 @@ much the replicas exchange during the forward that synchronises them."""
 from __future__ import annotations
 
 import pytest
+from replica_cells import TINY_LLAMA, TWO_RUNS
 
 from meshlab import Cluster
 from meshlab.mesh import MeshSpec
@@ -37,15 +38,9 @@ def test_edit_trains_like_its_one_process_simulation(cluster: Cluster, spec: str
 
 
 OTHERS = """
-import transformers as T
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.verify import compare_with_single_process
-def llama():  # a model meshlab did not write, its blocks found by transformers' own names
-    config = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           use_cache=False)
-    return T.LlamaForCausalLM(config)
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=2)
 results = []
 for name, model in (("meshlab over tp", ModelConfig()), ("transformers Llama", llama)):
@@ -58,31 +53,16 @@ results
 def test_edit_over_tp_and_on_a_transformers_llama_trains_like_its_simulation(
         cluster: Cluster) -> None:
     cluster.init_mesh("dp_replicate=2 tp=2")
-    result = cluster.run(OTHERS, keep_values=True, timeout=180)
+    result = cluster.run(TINY_LLAMA + OTHERS, keep_values=True, timeout=180)
     for r, runs in result.values.items():
         for name, loss_error, param_error, worst in runs:
             assert loss_error < 1e-9 and param_error < 1e-9, (r, name, loss_error,
                                                               param_error, worst)
 
 
-AS_DILOCO = """
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, full_parameters, train
-r, n = data_rank(mesh)
-batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(4)]
-runs = {}
-for sync in ("diloco", "edit"):
-    plan = ParallelPlan(data_parallel="zero3", replica_sync=sync, pseudo_grad_penalty=False)
-    torch.manual_seed(0)
-    model = parallelize(Transformer(ModelConfig()).double(), mesh, plan)
-    opt = build_optimizer(model, mesh, plan)
-    runs[sync] = train(model, opt, batches, average_over=mesh["dp"].get_group()), \\
-        full_parameters(model)
-(diloco_losses, diloco), (edit_losses, edit) = runs["diloco"], runs["edit"]
-(max(abs(a - b) for a, b in zip(diloco_losses, edit_losses)),
- max((diloco[k] - edit[k]).abs().max().item() for k in diloco))
-"""
+AS_DILOCO = TWO_RUNS.format(
+    runs=[({"data_parallel": "zero3", "replica_sync": sync, "pseudo_grad_penalty": False},
+           [(0, 4)]) for sync in ("diloco", "edit")], optimizer={})
 
 
 def test_edit_without_the_penalty_is_diloco_with_the_sync_moved(cluster: Cluster) -> None:

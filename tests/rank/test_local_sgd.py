@@ -8,6 +8,7 @@ Tolerances as in meshlab.parallel.verify: fp32 parameters to 2e-4 of their large
 from __future__ import annotations
 
 import pytest
+from replica_cells import TWO_RUNS
 
 from meshlab import Cluster
 from meshlab.notebook.output import MeshError
@@ -49,23 +50,10 @@ def test_replicas_train_like_the_same_algorithm_in_one_process(
         assert ok, (r, spec, plan, dtype, loss_error, param_error, worst)
 
 
-AGAINST_DDP = """
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, full_parameters, train
-r, n = data_rank(mesh)
-batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(4)]
-runs = {}
-for sync in ("every_step", "local_sgd"):
-    plan = ParallelPlan(data_parallel="ddp", replica_sync=sync)
-    model = parallelize(Transformer(ModelConfig()).double(), mesh, plan)
-    opt = build_optimizer(model, mesh, plan, lr=0.05, kind="sgd")
-    runs[sync] = train(model, opt, batches, average_over=mesh["dp"].get_group()), \\
-        full_parameters(model)
-(ddp_losses, ddp), (local_losses, local) = runs["every_step"], runs["local_sgd"]
-(max(abs(a - b) for a, b in zip(ddp_losses, local_losses)),
- max(((ddp[k] - local[k]).abs().max() / ddp[k].abs().max()).item() for k in ddp))
-"""
+# local SGD with H=1, then DDP, with SGD
+AGAINST_DDP = TWO_RUNS.format(runs=[({"data_parallel": "ddp", "replica_sync": sync}, [(0, 4)])
+                                    for sync in ("every_step", "local_sgd")],
+                              optimizer={"lr": 0.05, "kind": "sgd"})
 
 
 @pytest.mark.cluster

@@ -12,33 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from replica_cells import TINY_LLAMA, TWO_RUNS
 
 from meshlab import Cluster
 from meshlab.notebook.output import MeshError
 from meshlab.parallel import ParallelPlan
 
-AGAINST_DDP = """
-from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, full_parameters, train
-r, n = data_rank(mesh)
-batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(4)]
-runs = {}
-for sync in ("every_step", "parameter_server"):
-    plan = ParallelPlan(data_parallel="ddp", replica_sync=sync)
-    torch.manual_seed(0)
-    model = parallelize(Transformer(ModelConfig()).double(), mesh, plan)
-    opt = build_optimizer(model, mesh, plan, lr=1e-2)
-    # the parameter server trains in two calls: train() ends each with finish(), and the
-    # next step() starts its threads again
-    chunks = [batches] if sync == "every_step" else [batches[:2], batches[2:]]
-    losses = [l for chunk in chunks
-              for l in train(model, opt, chunk, average_over=mesh["dp"].get_group())]
-    runs[sync] = losses, full_parameters(model)
-(ddp_losses, ddp), (ps_losses, ps) = runs["every_step"], runs["parameter_server"]
-(max(abs(a - b) for a, b in zip(ddp_losses, ps_losses)),
- max(((ddp[k] - ps[k]).abs().max() / ddp[k].abs().max()).item() for k in ddp))
-"""
+# the parameter server trains in two calls: train() ends each with finish(), and the next
+# step() starts its threads again
+AGAINST_DDP = TWO_RUNS.format(
+    runs=[({"data_parallel": "ddp"}, [(0, 4)]),
+          ({"data_parallel": "ddp", "replica_sync": "parameter_server"}, [(0, 2), (2, 4)])],
+    optimizer={"lr": 1e-2})
 
 
 @pytest.mark.cluster
@@ -55,12 +40,7 @@ from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.parameter_server_replay import run_and_replay
 from meshlab.throttle import off, throttle
-import transformers as T
-def llama():  # a model meshlab did not write
-    return T.LlamaForCausalLM(T.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False))
-if mesh["dp_replicate"].get_local_rank() == 0:
+{llama}if mesh["dp_replicate"].get_local_rank() == 0:
     throttle(3)  # replica 0 is the straggler: replica 1 runs up to `staleness` clocks ahead
 out = {{}}
 try:
@@ -86,14 +66,13 @@ CASES_4 = [("none s=2", {"data_parallel": "none", "staleness": 2}, "float64")]
 
 
 @pytest.fixture(scope="module")
-def slowed_runs(_shared_cluster: Cluster) -> dict[str, dict[int, Any]]:
+def slowed_runs(module_cluster: Cluster) -> dict[str, dict[int, Any]]:
     """Each case, trained with replica 0 throttled 3x and replayed: {case: {rank: values}}."""
-    if _shared_cluster._dead or _shared_cluster._wedged:  # as the `cluster` fixture does
-        _shared_cluster.restart()
     runs: dict[str, dict[int, Any]] = {}
     for spec, cases in (("dp_replicate=2 dp=2", CASES_2X2), ("dp_replicate=4", CASES_4)):
-        _shared_cluster.init_mesh(spec)
-        result = _shared_cluster.run(SLOWED.format(cases=cases), keep_values=True, timeout=300)
+        module_cluster.init_mesh(spec)
+        result = module_cluster.run(SLOWED.format(cases=cases, llama=TINY_LLAMA),
+                                    keep_values=True, timeout=300)
         for r, out in result.values.items():
             for name, values in out.items():
                 runs.setdefault(name, {})[r] = values

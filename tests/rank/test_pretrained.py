@@ -163,12 +163,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(_shared_cluster: Cluster, root: Path) -> dict[Any, Any]:
+def results(module_cluster: Cluster, root: Path) -> dict[Any, Any]:
     """Every case run once on the 4 ranks: {rank: {case: (first parameter that differs after
     loading or None, logits/loss error, first that differs after save and reload)}}."""
-    cluster = _shared_cluster
-    if cluster._dead or cluster._wedged:
-        cluster.restart()
+    cluster = module_cluster
     setup = f"{FAMILIES_SOURCE}\nROOT = {str(root)!r}\nCASES = {CASES!r}\n" \
             f"SMALL_SHARDS = {SMALL_SHARDS}\n"
     return dict(cluster.run(setup + CELL, keep_values=True, timeout=240).values)
