@@ -27,6 +27,8 @@ for i in range(4):
     if rank == 2:
         time.sleep(0.03)   # rank 2 reaches every all_reduce late
     dist.all_reduce(y)
+    if rank == 2:
+        time.sleep(0.01)   # (without this its tp pair is a coin toss: lateness must be real)
     dist.all_reduce(y, group=mesh["tp"].get_group())
 dist.barrier()
 """
