@@ -18,6 +18,14 @@ comes along; and a forward pre-hook on its decoder gives the rotary embedding th
 positions (``position_ids`` from the rank's offset) when the caller gives none. It trains
 on whole, unpadded sequences: a padding attention_mask, a KV cache or torch's ring
 attention are refused with the fix to make.
+
+Two more trade the slices for heads instead (both models, any device): "ulysses"
+(DeepSpeed-Ulysses, meshlab.parallel.context_ulysses: an all-to-all gives each rank the
+whole sequence for a cp-th of the heads, so the bytes per rank stay constant when sequence
+and cp grow together) and "chunked" (FPDT-style, meshlab.parallel.context_chunked: Ulysses'
+layout with the sequence through attention in ``cp_chunks`` chunks, each recomputed in
+backward, the key/value chunks optionally in host memory, ``cp_offload``). This module is
+the dispatcher: ``apply_cp(model, mesh, seq_len=..., impl=...)``.
 """
 
 from __future__ import annotations
@@ -25,12 +33,15 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from meshlab.mesh import axis_size
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -88,16 +99,20 @@ def _decoder(model: nn.Module) -> Any:
     return None
 
 
-IMPLEMENTATIONS = ("auto", "meshlab", "torch")
+IMPLEMENTATIONS = ("auto", "meshlab", "torch", "ulysses", "chunked")
+HEAD_SPLIT = ("ulysses", "chunked")  # heads split over cp (Ulysses' all-to-all)
 
 
 def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "cp",
-             impl: str = "auto") -> nn.Module:
+             impl: str = "auto", chunks: int = 4, offload: bool = False) -> nn.Module:
     """Make every attention layer attend across the cp ranks' slices of the sequence.
 
     impl: "meshlab" (all-gather K/V, any device), "torch" (torch's ring attention, CUDA
-    only) or "auto" (torch's on CUDA, meshlab's elsewhere). A transformers causal LM (or a
-    pipeline stage of one) takes meshlab's only, whatever the device.
+    only), "ulysses" (all-to-all, heads split over cp), "chunked" (Ulysses' layout, the
+    sequence through attention in ``chunks`` chunks, K/V chunks in host memory with
+    ``offload``: ``model.cp_offload.moved``/``.fetched`` count the bytes) or "auto"
+    (torch's on CUDA, meshlab's elsewhere). A transformers causal LM (or a pipeline stage
+    of one) takes all but torch's, whatever the device.
     """
     cp = mesh[axis]
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
@@ -106,12 +121,20 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLEMENTATIONS}")
     from meshlab.models import Transformer
+    from meshlab.parallel.context_chunked import KVOffload, check_chunks
 
+    if impl == "chunked":
+        check_chunks(chunks, seq_len)
+    hooks = KVOffload() if impl == "chunked" and offload else None
+    if hooks is not None:
+        cast(Any, model).cp_offload = hooks  # bytes of K/V sent to host and fetched back
+    tp = axis_size(mesh, "tp")
     if not isinstance(model, Transformer):
         if _decoder(model) is None:
             raise ValueError(f"context parallel is applied to {TAKES}, not yet to "
                              f"{type(model).__name__}: build the mesh without cp")
-        return _apply_cp_transformers(model, cp, seq_len=seq_len, impl=impl)
+        return _apply_cp_transformers(model, cp, seq_len=seq_len, impl=impl, tp=tp,
+                                      chunks=chunks, offload=hooks)
     if impl == "auto":
         impl = "torch" if cp.device_type == "cuda" else "meshlab"
     if impl == "torch" and cp.device_type != "cuda":
@@ -131,18 +154,48 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
 
     if impl == "torch":
         core = _torch_ring_attention(cp)
+    if impl in HEAD_SPLIT:
+        from meshlab.parallel.context_chunked import chunked_attention, sdpa_block
+        from meshlab.parallel.context_ulysses import check_heads, meshlab_core
+
+        cfg = transformer.cfg
+        check_heads(cfg.n_heads, cfg.n_kv_heads, size, impl=impl, kind="meshlab's Transformer",
+                    tp=tp)
+        core = meshlab_core(group, cfg.n_heads // cfg.n_kv_heads,
+                            _sdpa_whole if impl == "ulysses" else partial(
+                                chunked_attention, chunks=chunks, attend=sdpa_block,
+                                offload=hooks))
     for block in cast(nn.ModuleDict, model.layers).values():
         attention: Any = block.attention
         attention.core = core
     return model
 
 
+def _sdpa_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over the whole sequence (Ulysses' local attention on a head slice)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def causal_mask(query_pos: torch.Tensor, keys_pos: torch.Tensor, *, window: int | None,
+                additive: torch.dtype | None) -> torch.Tensor:
+    """(Tq, Tk) mask of the keys each query sees (causal, within a sliding ``window``): bool,
+    or with ``additive`` a dtype, 0 / -inf-like scores for eager attention to add."""
+    mask = keys_pos[None, :] <= query_pos[:, None]
+    if window is not None:  # as transformers' sliding_window_overlay
+        mask = mask & (keys_pos[None, :] > query_pos[:, None] - window)
+    if additive is not None:
+        return torch.zeros(mask.shape, dtype=additive, device=mask.device
+                           ).masked_fill(~mask, torch.finfo(additive).min)
+    return mask
+
+
 _NAMES = itertools.count()  # transformers' attention registry is global: one name per apply
 
 
-def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, impl: str
-                           ) -> nn.Module:
-    """All-gather K/V attention for a transformers causal LM (or a pipeline stage of one)."""
+def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, impl: str,
+                           tp: int = 1, chunks: int = 4, offload: Any = None) -> nn.Module:
+    """Context-parallel attention for a transformers causal LM (or a pipeline stage of one):
+    all-gather K/V ("meshlab"), or heads split over cp ("ulysses", "chunked")."""
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -163,14 +216,16 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
     chunk = seq_len // size
     offset = rank * chunk
+    split = _head_split(decoder, kind, group, size, impl=impl, tp=tp, chunks=chunks,
+                        offload=offload)
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None,
                   **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        """transformers' attention interface: (B, H, T/cp, D) local q, k, v in; the keys and
-        values of the whole sequence gathered, then the model's own attention function run
-        on them with a mask for this rank's queries (so softcapping, sinks, its float32
-        softmax, all it does, come along)."""
+        """transformers' attention interface: (B, H, T/cp, D) local q, k, v in; the model's
+        own attention function run on the keys and values of the whole sequence (gathered,
+        or for a slice of the heads) with a mask for the queries it gets (so softcapping,
+        its float32 softmax, all it does, come along)."""
         if attention_mask is not None:
             raise ValueError(f"context parallel got an attention mask of shape "
                              f"{tuple(attention_mask.shape)}; expected None (its attention "
@@ -179,18 +234,27 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
         if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
             raise ValueError(f"context parallel got a non-causal {type(module).__name__}; "
                              "expected causal attention: build the mesh without cp")
-        keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
-        query_pos = torch.arange(offset, offset + query.shape[2], device=query.device)[:, None]
-        keys_pos = torch.arange(keys.shape[2], device=query.device)[None, :]
-        mask = keys_pos <= query_pos
-        window = kwargs.get("sliding_window")
-        if window is not None:  # as transformers' sliding_window_overlay
-            mask = mask & (keys_pos > query_pos - window)
-        if wrapped == "eager":  # eager adds its mask to the scores
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device
-                               ).masked_fill(~mask, torch.finfo(query.dtype).min)
         own = (ALL_ATTENTION_FUNCTIONS[wrapped] if wrapped != "eager" else
                sys.modules[type(module).__module__].eager_attention_forward)
+        window = kwargs.get("sliding_window")
+        additive = query.dtype if wrapped == "eager" else None  # eager adds it to the scores
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
+                ) -> torch.Tensor:
+            """The model's own attention of (B, h, c, D) queries from ``start`` over the
+            keys from 0: (B, h, c, D) out (transformers returns (B, c, h, D))."""
+            query_pos = torch.arange(start, start + q.shape[2], device=q.device)
+            keys_pos = torch.arange(k.shape[2], device=q.device)
+            mask = causal_mask(query_pos, keys_pos, window=window, additive=additive)
+            return cast(torch.Tensor, own(module, q, k, v, mask[None, None], **kwargs)[0]
+                        ).transpose(1, 2)
+
+        if split is not None:  # weights of a head slice are no model's output
+            return split(query, key, value, run).transpose(1, 2).contiguous(), None
+        keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
+        query_pos = torch.arange(offset, offset + query.shape[2], device=query.device)
+        mask = causal_mask(query_pos, torch.arange(keys.shape[2], device=query.device),
+                           window=window, additive=additive)
         return cast(tuple[torch.Tensor, Any],
                     own(module, query, keys, values, mask[None, None], **kwargs))
 
@@ -205,6 +269,31 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
     decoder.register_forward_pre_hook(_slice_inputs_hook(decoder, offset, chunk, seq_len, size),
                                       with_kwargs=True)
     return model
+
+
+def _head_split(decoder: Any, kind: str, group: Any, size: int, *, impl: str, tp: int,
+                chunks: int, offload: Any) -> Any:
+    """For "ulysses" and "chunked": ``split(q, k, v, run)``, the heads split over cp and
+    ``run(q, k, v, start)`` (one model attention call) on the whole sequence or chunk by
+    chunk; None for the all-gather. Head counts that do not split are refused here."""
+    if impl not in HEAD_SPLIT:
+        return None
+    from meshlab.parallel.context_chunked import chunked_attention
+    from meshlab.parallel.context_ulysses import check_heads, refuse_head_parameters, ulysses
+
+    config = decoder.config
+    heads = config.num_attention_heads
+    check_heads(heads, getattr(config, "num_key_value_heads", None) or heads, size, impl=impl,
+                kind=kind, tp=tp)
+    refuse_head_parameters(decoder, impl=impl)
+
+    def split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: Any) -> torch.Tensor:
+        if impl == "ulysses":
+            return ulysses(q, k, v, group, lambda a, b, c: run(a, b, c, 0))
+        return ulysses(q, k, v, group, partial(
+            chunked_attention, chunks=chunks, attend=run, offload=offload))
+
+    return split
 
 
 def _slice_inputs_hook(decoder: nn.Module, offset: int, chunk: int, seq_len: int, size: int
