@@ -8,7 +8,7 @@ bytes this process really holds for a module's parameters, gradients and optimiz
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -33,6 +33,15 @@ class MemoryReport:
     optimizer: int
     host: int = 0
     """Of these, the bytes offloading keeps in host memory (the rest is on the device)."""
+    # what the formula beside the bytes needs, not bytes: left out of == (compare=False)
+    optimizer_kind: str = field(default="", compare=False)
+    """build_optimizer's kind of the optimizer measured ("" if none or another), for the
+    formula beside it (meshlab.plan.formulas.sharded_state_bytes)."""
+    shapes: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
+    """The parameters' shapes on one tensor-parallel rank, before ZeRO shards them (what
+    that formula needs)."""
+    element_bytes: int = field(default=4, compare=False)
+    """Bytes per value of the parameters (AdamW and SGD keep their states in that dtype)."""
 
     @property
     def total(self) -> int:
@@ -59,6 +68,12 @@ def _count(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int, int]],
     for tensor in tensors:
         t = local_shard(tensor)
         if t.device.type == "meta":  # no storage behind it
+            continue
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            # a wrapper (torchao's 8-bit optimizer state) has no storage of its own: its
+            # codes, scales and code book hold the bytes
+            names, _ = t.__tensor_flatten__()
+            total += _count((getattr(t, n) for n in names), seen, host)
             continue
         nbytes = t.numel() * t.element_size()
         # Key on the byte range, not the storage alone: tied weights share one range and are
@@ -95,8 +110,13 @@ def measure(model: torch.nn.Module,
         opt = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
         n_optim = _count((v for state in opt.state.values() for v in state.values()
                           if isinstance(v, torch.Tensor)), seen, host)
+    from meshlab.parallel.optimizers import optimizer_kind
+
     return MemoryReport(params=n_params, grads=n_grads, optimizer=n_optim,
-                        host=host[0] if host else 0)
+                        host=host[0] if host else 0,
+                        optimizer_kind=optimizer_kind(optimizer) if optimizer else "",
+                        shapes=tuple(tp_rank_shape(p) for p in params),
+                        element_bytes=params[0].element_size() if params else 4)
 
 
 def tp_rank_params(model: torch.nn.Module) -> int:
@@ -113,6 +133,21 @@ def tp_rank_params(model: torch.nn.Module) -> int:
             count = -(-count // p.device_mesh.size(names.index("tp")))
         total += count
     return total
+
+
+def tp_rank_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``p`` on one tensor-parallel rank: a dim TP splits is ceil(size / tp)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = list(p.shape)
+    if isinstance(p, DTensor):
+        names = list(p.device_mesh.mesh_dim_names or ())
+        if "tp" in names:
+            dim = getattr(p.placements[names.index("tp")], "dim", None)
+            if isinstance(dim, int):
+                size = p.device_mesh.size(names.index("tp"))
+                shape[dim % p.ndim] = -(-shape[dim % p.ndim] // size)
+    return tuple(shape)
 
 
 def _params_on_host(model: torch.nn.Module) -> bool:

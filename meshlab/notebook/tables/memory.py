@@ -8,6 +8,7 @@ import pandas as pd
 
 from meshlab.memory import zero_bytes
 from meshlab.notebook.tables.table import Table, in_byte_unit
+from meshlab.plan.formulas import sharded_state_bytes
 
 PARTS = ("params", "grads", "optimizer")
 
@@ -21,7 +22,11 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     ``activations``: ``{rank: (device, host)}`` bytes one forward saves for backward.
 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
-    optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy).
+    optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy). Reports
+    that name their optimizer's kind (``meshlab.memory.measure`` of a build_optimizer
+    optimizer) get that optimizer's state bytes instead, from the parameters' shapes
+    (``meshlab.plan.formulas.sharded_state_bytes`` of one tp rank's shapes: the mean per
+    rank).
 
     ``params`` is the model's parameter count, or what one tensor-parallel rank holds
     (``meshlab.memory.tp_rank_params``: TP leaves norms, and often the embedding and head,
@@ -37,6 +42,11 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     if stage is not None:
         formula = zero_bytes(params // tp, dp=dp, stage=stage, param_bytes=param_bytes,
                              grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+        first: Any = next(iter(reports.values()), None)
+        kind = getattr(first, "optimizer_kind", "")
+        if kind:  # the measured optimizer's own states, from the shapes it steps
+            formula["optimizer"] = sharded_state_bytes(
+                kind, list(first.shapes), dp=dp, stage=stage, param_bytes=first.element_bytes)
         rows.append({"rank": f"ZeRO-{stage} formula", **{p: formula[p] for p in PARTS},
                      "source": "formula", "host": 0})
     frame = pd.DataFrame(rows)
