@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from meshlab.mesh import axis_size
+from meshlab.parallel import precision
 from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.context import IMPLEMENTATIONS
@@ -24,6 +25,7 @@ from meshlab.parallel.fsdp import apply_fsdp
 from meshlab.parallel.local_sgd import ReplicaSync
 from meshlab.parallel.materialize import Origins, materialize, on_meta, record
 from meshlab.parallel.offload import apply_activation_offload
+from meshlab.parallel.optimizers import OPTIMIZERS, check_sharding
 from meshlab.parallel.pipeline import apply_pp, is_causal_lm
 from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
 from meshlab.parallel.zero import apply_zero1
@@ -36,9 +38,6 @@ if TYPE_CHECKING:
 
 DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3")
 EVERY_H = tuple(m for m in PLANNED_EVERY_H if m != "a_edit")  # a_edit: sync_seconds
-OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "adamw": (torch.optim.AdamW, {}), "sgd": (torch.optim.SGD, {"momentum": 0.9})}
-"""build_optimizer's kinds: the class and what it takes besides lr and weight decay."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,9 +61,11 @@ class ParallelPlan:
     and activation checkpointing wraps; None: found (meshlab.parallel.blocks)."""
     activation_checkpoint: str = "none"
     """none, selective (attention core) or full (every block)."""
-    mixed_precision: bool = False
-    """bf16 compute: on FSDP stages (zero2, zero3) bf16 parameters with fp32 gradient
-    reduction; on any other, torch.autocast to bf16 around the forward, fp32 weights."""
+    mixed_precision: bool | str = False
+    """bf16 (or True) or fp16 compute: on FSDP stages (zero2, zero3) parameters in that dtype
+    with fp32 gradient reduction; on any other, torch.autocast around the forward, fp32
+    weights. fp16 adds dynamic loss scaling: build_optimizer's optimizer then has
+    ``scale(loss)`` (meshlab.parallel.precision)."""
     max_grad_norm: float | None = None
     """Clip the gradient to this norm before each optimizer step: the norm of the whole
     model across every axis (meshlab.parallel.clip), as one process would clip it."""
@@ -81,7 +82,14 @@ class ParallelPlan:
     ["model.layers.3"] on a transformers model); None: blocks split as evenly as they go."""
     context_parallel: str = "auto"
     """With cp > 1: meshlab (all-gather K/V, any device), torch (torch's ring attention,
-    CUDA only) or auto (torch's on CUDA, meshlab's elsewhere)."""
+    CUDA only), ulysses (all-to-all, heads split over cp), chunked (FPDT-style: Ulysses'
+    layout, the sequence through attention in cp_chunks chunks) or auto (torch's on CUDA,
+    meshlab's elsewhere)."""
+    cp_chunks: int = 4
+    """context_parallel='chunked': chunks the sequence goes through attention in (scores of
+    one chunk against the keys so far at a time, each recomputed in backward)."""
+    cp_offload: bool = False
+    """context_parallel='chunked': key/value chunks kept in host memory between uses."""
     replica_sync: str = "every_step"
     """How the dp_replicate replicas agree: every_step (their gradients reduced each step:
     DDP, HSDP), local_sgd (parameters averaged every sync_every steps), diloco (an outer
@@ -117,8 +125,24 @@ class ParallelPlan:
     offload_activations: bool = False
     """What every block saves for backward kept in host memory until backward needs it
     (meshlab.parallel.offload)."""
+    loss_scale: float = 2.0**16
+    """fp16: the dynamic loss scale to start from (halved on each overflow, doubled after
+    2000 steps without one; torch's GradScaler defaults)."""
+    qat: str | None = None
+    """Quantization-aware training: every Linear fake-quantized in the forward by a torchao
+    scheme (8da4w, 8da8w, 4w: meshlab.parallel.precision.QAT_SCHEMES), before the
+    strategies; None: no QAT. Needs torchao."""
 
     def __post_init__(self) -> None:
+        # precision: one vocabulary (True is bf16), fp8 refused (meshlab.parallel.precision)
+        precision.precision_of(self.mixed_precision)
+        if self.qat is not None and self.qat not in precision.QAT_SCHEMES:
+            raise ValueError(f"qat={self.qat!r} is not one of "
+                             f"{tuple(precision.QAT_SCHEMES)} (or None)")
+        precision.check_fp16(self, {})
+        if not self.loss_scale > 0:
+            raise ValueError(f"loss_scale={self.loss_scale!r} must be a positive number (fp16's "
+                             "initial loss scale, e.g. 65536.0)")
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel={self.data_parallel!r} is not one of "
                              f"{DATA_PARALLEL}")
@@ -128,6 +152,13 @@ class ParallelPlan:
         if self.context_parallel not in IMPLEMENTATIONS:
             raise ValueError(f"context_parallel={self.context_parallel!r} is not one of "
                              f"{IMPLEMENTATIONS}")
+        if not isinstance(self.cp_chunks, int) or self.cp_chunks < 1:
+            raise ValueError(f"cp_chunks={self.cp_chunks!r} must be an integer >= 1 (chunks "
+                             "of the sequence through attention), e.g. cp_chunks=4")
+        if (self.cp_chunks != 4 or self.cp_offload) and self.context_parallel != "chunked":
+            raise ValueError(f"cp_chunks={self.cp_chunks}, cp_offload={self.cp_offload} apply "
+                             f"to context_parallel='chunked', not {self.context_parallel!r}: "
+                             "pass context_parallel='chunked' (or leave them at 4, False)")
         if self.microbatches < 1:
             raise ValueError(f"microbatches={self.microbatches} must be >= 1")
         if self.virtual < 1:
@@ -240,6 +271,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
                          "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
                          "%mesh init dp=2 tp=2")
     _check_model_supports(model, mesh, plan)
+    axes = {a: axis_size(mesh, a) for a in ("tp", "cp", "ep")}
+    precision.check_fp16(plan, axes)
+    precision.check_qat(plan, axes, model)
+    if plan.qat is not None:  # before the strategies: they shard the fake-quantized Linears
+        model = precision.apply_qat(model, plan.qat)
     origins = record(model, init) if on_meta(model) else None
     stage = partial(_parallelize_stage, mesh=mesh, plan=plan, origins=origins, seed=seed)
     if axis_size(mesh, "pp") > 1:
@@ -301,14 +337,16 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
     if axis_size(mesh, "cp") > 1:
         from meshlab.parallel.context import apply_cp
 
-        model = apply_cp(model, mesh, seq_len=plan.seq_len, impl=plan.context_parallel)
+        model = apply_cp(model, mesh, seq_len=plan.seq_len, impl=plan.context_parallel,
+                         chunks=plan.cp_chunks, offload=plan.cp_offload)
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
     fsdp = plan.data_parallel in ("zero2", "zero3") and data_parallel_ranks(mesh, plan) > 1
     if plan.mixed_precision and not fsdp:
-        model = apply_autocast(model, mesh.device_type)
+        dtype = precision.compute_dtype(plan.mixed_precision)
+        model = apply_autocast(model, mesh.device_type, dtype)
     if plan.offload_activations:
         model = apply_activation_offload(model, blocks=plan.blocks)
     if origins is not None and not fsdp:
@@ -321,12 +359,12 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
             axis = within if alone else "dp_cp" if axis_size(mesh, "cp") > 1 else "dp"
             model = apply_ddp(model, mesh, axis=axis)
         elif plan.data_parallel in ("zero2", "zero3"):
-            # mixed precision: bf16 compute, fp32 gradient reduction (the usual recipe)
-            mixed = plan.mixed_precision
+            # mixed precision: bf16/fp16 compute, fp32 gradient reduction (the usual recipe)
+            mixed = precision.compute_dtype(plan.mixed_precision)
             # With PP, do not reshard after forward: it would all-gather per micro-batch.
             reshard = plan.data_parallel == "zero3" and axis_size(mesh, "pp") == 1
             model = apply_fsdp(model, mesh, reshard_after_forward=reshard,
-                               param_dtype=torch.bfloat16 if mixed else None,
+                               param_dtype=mixed,
                                reduce_dtype=torch.float32 if mixed else None,
                                blocks=plan.blocks, replicate=not alone,
                                offload=plan.offload_params)
@@ -335,10 +373,11 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
     return model
 
 
-def apply_autocast(model: nn.Module, device_type: str) -> nn.Module:
-    """bf16 compute where FSDP's mixed precision does not reach: the model's forward runs
-    under torch.autocast (weights, gradients and optimizer stay fp32)."""
-    model.forward = torch.autocast(device_type, dtype=torch.bfloat16)(model.forward)
+def apply_autocast(model: nn.Module, device_type: str,
+                   dtype: torch.dtype | None = torch.bfloat16) -> nn.Module:
+    """bf16 (or fp16) compute where FSDP's mixed precision does not reach: the model's
+    forward runs under torch.autocast (weights, gradients and optimizer stay fp32)."""
+    model.forward = torch.autocast(device_type, dtype=dtype)(model.forward)
     return model
 
 
@@ -351,11 +390,13 @@ def data_parallel_ranks(mesh: DeviceMesh, plan: ParallelPlan) -> int:
 
 def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, lr: float = 1e-2,
                     weight_decay: float = 0.1, kind: str = "adamw") -> torch.optim.Optimizer:
-    """AdamW (or ``kind="sgd"``: SGD with momentum 0.9), its states sharded over dp for
-    ZeRO-1; with local SGD or DiLoCo, it synchronises the replicas after its steps."""
+    """The optimizer of ``kind`` (meshlab.parallel.optimizers.OPTIMIZERS: adamw, adamw_bf16
+    (bf16 moments), adamw8bit (torchao), adafactor, sgd with momentum 0.9), its states sharded
+    over dp for ZeRO-1; with local SGD or DiLoCo, it synchronises the replicas after its steps."""
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer kind={kind!r} is not one of {tuple(OPTIMIZERS)}")
     cls, extra = OPTIMIZERS[kind]
+    check_sharding(kind, model.parameters())  # before training, on every rank alike
     args = {"lr": lr, "weight_decay": weight_decay, **extra}
     alone = plan.replica_sync != "every_step"
     if plan.replica_sync == "parameter_server":  # the servers step; workers push and pull
@@ -378,6 +419,8 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
         sync = replica_sync(model, mesh, plan)
         optimizer.register_step_post_hook(sync.after_step)
         optimizer.replica_sync = sync  # type: ignore[attr-defined]  # for a look at its count
+    if plan.mixed_precision == "fp16":  # scale(loss); step unscales, then clips, or skips
+        optimizer = precision.LossScaledOptimizer(optimizer, model, init_scale=plan.loss_scale)
     return optimizer
 
 
