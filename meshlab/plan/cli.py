@@ -5,13 +5,14 @@ collectives. The model is a preset, a TOML file (``--model my.toml``) or shape f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from meshlab.plan.hardware import HARDWARE
 from meshlab.plan.layout import PRECISIONS
 from meshlab.plan.report import plan
-from meshlab.plan.shapes import MODELS, ModelShape, load_model
+from meshlab.plan.shapes import MODELS, ModelShape, load_model, model_shape
 
 # shape flags (argparse dest) -> ModelShape fields: all of the first or none
 SHAPE_FLAGS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "ffn": "ffn",
@@ -47,7 +48,9 @@ def add_command(commands: Any) -> None:
     own.add_argument("--model", metavar="FILE.toml", help="the model's shape from a TOML file")
     for flag, what in (("layers", "transformer layers"), ("hidden", "hidden size"),
                        ("heads", "attention heads"), ("ffn", "feed-forward hidden size"),
-                       ("vocab", "vocabulary size"), ("seq", "training sequence length"),
+                       ("vocab", "vocabulary size"),
+                       ("seq", "training sequence length (alone: a preset's or a file's "
+                        "model at this length, e.g. --seq 131072)"),
                        ("kv-heads", "key/value heads (default: --heads)"),
                        ("experts", "experts per MoE layer (default: dense)"),
                        ("top-k", "experts each token goes to (default 1)")):
@@ -59,6 +62,9 @@ def chosen_model(args: Any) -> str | ModelShape:
     """The one model the arguments name: a preset, a TOML file or shape flags."""
     flags = {dest: getattr(args, dest) for dest in (*SHAPE_FLAGS, *OPTIONAL_SHAPE_FLAGS)
              if getattr(args, dest) is not None}
+    if set(flags) == {"seq"} and (args.preset or args.model):  # a preset at another length
+        base = load_model(args.model) if args.model else model_shape(str(args.preset))
+        return dataclasses.replace(base, seq_len=flags["seq"])
     sources = [s for s, given in ((f"the preset {args.preset!r}", args.preset),
                                   (f"--model {args.model}", args.model),
                                   (" ".join(_flag(d) for d in flags) + " flags", flags))

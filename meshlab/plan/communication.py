@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlab.plan.formulas import collective_seconds
-from meshlab.plan.memory import DDP_BUCKET_BYTES, layer_bytes, sharded_params
+from meshlab.plan.compute import attention_seconds
+from meshlab.plan.formulas import collective_seconds, context_parallel_collectives
+from meshlab.plan.memory import DDP_BUCKET_BYTES, cp_memory, layer_bytes, sharded_params
 from meshlab.plan.stage import Stage
 
 
@@ -83,16 +84,6 @@ class Communication:
                 calls += [("tp", f"TP {kind} of activations", kind, lay.tp, 1, act, 2, False),
                           ("tp", f"TP {kind} of activation gradients", kind, lay.tp, 1, act,
                            2, True)]
-        if lay.cp > 1:
-            # each rank gathers every rank's keys and values; the backward reduce-scatters
-            # their gradients (a ring pass moves the same bytes)
-            kv = 2 * lay.micro_batch * m.seq_len * m.n_kv_heads * m.head_dim / lay.tp
-            kv *= dt.activations
-            stride = lay.stride("cp")
-            calls += [("cp", "CP all-gather of keys and values", "all_gather", lay.cp, stride,
-                       kv, 1, False),
-                      ("cp", "CP reduce-scatter of key and value gradients", "reduce_scatter",
-                       lay.cp, stride, kv, 1, True)]
         if lay.ep > 1:
             # dispatch and combine: each token's hidden state to top_k experts and back
             routed = s.tokens * m.top_k * m.hidden * dt.activations / lay.tp
@@ -112,6 +103,35 @@ class Communication:
                 if lay.recompute == "full":  # the recomputed forward issues them again
                     b += self.add(axis, what + " (recomputed forward)", kind, ranks, stride,
                                   nbytes, per_layer * n, overlapped=False) / lay.microbatches
+        cp_f, cp_b = self.context_parallel()
+        return f + cp_f, b + cp_b
+
+    def context_parallel(self) -> tuple[float, float]:
+        """Forward and backward seconds one micro-batch's CP collectives keep on the critical
+        path (formulas.context_parallel_collectives): the all-gathers, all-reduces and
+        all-to-alls whole, ring hops what the attention they run behind leaves exposed."""
+        s = self.stage
+        lay, m = s.layout, s.model
+        if lay.cp == 1:
+            return 0.0, 0.0
+        impl, n = lay.context_parallel, s.layers * lay.microbatches
+        found = context_parallel_collectives(
+            impl, batch=lay.micro_batch, seq_len=m.seq_len, heads=m.heads // lay.tp,
+            kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_dim, cp=lay.cp,
+            dtype_bytes=s.dtypes.activations, chunks=lay.cp_chunks)
+        # (forward, backward): (critical, overlappable) seconds of a micro-batch
+        sums = {False: [0.0, 0.0], True: [0.0, 0.0]}
+        repeats = [(False, "")] + ([(True, " (recomputed forward)")]
+                                   if lay.recompute == "full" else [])
+        for c in found:
+            for again, tail in repeats if not c.backward else [(False, "")]:
+                seconds = self.add("cp", f"CP {impl}: {c.name}{tail}", c.collective, lay.cp,
+                                   lay.stride("cp"), c.buffer, c.calls * n,
+                                   overlapped=c.overlappable) / lay.microbatches
+                sums[c.backward or again][c.overlappable] += seconds
+        attention = attention_seconds(s) * s.layers  # forward; the backward's is twice that
+        f = sums[False][0] + s.not_hidden(sums[False][1], attention)
+        b = sums[True][0] + s.not_hidden(sums[True][1], 2 * attention)
         return f, b
 
     def fsdp_per_microbatch(self) -> tuple[float, float]:
@@ -278,6 +298,12 @@ class Communication:
                                     sharded_params(s) / units, units * gathers)
             to_host += self._copy("offload: gradient shards to the host", grads / units,
                                   units * lay.microbatches)
+        if lay.cp > 1 and lay.cp_offload:  # chunked's K/V chunks, every layer
+            cp = cp_memory(s)
+            to_host += self._copy("offload: key/value chunks to the host", cp["to_host"],
+                                  s.layers * lay.microbatches)
+            to_device += self._copy("offload: key/value chunks back for each query chunk",
+                                    cp["to_device"], s.layers * lay.microbatches)
         if lay.offload_activations:
             saved = layer_bytes(s, lay.recompute) * s.layers
             to_host += self._copy("offload: saved activations to the host", saved,

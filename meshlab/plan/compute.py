@@ -52,10 +52,7 @@ def layer_seconds(stage: Stage) -> tuple[float, float]:
     dense_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in layer_gemms(stage))
     dense_fb = sum(gemm.training_seconds(hw, g, dt.compute, dt.activations)
                    for g in layer_gemms(stage))
-    # fused (flash) attention skips the masked half of the causal square; the backward
-    # computes four products to the forward's two
-    attn_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations)
-                 for g in attention_gemms(stage)) * (0.5 if lay.flash_attention else 1.0)
+    attn_f = attention_seconds(stage)  # the backward computes four products to its two
     bandwidth = hw.memory_bandwidth_gbs * 1e9
     mem_f = memory_bound_bytes(stage) / 3 / bandwidth
     scores_f = score_bytes(stage) / 3 / bandwidth
@@ -63,9 +60,25 @@ def layer_seconds(stage: Stage) -> tuple[float, float]:
     b = (dense_fb - dense_f) + 2 * attn_f + 2 * (mem_f + scores_f)
     if lay.recompute == "full":
         b += f
-    elif lay.recompute == "selective":  # the attention core again
-        b += attn_f + scores_f
+    elif lay.recompute == "selective" or (lay.cp > 1 and lay.context_parallel == "chunked"):
+        b += attn_f + scores_f  # the attention core again (chunked: each chunk checkpointed)
     return f, b
+
+
+def attention_seconds(stage: Stage) -> float:
+    """Attention's two products in one layer's forward, one micro-batch, on the slowest cp
+    rank. Fused (flash) attention skips the masked half of the causal square; with cp,
+    meshlab's and torch's contiguous slices (no load balancing) leave the last rank's
+    queries against every key before them: (n - 1/2)/n of its square, not half, so that
+    rank takes 2 - 1/n times the average. Ulysses and chunked hold every position of their
+    heads, Llama 3's all-gather splits the sequence into 2n balanced chunks: no skew. The
+    products are costed at the all-gather's shapes (the same FLOPs for every impl)."""
+    hw, dt, lay = stage.hardware, stage.dtypes, stage.layout
+    seconds = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in attention_gemms(stage))
+    if not lay.flash_attention:
+        return seconds
+    skew = 2 - 1 / lay.cp if lay.context_parallel in ("meshlab", "torch") else 1.0
+    return seconds * 0.5 * skew
 
 
 def output_seconds(stage: Stage) -> tuple[float, float]:
@@ -134,7 +147,25 @@ def memory_bound_bytes(stage: Stage) -> float:
     ffn = m.ffn * (m.top_k if m.experts else 1)
     per_token = (14 * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden
                  + 5 * ffn) / lay.tp
-    return 3 * per_token * stage.dtypes.activations * stage.tokens
+    return 3 * per_token * stage.dtypes.activations * stage.tokens + qat_bytes(stage)
+
+
+def qat_bytes(stage: Stage) -> float:
+    """Bytes QAT's fake quantization moves in one layer, one micro-batch (torchao's
+    FakeQuantizedLinear): an assumption, not a measurement. Each Linear's weight is read,
+    scaled, rounded and written again (~4 passes) in the forward and its straight-through
+    gradient passes once in the backward; the 8da* schemes do the same to each Linear's
+    input (8-bit per-token dynamic activations). Memory does not change: the fake-quantized
+    copies live for one matmul."""
+    m, lay = stage.model, stage.layout
+    if lay.qat == "none":
+        return 0.0
+    q = m.heads * m.head_dim
+    experts = m.top_k if m.experts else 1
+    weights = m.layer_params / lay.tp
+    inputs = 0.0 if lay.qat == "4w" else stage.tokens * (
+        (2 + experts) * m.hidden + q + experts * m.ffn) / lay.tp
+    return 5 * (weights + inputs) * stage.dtypes.activations
 
 
 def optimizer_seconds(stage: Stage) -> float:

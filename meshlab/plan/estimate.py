@@ -147,12 +147,16 @@ class Estimate:
 def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     """Predict memory per GPU, communication and step time (ValueError if invalid)."""
     check(model, layout)
+    if layout.cp > 1 and layout.context_parallel == "torch" and not hardware.asynchronous:
+        raise ValueError(f"context_parallel=torch (ring attention) runs on CUDA ranks only, and "
+                         f"{hardware.name} is not a GPU: use context_parallel=meshlab or ulysses")
     stage, lay = Stage(model, layout, hardware), layout
     comm = Communication(stage)
     t_f, t_b = microbatch_seconds(stage)
     compute_mb = t_f + t_b
     t_f_crit, t_b_crit = comm.critical_path()  # TP, CP, EP per micro-batch
-    by_axis = _exposed(comm.collectives, sum(c.seconds for c in comm.collectives))
+    # ring hops hide behind attention: what they leave, not their time, is exposed
+    by_axis = _exposed(comm.collectives, (t_f_crit + t_b_crit) * lay.microbatches)
     fsdp_axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
     hidden_f, hidden_b = comm.fsdp_per_microbatch()  # overlaps its own compute
     not_hidden = stage.not_hidden_units(hidden_f, t_f), stage.not_hidden_units(hidden_b, t_b)
@@ -175,7 +179,7 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     by_axis = _add(by_axis, {"host": copies_exposed})
     optimizer_s = optimizer_seconds(stage)
     memory = memory_per_gpu(stage, inflight)
-    notes: list[str] = []
+    notes: list[str] = [*precision_notes(lay)]
     if memory["total"] > hardware.usable_bytes:
         notes.append(f"needs {memory['total'] / GIB:.1f} GiB of "
                      f"{hardware.usable_bytes / GIB:.1f} GiB usable")
@@ -196,6 +200,26 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
                     hardware_flops=hardware_per_token * tokens, notes=notes,
                     exposed_by_axis=by_axis,
                     bubble_s=max(0.0, pipeline_s - lay.microbatches * (t_f + t_b)))
+
+
+def precision_notes(lay: Layout) -> list[str]:
+    """What the planner assumes for the precision, optimizer and QAT of ``lay``."""
+    out = []
+    if lay.precision == "fp8":
+        out.append("fp8: matmuls at the GPU's fp8 peak (torchao float8), states as bf16's; "
+                   "GPU only: meshlab.parallel does not run it, so this is planned, not "
+                   "verified")
+    if lay.precision == "fp16":
+        out.append("fp16: counted as bf16 (2-byte parameters and gradients, fp32 master "
+                   "weights, bf16's matmul peak); the loss scaler's state is negligible")
+    if lay.qat != "none":
+        out.append(f"qat={lay.qat}: the same memory; fake quantization's passes over weights"
+                   + ("" if lay.qat == "4w" else " and activations")
+                   + " added at memory bandwidth (assumed ~5 a value; not measured)")
+    if lay.optimizer != "adamw":
+        out.append(f"optimizer={lay.optimizer}: its states per parameter as "
+                   "formulas.optimizer_bytes_per_param; its step time counted as AdamW's")
+    return out
 
 
 def _exposed(added: list[Collective], seconds: float) -> dict[str, float]:

@@ -15,7 +15,14 @@ from typing import Any
 
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
-from meshlab.plan.formulas import EVERY_H, RECOMPUTE_MODES, REPLICA_SYNC, ZERO_STAGES
+from meshlab.plan.formulas import (
+    CP_IMPLEMENTATIONS,
+    EVERY_H,
+    RECOMPUTE_MODES,
+    REPLICA_SYNC,
+    ZERO_STAGES,
+    cp_refusal,
+)
 from meshlab.plan.shapes import ModelShape
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
 
@@ -45,16 +52,28 @@ PRECISIONS = {
     "fp32": Precision(compute="fp32", params=4, grads=4, optimizer=8, activations=4),
     "bf16": Precision(compute="bf16", params=2, grads=2, optimizer=12, activations=2),
     "fp8": Precision(compute="fp8", params=2, grads=2, optimizer=12, activations=2),
+    # fp16 is counted as bf16: 2-byte parameters and gradients, fp32 master weights, and
+    # matmuls at bf16's peak (the same tensor cores on A100/H100/B200); the dynamic loss
+    # scaler is one fp32 scalar and a growth counter, left out
+    "fp16": Precision(compute="bf16", params=2, grads=2, optimizer=12, activations=2),
 }
+OPTIMIZERS = ("adamw", "adamw_bf16", "adamw8bit", "adafactor", "sgd")
+"""build_optimizer's kinds (formulas.OPTIMIZER_KINDS): the optimizer's state bytes per
+parameter, zero_bytes' K (formulas.optimizer_bytes_per_param)."""
+QAT_SCHEMES = ("none", "8da4w", "8da8w", "4w")
+"""ParallelPlan's qat schemes (meshlab.parallel.precision; "none": no QAT): fake-quantized
+weights (4 or 8 bits) and, for 8da*, 8-bit dynamic activations in every Linear's forward."""
 
 SHARD_UNITS = ("layer", "weight")
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule of a layout that names none: the only one a layout without a pipeline has."""
 ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
-           "sp": "sequence_parallel", "v": "virtual", "grad_accum": "microbatches"}
+           "sp": "sequence_parallel", "v": "virtual", "grad_accum": "microbatches",
+           "cp_impl": "context_parallel"}
 """Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's
 (without a pipeline, the micro-batches are gradient accumulation's micro-steps)."""
-_COUNTS = ("virtual", "micro_batch", "microbatches", "sync_every")  # whole numbers >= 1
+# whole numbers >= 1
+_COUNTS = ("virtual", "micro_batch", "microbatches", "sync_every", "cp_chunks")
 
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True,
           "0": False, "false": False, "no": False, "off": False}
@@ -119,6 +138,20 @@ class Layout:
     a_edit)."""
     staleness: int = 0
     """parameter_server: versions a worker's parameters may lag (0: it waits every step)."""
+    context_parallel: str = "meshlab"
+    """With cp > 1, how attention crosses the sequence slices (formulas.CP_IMPLEMENTATIONS):
+    meshlab (K/V all-gathered, gradients all-reduced), torch (ring, CUDA only), ulysses
+    (all-to-all to heads), chunked (Ulysses, attention in cp_chunks chunks) or all_gather
+    (Llama 3's: gradients reduce-scattered)."""
+    cp_chunks: int = 4
+    """context_parallel=chunked: the chunks the sequence goes through attention in."""
+    cp_offload: bool = False
+    """context_parallel=chunked: key/value chunks wait in host memory between uses."""
+    optimizer: str = "adamw"
+    """The optimizer (OPTIMIZERS): its state bytes per parameter, sharded by ZeRO >= 1."""
+    qat: str = "none"
+    """Quantization-aware training (QAT_SCHEMES): the same memory (fake-quantized copies are
+    transient), memory-bound fake-quant passes added to the compute."""
 
     def __post_init__(self) -> None:
         # the degrees are checked again, in full, by MeshSpec below: this names the fix first
@@ -141,6 +174,17 @@ class Layout:
             raise ValueError(f"schedule must be one of {', '.join(BUILDERS)}, "
                              f"got {self.schedule!r}")
         self._check_offload_and_replicas()
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                             f"{self.optimizer!r}")
+        if self.qat not in QAT_SCHEMES:
+            raise ValueError(f"qat must be one of {', '.join(QAT_SCHEMES)}, got {self.qat!r}")
+        if self.context_parallel not in CP_IMPLEMENTATIONS:
+            raise ValueError(f"context_parallel must be one of {', '.join(CP_IMPLEMENTATIONS)}"
+                             f", got {self.context_parallel!r}")
+        if self.cp_offload and self.context_parallel != "chunked":
+            raise ValueError(f"cp_offload with context_parallel={self.context_parallel}: only "
+                             "chunked offloads key/value chunks; use context_parallel=chunked")
         if self.schedule in TAKES_VIRTUAL and self.virtual == 1:
             raise ValueError(f"schedule={self.schedule} with v=1 would run plain 1F1B: give "
                              "v=2 or more stages per rank, or schedule=1f1b")
@@ -227,6 +271,14 @@ class Layout:
         if not self.overlap_grad_reduce:
             parts.append("overlap_grad_reduce=0")
         parts += [f"{k}=1" for k in ("offload_params", "offload_activations") if getattr(self, k)]
+        if self.cp > 1:
+            parts.append(f"cp_impl={self.context_parallel}")
+            if self.context_parallel == "chunked":
+                parts.append(f"cp_chunks={self.cp_chunks}" + (" cp_offload=1"
+                                                               if self.cp_offload else ""))
+        parts += [f"{k}={getattr(self, k)}" for k, default in (("optimizer", "adamw"),
+                                                                ("qat", "none"))
+                  if getattr(self, k) != default]
         if self.replica_sync != "every_step":
             parts.append(f"replica_sync={self.replica_sync}")
             parts.append(f"staleness={self.staleness}" if self.replica_sync == "parameter_server"
@@ -284,6 +336,14 @@ def check(model: ModelShape, layout: Layout) -> None:
     if model.seq_len % (2 * layout.cp if layout.cp > 1 else 1):
         raise ValueError(f"cp={layout.cp}: the sequence ({model.seq_len}) must split into "
                          f"2 x cp = {2 * layout.cp} chunks (load-balanced causal attention)")
+    refused = cp_refusal(layout.context_parallel, heads=model.heads, kv_heads=model.n_kv_heads,
+                         tp=t, cp=layout.cp)
+    if refused:
+        raise ValueError(f"{model.name}: {refused}")
+    if layout.context_parallel == "chunked" and layout.cp > 1 and \
+            model.seq_len % layout.cp_chunks:
+        raise ValueError(f"cp_chunks={layout.cp_chunks} must divide the sequence "
+                         f"({model.seq_len}) of {model.name}: use a power of two")
     if layout.ep > 1 and (not model.experts or model.experts % layout.ep):
         raise ValueError(f"ep={layout.ep} must divide the experts ({model.experts}) of "
                          f"{model.name}")

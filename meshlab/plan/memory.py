@@ -5,7 +5,14 @@ host's memory."""
 
 from __future__ import annotations
 
-from meshlab.plan.formulas import layer_activation_bytes, zero_bytes
+from typing import Any
+
+from meshlab.plan.formulas import (
+    context_parallel_memory,
+    layer_activation_bytes,
+    optimizer_bytes_per_param,
+    zero_bytes,
+)
 from meshlab.plan.stage import Stage
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -19,7 +26,49 @@ def layer_bytes(stage: Stage, recompute: str) -> float:
         q_width=m.heads * m.head_dim, kv_width=m.n_kv_heads * m.head_dim,
         ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
         tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
-        scores=not lay.flash_attention) * stage.dtypes.activations / 2
+        scores=not lay.flash_attention) * stage.dtypes.activations / 2 + cp_bytes(
+        stage, recompute)["kept"]
+
+
+def optimizer_k(stage: Stage) -> float:
+    """zero_bytes' K: the optimizer's state bytes per parameter (fp32 states for AdamW and
+    SGD), with 4 B of fp32 master weights where the parameters are 16-bit; AdamW under
+    bf16 gives ZeRO's 12, under fp32 8."""
+    dt = stage.dtypes
+    return optimizer_bytes_per_param(stage.layout.optimizer, master_weights=dt.params < 4)
+
+
+def cp_memory(stage: Stage) -> dict[str, float]:
+    """formulas.context_parallel_memory for one layer of this stage, one micro-batch."""
+    lay, m = stage.layout, stage.model
+    return context_parallel_memory(
+        lay.context_parallel, batch=lay.micro_batch, seq_len=m.seq_len,
+        heads=m.heads // lay.tp, kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_dim,
+        cp=lay.cp, dtype_bytes=stage.dtypes.activations, chunks=lay.cp_chunks,
+        offload=lay.cp_offload)
+
+
+def cp_bytes(stage: Stage, recompute: str) -> dict[str, float]:
+    """What CP changes in one layer's activations beyond Korthikanti's count of this rank's
+    slice: ``kept`` per layer (gathered K/V, unfused scores against the whole sequence),
+    ``transient`` once (ring chunks, a chunk's scores) and ``host`` per layer (offloaded
+    K/V chunks)."""
+    lay, m = stage.layout, stage.model
+    if lay.cp == 1 or recompute == "full":  # full: only the layer's input is kept
+        return {"kept": 0.0, "transient": 0.0, "host": 0.0}
+    mem, e = cp_memory(stage), stage.dtypes.activations
+    local = 2.0 * lay.micro_batch * stage.seq * (m.n_kv_heads // lay.tp) * m.head_dim * e
+    kept, transient = mem["kv_kept"] - local, mem["transient"]
+    if not lay.flash_attention and recompute == "none":
+        # Korthikanti's 2 (5 with dropout) bytes per 16-bit score, counted for L x L
+        per_score = (5 if m.dropout else 2) / 2
+        counted = lay.micro_batch * m.heads / lay.tp * stage.seq ** 2 * e * per_score
+        if lay.context_parallel == "chunked":  # checkpointed chunks keep none
+            kept -= counted
+            transient += mem["scores"] * per_score
+        else:
+            kept += mem["scores"] * per_score - counted
+    return {"kept": kept, "transient": transient, "host": mem["host"]}
 
 
 def sharded_params(stage: Stage) -> float:
@@ -35,8 +84,8 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     micro-batch chunks in flight (from the pipeline simulation)."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
     dense, expert = stage.params
-    kw = dict(stage=lay.zero, param_bytes=dt.params, grad_bytes=dt.grads,
-              optimizer_bytes=dt.optimizer)
+    kw: dict[str, Any] = dict(stage=lay.zero, param_bytes=dt.params, grad_bytes=dt.grads,
+              optimizer_bytes=optimizer_k(stage))
     states = zero_bytes(round(dense), dp=lay.shard_group, **kw)
     if expert:  # experts are sharded over the data ranks outside their ep group
         experts = zero_bytes(round(expert), dp=lay.shard_group // lay.ep, **kw)
@@ -55,6 +104,9 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
 
     chunk_layers = stage.layers / lay.stages_per_rank
     activations = layer_bytes(stage, lay.recompute) * chunk_layers * inflight
+    cp = cp_bytes(stage, lay.recompute)  # with cp > 1: ring chunks, offloaded K/V
+    activations += cp["transient"]
+    host += cp["host"] * chunk_layers * inflight
     if lay.offload_activations:  # the device keeps the layer computed and the one copied
         kept = min(activations, 2 * layer_bytes(stage, lay.recompute))
         host += activations - kept

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from meshlab.mesh import AXES
+from meshlab.plan.context import SEARCHED_CP, best_cp
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.formulas import ZERO_STAGES
 from meshlab.plan.hardware import GIB, Hardware, hardware
-from meshlab.plan.layout import Layout
+from meshlab.plan.layout import Layout, check
 from meshlab.plan.search import search
 from meshlab.plan.shapes import ModelShape, model_shape
 
@@ -173,6 +174,17 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
                              f"{gpus}: make {' x '.join(AXES)} = {gpus}")
         if global_batch is not None:
             layout = with_batch(layout, global_batch, fixed="microbatches" in stated)
+        if layout.cp > 1 and "context_parallel" not in stated:
+            # check() first: a layout the model cannot take says why, whatever the impl
+            check(shape, dataclasses.replace(layout, context_parallel="meshlab"))
+            notes.append("cp_impl not given: each of " + ", ".join(SEARCHED_CP) + " tried, "
+                         "the fastest that fits kept; pass cp_impl=NAME in the layout to "
+                         "choose")
+            best = best_cp(shape, layout, hw)
+            if best is None:
+                raise ValueError(f"no context-parallel implementation runs "
+                                 f"{layout.describe()} on {hw.name}: see cp_impl's options")
+            return Plan(shape, gpus, hw, [best], tokens, notes)
         return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,

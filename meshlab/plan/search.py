@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshlab.mesh import AXES, MeshSpec
+from meshlab.plan.context import SEARCHED_CP, best_cp
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import Hardware
 from meshlab.plan.layout import ALIASES, DEFAULT_SCHEDULE, Layout
@@ -24,9 +25,11 @@ SEARCHED = (*(a for a in AXES if a != "dp_shard"), "ep", "zero", "micro_batch", 
 # the schedules production trainers run by default (Megatron, torchtitan); any other is
 # tried when pinned (schedule=zbv)
 SEARCHED_SCHEDULES = (DEFAULT_SCHEDULE, "interleaved_1f1b")
-KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every", "staleness")
+KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every", "staleness",
+        "context_parallel", "cp_chunks", "cp_offload", "optimizer", "qat")
 """Options a search does not try on its own (offloading trades speed for memory; the
-replica modes change the training), kept for every candidate when a constraint names them."""
+replica modes change the training), kept for every candidate when a constraint names them
+(context_parallel pinned: the search tries that one, else each of context.SEARCHED_CP)."""
 _OPS = {"=": lambda a, b: a == b, "<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b,
         "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
@@ -149,13 +152,19 @@ def search(model: ModelShape, *, gpus: int, hardware: Hardware, global_batch: in
 
     if isinstance(constraints, str):
         constraints = parse_constraints(constraints)
+    pinned = {**(settings or {}), **{k: v[1] for k, v in (constraints or {}).items()}}
+    impls = ((pinned["context_parallel"],) if "context_parallel" in pinned else SEARCHED_CP)
     rows, smallest = [], None
     for layout in candidates(model, gpus, hardware, global_batch=global_batch,
                              constraints=constraints, precision=precision, settings=settings):
-        try:
-            result: Estimate = estimate(model, layout, hardware)
+        try:  # with cp: each implementation, the best kept (its notes say why)
+            found = best_cp(model, layout, hardware, impls) if layout.cp > 1 else \
+                estimate(model, layout, hardware)
         except ValueError:
             continue  # the model cannot take this layout (checked in detail by check())
+        if found is None:
+            continue
+        result: Estimate = found
         if result.fits or include_unfit:
             rows.append({**result.summary(), "estimate": result})
         if smallest is None or result.memory["total"] < smallest.memory["total"]:

@@ -363,7 +363,7 @@ def test_layout_sizes_and_strides() -> None:
     ("tp=0", r"tp must be >= 1, got 0"),
     ("zero=4", r"zero must be one of \(0, 1, 2, 3\), got 4"),
     ("ac=some", r"recompute must be one of none, selective, full, got 'some'"),
-    ("precision=fp16", r"precision must be one of fp32, bf16, fp8, got 'fp16'"),
+    ("precision=fp4", r"precision must be one of fp32, bf16, fp8, fp16, got 'fp4'"),
     ("schedule=pipedream", r"schedule must be one of gpipe, 1f1b, .*got 'pipedream'"),
     ("ep=3 dp=4", r"ep=3 must divide dp_shard x cp = 4"),
     ("dp=2 tp=2 dp_shard=4", r"layout 'dp_shard=4': dp_shard given twice in .*keep one"),
