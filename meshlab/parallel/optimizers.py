@@ -216,7 +216,7 @@ def _torchao_adam() -> Any:
         from torchao.optim import adam
     except ImportError:
         raise ValueError("optimizer kind 'adamw8bit' needs torchao (block-wise 8-bit states, "
-                         "CPU included): pip install torchao") from None
+                         "CPU included): pip install torchao (meshlab[quant])") from None
     return adam
 
 

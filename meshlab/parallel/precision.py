@@ -193,7 +193,7 @@ def qat_config(scheme: str) -> Any:
         from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig
     except ImportError as e:
         raise ImportError(f"qat={scheme!r} fake-quantizes through torchao, which is not "
-                          "installed: pip install torchao (0.18 or later)") from e
+                          "installed: pip install torchao (meshlab[quant]: 0.18 or later)") from e
     activations = IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
     int4 = torch.int4  # type: ignore[attr-defined]  # torch has it; its stubs do not
     weights = {"8da4w": IntxFakeQuantizeConfig(int4, group_size=GROUP, is_symmetric=True),
