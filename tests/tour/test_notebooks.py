@@ -475,3 +475,35 @@ def test_asynchronous_notebook_races_a_straggler_and_times_the_algorithms(execut
     charts = [c for c in code if not c.source.startswith("%%mesh")
               and any(VEGALITE in o.get("data", {}) for o in c.get("outputs", []))]
     assert len(charts) == 2, [c.source[:40] for c in charts]
+
+
+def test_long_context_notebook_measures_each_method_beside_its_formula(executed: Any) -> None:
+    nb, _ = executed("17-long-context-precision-and-optimizers.ipynb")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = "\n".join(texts(c) for c in code)
+    table = next(texts(c) for c in code if 'long["equal"]' in c.source)
+    rows = [line.split() for line in table.splitlines()
+            if line.rstrip().endswith(("True", "False"))]
+    assert len(rows) == 9 and all(r[-1] == "True" for r in rows), table  # traced == formula
+    traced = {(" ".join(r[:-6]), int(r[-6])): int(r[-4].replace(",", "")) for r in rows}
+    # Ulysses hands the collectives the same bytes when sequence and cp double together; the
+    # all-gather's double
+    assert traced[("meshlab ulysses", 1024)] == traced[("meshlab ulysses", 512)]
+    assert traced[("meshlab meshlab", 1024)] == 2 * traced[("meshlab meshlab", 512)]
+    peaks = {" ".join(r[:-6]): float(r[-2]) for r in rows if r[0] == "llama"}
+    # eager attention's scores: chunking bounds what a rank holds at once
+    assert (peaks["llama (eager) chunked, 8 chunks"] < peaks["llama (eager) chunked, 4 chunks"]
+            < peaks["llama (eager) ulysses"]), peaks
+    assert "no cpu sharding strategy" in shown  # the ring refused on CPU, with the fix
+    # Ulysses and chunked in float64, fp16 and QAT to their tolerances, on every rank alike
+    assert shown.count("matches one process") == 4 and "not match" not in shown, shown
+    assert "cp_impl=ulysses (fastest that fits)" in shown
+    summary = next(texts(c) for c in code if "[summary for _, summary in runs]" in c.source)
+    fp16 = next(line for line in summary.splitlines() if line.strip().startswith("fp16, loss"))
+    assert int(fp16.split()[-2]) > 0, summary  # overflowed steps skipped and counted
+    states = next(texts(c) for c in code if "pulled_states" in c.source)
+    state_rows = [line.split() for line in states.splitlines()[2:] if line.strip()]
+    assert len(state_rows) == 5 and all(r[1] == r[2] for r in state_rows), states
+    charts = [c for c in code if any(k.startswith("application/vnd.vegalite")
+                                     for o in c.get("outputs", []) for k in o.get("data", {}))]
+    assert len(charts) >= 5, len(charts)
