@@ -212,7 +212,7 @@ class MeshMagics(Magics):
 
     def _plan(self, args: Any) -> None:
         result = self.session.plan(
-            self.shell.user_ns.get(args.model, args.model), gpus=args.gpus,
+            self.shell.user_ns.get(args.model, args.model), gpus=args.gpus, seq=args.seq,
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
             precision=args.precision or ("fp32" if args.measure else "bf16"), top=args.top,

@@ -223,6 +223,8 @@ def calibrate(line: str) -> None:
           "fields (layers = 32, hidden = 4096, ...), or a notebook variable holding a "
           "ModelShape or a meshlab ModelConfig")
 @argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
+@argument("--seq", type=int, help="the model at this training sequence length (default: its "
+          "own), e.g. --seq 131072")
 @argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
           "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")
 @argument("--layout", help='one layout to estimate, e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 '

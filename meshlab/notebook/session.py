@@ -12,6 +12,7 @@ it: each parses its line, makes one call here and displays what comes back.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import os
@@ -366,16 +367,21 @@ class Session:
         return calibrate_profile(self.need_cluster(), path, name=name, sizes=sizes,
                                  quick=quick)
 
-    def plan(self, model: Any, *, gpus: int | None = None, verify: int = 0,
-             measure: str | None = None, steps: int = 1, **options: Any) -> Plan | Table:
-        """Memory, communication and step time of ``model`` on ``gpus`` GPUs (default: this
-        cluster's ranks); options as meshlab.plan.report.plan takes them. ``verify``: dry-run
+    def plan(self, model: Any, *, gpus: int | None = None, seq: int | None = None,
+             verify: int = 0, measure: str | None = None, steps: int = 1,
+             **options: Any) -> Plan | Table:
+        """Memory, communication and step time of ``model`` (at ``seq`` tokens per sequence if
+        given) on ``gpus`` GPUs (default: this cluster's ranks); options as
+        meshlab.plan.report.plan takes them. ``verify``: dry-run
         the best ``verify`` layouts too (``Plan.verified``). ``measure``: a training step the
         ranks know, run ``steps`` times under the profiler for the planner's terms on the
         live mesh beside the measured ones (plan_check; ``layout`` is the live mesh's)."""
+        from meshlab.plan import model_shape
         from meshlab.plan.hardware import with_nodes_of
         from meshlab.plan.report import plan
 
+        if seq is not None:
+            model = dataclasses.replace(model_shape(model), seq_len=seq)
         if measure:
             if not options.get("layout"):
                 raise SessionError("measuring needs the live layout: the mesh's degrees and "
