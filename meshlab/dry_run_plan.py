@@ -25,7 +25,9 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     zero 0/1/2/3 -> ddp/zero1/zero2/zero3 (none without data ranks, and with ep, where
     meshlab's expert parallelism reduces gradients itself); schedule, v, m -> the pipeline
     (without one, m is gradient accumulation); recompute -> activation checkpointing;
-    bf16/fp8 -> mixed precision; offload and replica sync as they are. Not mapped:
+    bf16/fp8 -> mixed precision (fp16 with loss scaling); the context-parallel
+    implementation, QAT, offload and replica sync as they are (the optimizer kind is
+    dry_run_step's). Not mapped:
     fp8 matmuls (run as bf16: the same bytes), shard_unit=weight (FSDP2 shards per block),
     flash_attention=0 (the model's own attention runs), overlap_grad_reduce (timing only)."""
     from meshlab.parallel import ParallelPlan
@@ -47,11 +49,22 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     if not layout.flash_attention:
         notes.append("flash_attention=0: the model's own attention kernel runs (SDPA keeps "
                      "no score matrix)")
+    cp_impl = layout.context_parallel
+    if cp_impl == "all_gather":  # Llama 3's, keeping only the local K/V: meshlab's is nearest
+        notes.append("context_parallel=all_gather (Llama 3's): runs meshlab's all-gather, which "
+                     "keeps the gathered K/V for backward")
+        cp_impl = "meshlab"
+    chunked: dict[str, Any] = ({"cp_chunks": layout.cp_chunks,
+                                "cp_offload": layout.cp_offload} if cp_impl == "chunked" else {})
+    mixed: bool | str = "fp16" if layout.precision == "fp16" else layout.precision != "fp32"
     pipelined = layout.pp > 1
     plan = ParallelPlan(
         data_parallel=dp, seq_len=seq,
         sequence_parallel=layout.sequence_parallel if layout.tp > 1 else None,
-        activation_checkpoint=layout.recompute, mixed_precision=layout.precision != "fp32",
+        activation_checkpoint=layout.recompute,
+        mixed_precision=mixed,
+        context_parallel=cp_impl, **chunked,
+        qat=None if layout.qat == "none" else layout.qat,
         pipeline_schedule=layout.schedule, virtual=layout.virtual,
         microbatches=layout.microbatches if pipelined else 1,
         grad_accum=1 if pipelined else layout.microbatches,

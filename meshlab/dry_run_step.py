@@ -95,7 +95,7 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         with mode, without_peers(*boundary):
             balanced_routing(model)
             buckets = ddp_without_peers(model)
-            optimizer = build_optimizer(model, mesh, plan)
+            optimizer = build_optimizer(model, mesh, plan, kind=layout.optimizer)
             _warm(optimizer)
             x = torch.randint(0, vocab, (rows, seq // layout.cp))
             y = torch.randint(0, vocab, (rows, seq // layout.cp))

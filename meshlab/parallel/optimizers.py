@@ -82,6 +82,13 @@ def _sum_over(t: torch.Tensor, groups: Iterable[Any]) -> torch.Tensor:
     return t
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (a dry run's: shapes only, no values to read)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _evaluate(closure: Callable[[], float] | None) -> float | None:
     """The closure's loss, computed with gradients on (a step runs without)."""
     if closure is None:
@@ -172,6 +179,13 @@ class Adafactor(torch.optim.Adafactor):
         if eps1 is None:
             eps1 = torch.finfo(param.dtype).eps
 
+        # a dry run's fake tensors hold no values: norms stay tensors (the same collectives),
+        # any step count runs the same ops
+        fake = _is_fake(param)
+
+        def norm_of(t: torch.Tensor) -> torch.Tensor:
+            return _sum_over(t.norm(2).square(), every).sqrt() if every else t.norm(2)
+
         def rms_norm(t: torch.Tensor) -> float:
             if not every:
                 return t.norm(2).item()
@@ -179,10 +193,11 @@ class Adafactor(torch.optim.Adafactor):
 
         step_t = state["step"]
         step_t += 1
-        step = step_t.item()
+        step = 1.0 if fake else step_t.item()
         one_minus_beta2_t = step ** group["beta2_decay"]
         rho_t = min(lr, 1 / (step ** 0.5))
-        alpha = max(eps2, rms_norm(param) / (p.numel() ** 0.5)) * rho_t
+        alpha: Any = ((norm_of(param) / p.numel() ** 0.5).clamp_(min=eps2) * rho_t if fake
+                      else max(eps2, rms_norm(param) / (p.numel() ** 0.5)) * rho_t)
         if wd != 0:
             param.mul_(1 - lr * wd)
         if ndim > 1:
@@ -206,6 +221,10 @@ class Adafactor(torch.optim.Adafactor):
             var_estimate = variance.clone()
         update = var_estimate.clamp_(min=eps1 * eps1).rsqrt_()
         update.mul_(grad)
+        if fake:
+            scale = (norm_of(update) / ((p.numel() ** 0.5) * d)).clamp_(min=1.0)
+            param.add_(update.mul_(-alpha / scale))
+            return
         denom = max(1.0, rms_norm(update) / ((p.numel() ** 0.5) * d))
         param.add_(update, alpha=-alpha / denom)
 
@@ -228,6 +247,11 @@ class AdamW8bit(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *,
                  block_size: int = QUANT_BLOCK) -> None:
         self._adam = _torchao_adam()
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+        with unset_fake_temporarily():  # torchao reads its code books' values once (cached):
+            get_qmap_signed(), get_qmap_unsigned()  # real, so a dry run's fake mode can too
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.block_size = block_size
 
@@ -277,15 +301,22 @@ def check_sharding(kind: str, params: Iterable[torch.Tensor],
     all) than the whole tensor is in one process. Every rank decides alike (all shards known)."""
     if kind != "adamw8bit":
         return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor import DTensor
+
+    # torch computes the offsets with small tensors: real ones, in a dry run's fake mode too
+    with unset_fake_temporarily():
+        _check_blocks([p for p in params if isinstance(p, DTensor)], block_size)
+
+
+def _check_blocks(params: list[Any], block_size: int) -> None:
+    """check_sharding's test of each DTensor parameter."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     def quantized(n: int) -> bool:
         return n >= QUANT_MIN_NUMEL and n % block_size == 0
 
     for p in params:
-        if not isinstance(p, DTensor):
-            continue
         shape, mesh = tuple(p.shape), p.device_mesh
         whole = quantized(p.numel())
         rows = all(_shard_dim(pl, p.ndim) in (None, 0) for pl in p.placements)

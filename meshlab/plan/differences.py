@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 from meshlab.mesh import AXES
 from meshlab.plan.estimate import Estimate
+from meshlab.plan.formulas import HEAD_SPLIT_CP
 from meshlab.plan.layout import Layout
-from meshlab.plan.memory import DDP_BUCKET_BYTES
+from meshlab.plan.memory import DDP_BUCKET_BYTES, factored_state_bytes, optimizer_k
 from meshlab.plan.stage import Stage
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ class Differences:
                         "in fp32", planner * (4 / dt.grads - 1)))
         elif axis == "tp":
             out += self.tp_terms(planner)
-        elif axis == "cp" and self.dry.family == "meshlab":
+        elif axis == "cp" and self.dry.family == "meshlab" \
+                and lay.context_parallel not in HEAD_SPLIT_CP:  # these move K/V unrepeated
             out.append(("meshlab's Transformer gathers keys and values after GQA repeats them "
                         f"(x {m.heads // m.n_kv_heads}), and all-reduces their gradients whole",
                         planner * (m.heads / m.n_kv_heads - 1)))
@@ -130,6 +132,7 @@ class Differences:
             out.append(("this rank's stage holds its own share of the parameters, the "
                         "planner's busiest stage more", planner * (share - 1)))
             planner *= share
+        factored = factored_state_bytes(self.stage) * share  # Adafactor's, beside K's
         if name == "optimizer" and lay.zero == 1 and self.ddp and lay.shard_group > 1:
             # meshlab's ZeRO-1 shards over the dp axis (dp_replicate x dp_shard)
             c = self.run.coordinates
@@ -137,9 +140,14 @@ class Differences:
             mine = zero1_share(self.weights(), lay.dp, index)
             out.append(("torch's ZeroRedundancyOptimizer gives each rank whole parameters, "
                         "largest first to the least loaded (not an even split of elements)",
-                        mine * dt.optimizer - planner))
-            planner = mine * dt.optimizer
-        if self.mixed and name in ("params", "grads", "optimizer"):
+                        mine * optimizer_k(self.stage) - planner))
+            planner, factored = mine * optimizer_k(self.stage), 0.0
+        if self.mixed and name == "optimizer" and lay.optimizer != "adamw":
+            # the planner's K holds 4 B of fp32 master weights: meshlab's are the parameters
+            master = (planner - factored) * 4 / optimizer_k(self.stage)
+            out.append((f"meshlab's bf16 keeps fp32 weights: {lay.optimizer} holds no master "
+                        "copy beside its own states", -master))
+        elif self.mixed and name in ("params", "grads", "optimizer"):
             # meshlab's bf16 keeps fp32 weights and gradients (FSDP2's MixedPrecisionPolicy
             # or autocast) and Adam's two fp32 moments: 4 + 4 + 8 bytes where the planner
             # counts ZeRO's 2 + 2 + 12 (the same 16 bytes when all three are sharded)

@@ -11,6 +11,7 @@ from meshlab.plan.formulas import (
     context_parallel_memory,
     layer_activation_bytes,
     optimizer_bytes_per_param,
+    sharded_state_bytes,
     zero_bytes,
 )
 from meshlab.plan.stage import Stage
@@ -36,6 +37,46 @@ def optimizer_k(stage: Stage) -> float:
     bf16 gives ZeRO's 12, under fp32 8."""
     dt = stage.dtypes
     return optimizer_bytes_per_param(stage.layout.optimizer, master_weights=dt.params < 4)
+
+
+def weight_shapes(stage: Stage) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(dense, expert) parameter tensors one GPU of ``stage`` holds before ZeRO sharding,
+    as a Llama-style model lays them out (Linear weights out x in, tp-split; experts
+    stacked E x out x in), the counts of ``Stage.params``."""
+    m, lay = stage.model, stage.layout
+    t, h = lay.tp, m.hidden
+    q, kv = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    layer: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (h,), (h,)]
+    experts: list[tuple[int, ...]] = []
+    f = m.ffn // t
+    ffn: list[tuple[int, ...]] = [(f, h)] * (2 if m.gated_ffn else 1)
+    ffn.append((h, f))
+    if m.experts:
+        layer.append((m.experts, h))
+        experts = [(m.experts // lay.ep, *s) for s in ffn] * stage.layers
+    else:
+        layer += ffn
+    dense = layer * stage.layers
+    if lay.pp == 1:  # as Stage.params: the ends of the model, or one vocab x hidden matrix
+        dense += [(m.vocab // t, h)] * (1 if m.tied_embeddings else 2) + [(h,)]
+        dense += [(m.seq_len, h)] if m.learned_positions else []
+    else:
+        dense.append((m.vocab // t, h))
+    return dense, experts
+
+
+def factored_state_bytes(stage: Stage) -> float:
+    """Adafactor's factored second moments and step counters on one GPU (formulas.
+    optimizer_state_bytes summed over its tensors, ZeRO-sharded): its K of 0 per parameter
+    is an asymptote that a small model's R + C factors per R x C matrix are far from."""
+    lay = stage.layout
+    if lay.optimizer != "adafactor":
+        return 0.0
+    dense, experts = weight_shapes(stage)
+    # fp32 factors: meshlab steps fp32 parameters (the master weights under bf16)
+    return (sharded_state_bytes("adafactor", dense, dp=lay.shard_group, stage=lay.zero)
+            + (sharded_state_bytes("adafactor", experts, dp=lay.shard_group // lay.ep,
+                                   stage=lay.zero) if experts else 0.0))
 
 
 def cp_memory(stage: Stage) -> dict[str, float]:
@@ -90,6 +131,7 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     if expert:  # experts are sharded over the data ranks outside their ep group
         experts = zero_bytes(round(expert), dp=lay.shard_group // lay.ep, **kw)
         states = {k: states[k] + experts[k] for k in states}
+    states["optimizer"] += factored_state_bytes(stage)
     shard = (dense + expert) / (lay.shard_group if lay.zero >= 2 else 1)
     if lay.replica_sync in ("diloco", "edit", "a_edit"):
         states["optimizer"] += 2 * 4 * shard  # the last synchronised fp32 parameters, momentum

@@ -61,6 +61,8 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
                              "precision=fp32"),
     "pp_zero2": (TINY, "pp=2 dp_shard=32 zero=2 m=4 precision=fp32"),
     "cp": (TINY, "dp_shard=32 cp=2 precision=fp32"),
+    "cp_ulysses": (TINY, "dp_shard=32 cp=2 precision=fp32 cp_impl=ulysses"),
+    "cp_chunked": (TINY, "dp_shard=32 cp=2 precision=fp32 cp_impl=chunked cp_chunks=2"),
     "ep": (MOE, "dp_replicate=4 dp_shard=16 ep=4 precision=fp32"),
     "moe": (MOE, "dp_shard=8 dp_replicate=8 precision=fp32"),
     "ac_selective": (TINY, "dp_shard=64 ac=selective precision=fp32"),
@@ -69,6 +71,10 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
     "ddp": (TINY, "dp_shard=64 zero=0 precision=fp32"),
     "bf16": (TINY, "dp_shard=64"),
     "bf16_pp": (TINY, "pp=2 dp_shard=32 m=4"),
+    "adafactor": (TINY, "dp_shard=64 optimizer=adafactor"),
+    "adamw_bf16": (TINY, "dp_shard=64 optimizer=adamw_bf16"),
+    # 8-bit blocks of 256 are one process's only where each shard holds >= 4096 whole ones
+    "adamw8bit": (TINY, "dp_shard=4 precision=fp32 optimizer=adamw8bit"),
     "transformers_llama": (llama, "dp_shard=32 tp=2 sp=0 precision=fp32"),
     "2048_ranks": (WIDE, "pp=2 dp_replicate=8 dp_shard=16 tp=8 m=2 precision=fp32"),
 }
@@ -160,6 +166,21 @@ def test_collectives_are_attributed_to_their_mesh_axis() -> None:
                     ("dp_shard", "reduce_scatter")}
     assert {t.axis for t in run("cp").ranks[0].collectives} == {"cp", "dp_shard+cp"}
     assert {t.axis for t in run("ep").ranks[0].collectives} >= {"ep"}
+    assert {t.op for t in run("cp_ulysses").ranks[0].collectives if t.axis == "cp"} == {
+        "all_to_all"}
+
+
+def test_the_context_parallel_implementation_and_its_chunks_map_to_the_plan() -> None:
+    plan, _ = plan_for(Layout.parse("dp=4 cp=2 cp_impl=chunked cp_chunks=4 cp_offload=1"),
+                       seq=64)
+    assert (plan.context_parallel, plan.cp_chunks, plan.cp_offload) == ("chunked", 4, True)
+    plan, notes = plan_for(Layout.parse("dp=4 cp=2 cp_impl=all_gather"), seq=64)
+    assert plan.context_parallel == "meshlab" and any("all_gather" in n for n in notes)
+
+
+def test_adamw8bit_under_fsdp_shards_is_refused_naming_zero1() -> None:
+    with pytest.raises(ValueError, match="data_parallel='zero1'"):
+        dryrun(TINY, "dp_shard=16 precision=fp32 optimizer=adamw8bit", workers=1)
 
 
 def test_the_layout_maps_to_a_plan_and_names_what_it_cannot() -> None:

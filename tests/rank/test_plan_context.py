@@ -17,6 +17,7 @@ from meshlab.plan.formulas import (
     context_parallel_collectives,
     context_parallel_memory,
     cp_refusal,
+    sharded_state_bytes,
     zero_bytes,
 )
 from meshlab.plan.hardware import HARDWARE
@@ -197,14 +198,25 @@ def test_chunked_scores_are_one_chunk_of_the_whole_sequence() -> None:
     assert context_parallel_memory("chunked", **shape, chunks=4)["scores"] == ulysses / 4
 
 
-@pytest.mark.parametrize("kind,per_param", [("adamw", 12), ("adamw_bf16", 8),
-                                            ("adafactor", 4), ("sgd", 8)])
+@pytest.mark.parametrize("kind,per_param", [("adamw", 12), ("adamw_bf16", 8), ("sgd", 8)])
 def test_the_optimizer_sets_zero_k_and_zero_shards_it(kind: str, per_param: float) -> None:
     lay = Layout.parse(f"dp=8 zero=1 optimizer={kind}")
     e = estimate(MODELS["llama3-8b"], lay, H100)
     params = round(MODELS["llama3-8b"].params)
     expected = zero_bytes(params, dp=8, stage=1, optimizer_bytes=per_param)["optimizer"]
     assert e.memory["optimizer"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_adafactor_is_its_master_weights_and_each_tensors_factored_states() -> None:
+    lay = Layout.parse("dp=8 zero=1 optimizer=adafactor")
+    e = estimate(MODELS["llama3-8b"], lay, H100)
+    params = round(MODELS["llama3-8b"].params)
+    master = zero_bytes(params, dp=8, stage=1, optimizer_bytes=4)["optimizer"]
+    layer = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (4096,), (4096,),
+             (14336, 4096), (14336, 4096), (4096, 14336)]  # q, k, v, o, norms, gate, up, down
+    shapes = layer * 32 + [(128256, 4096), (128256, 4096), (4096,)]
+    factored = sharded_state_bytes("adafactor", shapes, dp=8, stage=1)
+    assert e.memory["optimizer"] == pytest.approx(master + factored, rel=1e-9)
 
 
 def test_fp16_is_planned_as_bf16_and_says_so() -> None:
