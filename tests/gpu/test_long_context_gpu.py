@@ -16,7 +16,8 @@ def eager_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
     """Attention that builds its scores, as transformers' eager attention does."""
     query_pos = torch.arange(start, start + q.shape[2], device=q.device)[:, None]
     hidden = torch.arange(keys.shape[2], device=q.device)[None, :] > query_pos
-    scores = (q @ keys.transpose(-1, -2)).float().masked_fill(hidden, float("-inf"))
+    scores = (q @ keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.softmax(scores, dim=-1).to(q.dtype) @ values
 
 
@@ -106,4 +107,6 @@ def test_eager_8bit_adamw_steps_as_torchaos_compiled_one() -> None:
                 for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
     print(f"8-bit AdamW, meshlab's eager step against torchao's compiled one: "
           f"max |diff| {worst:.2e}")
-    assert worst < 1e-5
+    # the compiled kernel rounds the fp32 step otherwise, and an 8-bit code that flips moves a
+    # moment by one quantization step: within a tenth of one step (lr) after three
+    assert worst < 1e-4
