@@ -17,6 +17,11 @@ def load_ipython_extension(ipython: Any) -> None:
 
     if id(ipython) in _state:
         return
+    import torch
+
+    from meshlab import import_noise
+
+    import_noise.quiet(gpu=torch.cuda.is_available())  # the kernel's own cells build models too
     magics = MeshMagics(ipython)
     ipython.register_magics(magics)
     matcher = rank_matcher(magics)

@@ -11,10 +11,8 @@ import atexit
 import datetime
 import gc
 import ipaddress
-import logging
 import os
 import random
-import re
 import shutil
 import socket
 import sys
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshlab import import_noise
 from meshlab.private_files import STORE_PREFIX, open_private, private_dir
 
 
@@ -255,7 +254,7 @@ def setup(
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
     _count_optimizer_steps()
     device = pin_device(local_rank)
-    _quiet_import_noise(device)
+    import_noise.quiet(gpu=device.type != "cpu")
     if _store is None and store_file is not None:
         _store, _store_file = _file_store(store_file, timeout), store_file
     elif _store is None and master_addr is not None and master_port is not None:
@@ -270,25 +269,6 @@ def setup(
     )
     _init_group(rank, world_size)
     return namespace()
-
-
-# Lines torchao logs when it is imported (transformers imports it to build any model, when
-# installed): its CUDA-only extensions failing to load on a CPU rank, and torch deprecating a
-# registration it makes. Each would be a red block under every cell that builds a model.
-_IMPORT_NOISE = {"torchao": r"Failed to load .*\.so: Could not load this library",
-                 "torch.utils._pytree": r"is an Enum subclass and is now natively supported"}
-
-
-def _quiet_import_noise(device: torch.device) -> None:
-    """Drop the known import-time lines above (only those; on CPU ranks the first)."""
-    for name, pattern in _IMPORT_NOISE.items():
-        if name == "torchao" and device.type != "cpu":
-            continue  # on a GPU rank a missing CUDA extension matters
-
-        def keep(record: logging.LogRecord, pattern: str = pattern) -> bool:
-            return re.search(pattern, record.getMessage()) is None
-
-        logging.getLogger(name).addFilter(keep)
 
 
 def _count_optimizer_steps() -> None:
