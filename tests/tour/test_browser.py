@@ -8,6 +8,7 @@ outside this machine and logged no error, and saves screenshots to artifacts/.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -262,7 +263,7 @@ def hex_of(css: str) -> str:
 class Lab:
     """One notebook opened in JupyterLab and run to the end, with what the page did."""
 
-    def __init__(self, browser: Any, jupyterlab: str, name: str, run: bool = True) -> None:
+    def __init__(self, browser: Any, jupyterlab: str, name: str) -> None:
         self.base, self.token = jupyterlab.split("|")
         self.requests: list[str] = []
         self.errors: list[str] = []
@@ -278,8 +279,6 @@ class Lab:
                                timeout=60_000)
         page.wait_for_timeout(2000)
         accept_dialogs(page)  # JupyterLab sometimes asks which kernel, even with one running
-        if not run:  # an executed copy: what it shows comes from the file
-            return
         page.evaluate(RECORD_STATUS)
         # not awaited: the command's promise settles late; the cells say when they ran
         run_all = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
@@ -380,6 +379,115 @@ def browser() -> Iterator[Any]:
             "--disable-background-networking", "--disable-component-update", "--disable-sync"])
         yield chromium
         chromium.close()
+
+
+# The main area emptied (what an earlier test left open, even one that failed), then `path`
+# opened in its own tab, with its kernel's debugger requests counted (see SETTLED)
+OPEN = """async (path) => {
+  const app = window.jupyterapp;
+  for (const widget of Array.from(app.shell.widgets('main'))) widget.dispose();
+  const panel = await app.commands.execute('docmanager:open', {path, factory: 'Notebook'});
+  const debug = window.meshlabDebug = {pending: new Set(), replies: 0, idleSince: null};
+  const watch = (kernel) => kernel && kernel.anyMessage.connect((_, args) => {
+    const m = args.msg;
+    if (args.direction === 'send' && m.header.msg_type === 'debug_request')
+      debug.pending.add(m.header.msg_id);
+    if (args.direction === 'recv' && m.header.msg_type === 'debug_reply') {
+      debug.pending.delete(m.parent_header.msg_id);
+      debug.replies += 1;
+    }
+  });
+  panel.sessionContext.kernelChanged.connect((_, change) => watch(change.newValue));
+  watch(panel.sessionContext.session && panel.sessionContext.session.kernel);
+  await panel.context.ready;
+}"""
+
+# The kernel JupyterLab started is idle and its debugger has its state (shut down while the
+# debugger asks for it, the page logs a cancelled debug_request): a reply came and none is
+# pending, or the kernel has no debugger, or none was asked for 3 s of idle
+SETTLED = """async () => {
+  const context = window.jupyterapp.shell.currentWidget.sessionContext;
+  const kernel = context.session && context.session.kernel;
+  const debug = window.meshlabDebug;
+  if (!kernel || kernel.status !== 'idle') return false;
+  debug.idleSince = debug.idleSince || performance.now();
+  const info = await kernel.info;
+  return debug.pending.size === 0 && (debug.replies > 0 || !info.debugger ||
+                                      performance.now() - debug.idleSince > 3000);
+}"""
+
+
+class Viewer:
+    """One JupyterLab page for the module's saved notebooks, opened one after another (a page
+    load costs each ~5-10 s of CPU; a saved notebook draws from its file, as in a new page)."""
+
+    def __init__(self, browser: Any, jupyterlab: str) -> None:
+        self.base, self.token = jupyterlab.split("|")
+        self.requests: list[str] = []
+        self.errors: list[str] = []
+        self.page = page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("request", lambda request: self.requests.append(request.url))
+        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        page.goto(f"{self.base}/lab/workspaces/saved?reset&token={self.token}")
+        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-LabShell')",
+                               timeout=60_000)
+        page.evaluate("() => window.jupyterapp.restored")
+        # what loading the page fetched and logged: every notebook's checks include it
+        self.loaded = list(self.requests), list(self.errors)
+        self.current: SavedLab | None = None  # the notebook open now
+
+
+class SavedLab(Lab):
+    """A notebook opened as nbclient saved it, in the module's `Viewer` page: what it shows
+    comes from the file (the kernel JupyterLab starts for it runs nothing)."""
+
+    def __init__(self, viewer: Viewer, name: str) -> None:
+        self.base, self.token, self.page = viewer.base, viewer.token, viewer.page
+        self.viewer = viewer
+        if viewer.current is not None:  # an earlier test failed before its close()
+            with contextlib.suppress(Exception):
+                self.page.wait_for_function(SETTLED, timeout=30_000)
+            viewer.current.go_away()
+        viewer.current = self
+        viewer.requests, viewer.errors = [], []
+        self.requests, self.errors = viewer.requests, viewer.errors
+        self.page.mouse.move(0, 0)  # no tooltip of an earlier notebook's chart stays up
+        self.page.evaluate(OPEN, f"{name}.ipynb")
+        self.page.wait_for_function("document.querySelector('.jp-Notebook')", timeout=60_000)
+        accept_dialogs(self.page)
+
+    def close(self) -> None:
+        """Check the page stayed on this machine and logged no error (loading it included),
+        then stop the notebook's kernel and close its tab. What the page logs from then on,
+        while they go away, is not the notebook's doing (nor the next one's)."""
+        accept_dialogs(self.page)  # JupyterLab sometimes asks which kernel
+        self.page.wait_for_function(SETTLED, timeout=60_000)
+        self.page.wait_for_timeout(1000)
+        requests = self.viewer.loaded[0] + list(self.requests)
+        errors = self.viewer.loaded[1] + list(self.errors)
+        self.go_away()
+        outside = [u for u in requests if not u.startswith((self.base, "data:", "blob:",
+                                                              "about:"))]
+        assert outside == [], f"the page fetched from outside this machine: {outside[:5]}"
+        assert errors == [], f"the page logged errors: {errors[:5]}"
+
+    def go_away(self) -> None:
+        """Stop the kernel, close the tab; what the page logs meanwhile is recorded nowhere."""
+        self.viewer.requests, self.viewer.errors = [], []
+        self.shutdown_kernel()
+        self.page.evaluate("() => { for (const w of Array.from(window.jupyterapp.shell"
+                           ".widgets('main'))) w.dispose(); }")
+        self.page.wait_for_timeout(300)
+        self.viewer.current = None
+
+
+@pytest.fixture(scope="module")
+def viewer(browser: Any, jupyterlab: str) -> Iterator[Viewer]:
+    """The page the saved notebooks open in (`SavedLab`)."""
+    view = Viewer(browser, jupyterlab)
+    yield view
+    view.page.close()
 
 
 def test_quickstart_runs_and_reports_in_jupyterlab(browser: Any, jupyterlab: str) -> None:
@@ -512,12 +620,12 @@ PARTS = """() => [...document.querySelectorAll('.meshlab-part')].map(p =>
 
 @pytest.mark.parametrize("name", OPENED)
 def test_a_saved_tour_notebook_shows_every_picture_clean(
-        browser: Any, jupyterlab: str, lab_root: Path, executed: Any, name: str) -> None:
+        viewer: Viewer, lab_root: Path, executed: Any, name: str) -> None:
     """Opened as nbclient ran and saved it: every widget and chart drawn from the file, no
     red block on a cell that succeeded, no label over another."""
     open_executed(lab_root, executed, name)
     held = drawn_in_file(lab_root / f"{name}.ipynb")
-    lab = Lab(browser, jupyterlab, name, run=False)
+    lab = SavedLab(viewer, name)
     try:
         lab.page.wait_for_function(
             f"(() => {{ const p = ({PICTURES})(); return p.widgets >= {held['widgets']}"
@@ -533,10 +641,10 @@ def test_a_saved_tour_notebook_shows_every_picture_clean(
     lab.close()
 
 
-def test_planning_charts_fill_their_axes(browser: Any, jupyterlab: str, lab_root: Path,
+def test_planning_charts_fill_their_axes(viewer: Viewer, lab_root: Path,
                                          executed: Any) -> None:
     open_executed(lab_root, executed, "11-planning-at-scale")
-    lab = Lab(browser, jupyterlab, "11-planning-at-scale", run=False)
+    lab = SavedLab(viewer, "11-planning-at-scale")
     charts = lab.charts()
     charts.first.wait_for(timeout=60_000)
     assert charts.count() >= 1
@@ -560,9 +668,9 @@ WIDEST_BAR = """(svg) => {
 
 
 def test_the_profile_timeline_shows_every_rank_and_names_the_op_on_hover(
-        browser: Any, jupyterlab: str, lab_root: Path, executed: Any) -> None:
+        viewer: Viewer, lab_root: Path, executed: Any) -> None:
     open_executed(lab_root, executed, "15-timelines")
-    lab = Lab(browser, jupyterlab, "15-timelines", run=False)
+    lab = SavedLab(viewer, "15-timelines")
     charts = lab.charts()
     charts.first.wait_for(timeout=60_000)
     chart = charts.first  # the ZeRO-3 x TP step's timeline, drawn from the saved notebook
