@@ -18,6 +18,7 @@ from meshlab.mesh import AXES, OPTIONS, MeshSpec
 from meshlab.plan.formulas import (
     CP_IMPLEMENTATIONS,
     EVERY_H,
+    OPTIMIZER_KINDS,
     RECOMPUTE_MODES,
     REPLICA_SYNC,
     ZERO_STAGES,
@@ -57,9 +58,9 @@ PRECISIONS = {
     # scaler is one fp32 scalar and a growth counter, left out
     "fp16": Precision(compute="bf16", params=2, grads=2, optimizer=12, activations=2),
 }
-OPTIMIZERS = ("adamw", "adamw_bf16", "adamw8bit", "adafactor", "sgd")
-"""build_optimizer's kinds (formulas.OPTIMIZER_KINDS): the optimizer's state bytes per
-parameter, zero_bytes' K (formulas.optimizer_bytes_per_param)."""
+OPTIMIZERS = OPTIMIZER_KINDS
+"""build_optimizer's kinds: the optimizer's state bytes per parameter, zero_bytes' K
+(formulas.optimizer_bytes_per_param)."""
 QAT_SCHEMES = ("none", "8da4w", "8da8w", "4w")
 """ParallelPlan's qat schemes (meshlab.parallel.precision; "none": no QAT): fake-quantized
 weights (4 or 8 bits) and, for 8da*, 8-bit dynamic activations in every Linear's forward."""

@@ -271,3 +271,13 @@ def context_parallel_seconds_of(impl: str, **kw: float) -> tuple[float, float]:
     from meshlab.plan.formulas import context_parallel_seconds
 
     return context_parallel_seconds(impl, **kw, **_shape(4))  # type: ignore[arg-type]
+
+
+def test_the_planner_speaks_the_rank_sides_vocabulary() -> None:
+    """The planner (pure Python) names the options ParallelPlan and build_optimizer take."""
+    from meshlab.parallel import context, optimizers, precision
+    from meshlab.plan import formulas, layout
+
+    assert set(optimizers.OPTIMIZERS) == set(formulas.OPTIMIZER_KINDS)
+    assert ("none", *precision.QAT_SCHEMES) == layout.QAT_SCHEMES
+    assert set(context.IMPLEMENTATIONS) - {"auto"} <= set(formulas.CP_IMPLEMENTATIONS)
