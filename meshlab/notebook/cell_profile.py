@@ -202,7 +202,8 @@ class CellProfile:
 
     def stragglers(self, share: float = 0.6) -> list[str]:
         """Sentences naming ranks the others waited for: a rank that arrived last at more than
-        3/4 of the (at least 8) collectives it shared, or that ``share`` or more of all the
+        3/4 of the (at least 8) collectives it shared, or at 8 or more and 1.5 times as many
+        as any other rank while the most waited for, or that ``share`` or more of all the
         waiting at collectives was for while it arrived last at more than half of them. (In
         a pair chance alone makes a rank last at half; on a mesh a slow rank's lateness
         spreads along the other axes, so its share of all waiting alone can hide it.)"""
@@ -214,13 +215,19 @@ class CellProfile:
         for call in shared.to_dict("records"):
             caused[call["last"]] = caused.get(call["last"], 0.0) + sum(call["waits"].values())
         total = sum(caused.values())
+        lasts = shared["last"].value_counts().to_dict()
         out = []
         for rank, waited in sorted(caused.items(), key=lambda item: -item[1]):
             calls = len(shared[shared["ranks"].apply(lambda rs, r=rank: r in rs)])
-            last = int((shared["last"] == rank).sum())
+            last = int(lasts.get(rank, 0))
             mostly_last = calls >= 8 and last > 0.75 * calls
             most_waiting = total > 0 and waited >= share * total and last > calls / 2 >= 1.5
-            if waited > 0 and (mostly_last or most_waiting):
+            # last far more often than any other rank: where its lateness spreads along the
+            # other axes, the ranks it delays are last at their own groups' calls in turn
+            next_most = max((n for r, n in lasts.items() if r != rank), default=0)
+            far_most_last = (last >= 8 and last >= 1.5 * next_most
+                             and waited == max(caused.values()))  # and the most waited for
+            if waited > 0 and (mostly_last or most_waiting or far_most_last):
                 out.append(f"rank {rank} arrived last at {last} of {calls} collectives; "
                            f"the others waited {waited:,.1f} ms for it in all "
                            f"({waited / total:.0%} of all waiting)")
