@@ -180,7 +180,7 @@ RECORD_STATUS = """() => {
     const m = args.msg, now = performance.now();
     if (args.direction !== 'recv') return;
     if (m.header.msg_type === 'status')
-      window.meshlabStatus.push([now, m.content.execution_state]);
+      window.meshlabStatus.push([now, m.content.execution_state, m.parent_header.msg_type]);
     if (m.header.msg_type === 'execute_input' && m.content.code.startsWith('%mesh start'))
       window.meshlabStart = {id: m.parent_header.msg_id, from: now};
     if (m.header.msg_type === 'execute_reply' &&
@@ -188,12 +188,15 @@ RECORD_STATUS = """() => {
   });
 }"""
 
-# how often the page was told Idle while the start's cell ran (null: it did not run)
+# how often the page was told Idle while the start's cell ran (null: it did not run); not
+# counting the status the kernel publishes around the debugger's and kernel-info requests,
+# which JupyterLab sends on the control channel whenever it likes (late, under load)
 IDLE_DURING_START = """() => {
   const start = window.meshlabStart;
   if (!start.to) return null;
-  return window.meshlabStatus.filter(([t, s]) => s === 'idle' && t > start.from &&
-                                     t < start.to).length;
+  const control = ['debug_request', 'kernel_info_request'];
+  return window.meshlabStatus.filter(([t, s, parent]) => s === 'idle' && t > start.from &&
+                                     t < start.to && !control.includes(parent)).length;
 }"""
 
 # what the notebook shows as pictures, and what shows as a broken one
