@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -89,6 +89,25 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+def _adam_states(optimizer: Optimizer, group: dict[str, Any],
+                 moment: Callable[[torch.Tensor, bool], torch.Tensor]
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """Each parameter of ``group`` with a gradient, the gradient and its Adam state, its step
+    counted: the two moments made on first use by ``moment(local shard, first)``, laid out
+    like the parameter."""
+    for p in group["params"]:
+        grad = p.grad
+        if grad is None:
+            continue
+        state = optimizer.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = _wrap_like(moment(_local(p), True), p)
+            state["exp_avg_sq"] = _wrap_like(moment(_local(p), False), p)
+        state["step"] += 1
+        yield p, grad, state
+
+
 def _evaluate(closure: Callable[[], float] | None) -> float | None:
     """The closure's loss, computed with gradients on (a step runs without)."""
     if closure is None:
@@ -111,21 +130,16 @@ class AdamWBF16(Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamW step of every parameter with a gradient."""
         loss = _evaluate(closure)
+
+        def moment(local: torch.Tensor, first: bool) -> torch.Tensor:
+            return torch.zeros_like(local, dtype=self.state_dtype)
+
         for group in self.param_groups:
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        zeros = torch.zeros_like(_local(p), dtype=self.state_dtype)
-                        state[name] = _wrap_like(zeros, p)
-                state["step"] += 1
+            for p, p_grad, state in _adam_states(self, group, moment):
                 step = state["step"].item()
-                param, grad = _local(p), _local(p.grad)
+                param, grad = _local(p), _local(p_grad)
                 compute = torch.promote_types(param.dtype, torch.float32)
                 g = grad.to(compute)
                 m_low, v_low = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
@@ -272,17 +286,9 @@ class AdamW8bit(Optimizer):
         for group in self.param_groups:
             lr = torch.tensor(float(group["lr"]))
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = _wrap_like(self._zeros(_local(p), True), p)
-                    state["exp_avg_sq"] = _wrap_like(self._zeros(_local(p), False), p)
-                state["step"] += 1
+            for p, grad, state in _adam_states(self, group, self._zeros):
                 self._adam.single_param_adam(
-                    _local(p), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                    _local(p), _local(grad), state["step"], _local(state["exp_avg"]),
                     _local(state["exp_avg_sq"]), None, lr, beta1, beta2,
                     group["weight_decay"], group["eps"], True, False)
         return loss

@@ -263,6 +263,15 @@ def hex_of(css: str) -> str:
     return "#" + "".join(f"{int(float(p)):02x}" for p in parts)
 
 
+def watched_page(browser: Any, requests: list[str], errors: list[str]) -> Any:
+    """A new page whose requests and logged errors are appended to ``requests``, ``errors``."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("request", lambda request: requests.append(request.url))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return page
+
+
 class Lab:
     """One notebook opened in JupyterLab and run to the end, with what the page did."""
 
@@ -270,10 +279,7 @@ class Lab:
         self.base, self.token = jupyterlab.split("|")
         self.requests: list[str] = []
         self.errors: list[str] = []
-        self.page = page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("request", lambda request: self.requests.append(request.url))
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page = page = watched_page(browser, self.requests, self.errors)
         # a workspace of its own, reset: no tabs (and kernels) of earlier tests come back
         page.goto(f"{self.base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={self.token}")
         page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')",
@@ -428,10 +434,7 @@ class Viewer:
         self.base, self.token = jupyterlab.split("|")
         self.requests: list[str] = []
         self.errors: list[str] = []
-        self.page = page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("request", lambda request: self.requests.append(request.url))
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page = page = watched_page(browser, self.requests, self.errors)
         page.goto(f"{self.base}/lab/workspaces/saved?reset&token={self.token}")
         page.wait_for_function("window.jupyterapp && document.querySelector('.jp-LabShell')",
                                timeout=60_000)
