@@ -180,7 +180,7 @@ fail() {
   done
   exit 1
 }
-deadline=$(( SECONDS + TIMEOUT ))
+started=$SECONDS deadline=$(( SECONDS + TIMEOUT ))
 state=""
 while :; do
   state=$(sinfo -h -n "$NODE" -o %T 2>/dev/null | head -n1 || true)
@@ -189,8 +189,10 @@ while :; do
     drained|draining|drain*)  # e.g. left over from an earlier run: put it back
       scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true ;;
   esac
-  alive "$CTLD_PID" || fail "slurmctld is not running"
-  alive "$SLURMD_PID" || fail "slurmd is not running"
+  if [ "$SECONDS" -ge $(( started + 5 )) ]; then  # a daemon just started writes its pid file a moment later
+    alive "$CTLD_PID" || fail "slurmctld is not running"
+    alive "$SLURMD_PID" || fail "slurmd is not running"
+  fi
   [ "$SECONDS" -lt "$deadline" ] || fail "node $NODE not up after ${TIMEOUT}s (state: '${state:-no answer}')"
   sleep 0.5
 done
