@@ -30,39 +30,68 @@ def microbatch_seconds(stage: Stage) -> tuple[float, float]:
     Layers split evenly, the first ranks taking the remainder (Megatron, torchtitan); the
     last rank also runs the output projection and the loss, so it is the slowest unless it
     holds fewer layers."""
+    parts, host_f, host_b = microbatch_parts(stage)
+    t_f, t_b = (sum(f for f, _ in parts.values()), sum(b for _, b in parts.values()))
+    return with_host(stage, t_f, host_f), with_host(stage, t_b, host_b)
+
+
+def microbatch_parts(stage: Stage) -> tuple[dict[str, tuple[float, float]], float, float]:
+    """The device time of one micro-batch on the slowest pipeline rank by kind of work
+    (``COMPUTE_PARTS``: (forward, backward) each), and the host's fixed cost of its forward
+    and backward (hidden behind the device's on an asynchronous one)."""
     lay, hw = stage.layout, stage.hardware
-    f, b = layer_seconds(stage)
-    out_f, out_b = output_seconds(stage)
+    per_layer = layer_parts(stage)
+    out_gemm, out_loss = output_parts(stage)
     first = stage.layers
     last = stage.model.layers // lay.pp if lay.pp > 1 else first
-    t_f, t_b = max((first * f, first * b), (last * f + out_f, last * b + out_b), key=sum)
+
+    def rank(layers: int, output: bool) -> dict[str, tuple[float, float]]:
+        parts = {k: (layers * f, layers * b) for k, (f, b) in per_layer.items()}
+        if output:
+            for key, (f, b) in (("gemm", out_gemm), ("memory", out_loss)):
+                parts[key] = (parts[key][0] + f, parts[key][1] + b)
+        return parts
+
+    parts = max(rank(first, False), rank(last, True),
+                key=lambda p: sum(f + b for f, b in p.values()))
     # the host's fixed cost per layer: hidden behind the math on an asynchronous device
     overhead = (hw.layer_overhead_us + hw.fsdp_overhead_us * (lay.zero >= 2)
                 + hw.tp_overhead_us * (lay.tp > 1)) * 1e-6 * first
     if lay.recompute == "full":
         overhead *= 4 / 3  # the forward's operators run twice
-    return _with_host(stage, t_f, overhead / 3), _with_host(stage, t_b, overhead * 2 / 3)
+    return parts, overhead / 3, overhead * 2 / 3
+
+
+COMPUTE_PARTS = ("gemm", "attention", "memory")
+"""A layer's device work by kind: weight GEMMs (and the output projection), attention's
+products, and memory-bound work (norms, activations, residuals, scores, the loss)."""
 
 
 def layer_seconds(stage: Stage) -> tuple[float, float]:
-    """Forward and backward (recompute included) of one layer for one micro-batch: its
-    GEMMs at their shapes' efficiency (``meshlab.plan.gemm``), attention's at theirs, and the
-    memory-bound rest at memory bandwidth."""
+    """Forward and backward (recompute included) of one layer for one micro-batch."""
+    parts = layer_parts(stage).values()
+    return sum(f for f, _ in parts), sum(b for _, b in parts)
+
+
+def layer_parts(stage: Stage) -> dict[str, tuple[float, float]]:
+    """(forward, backward) of one layer for one micro-batch by ``COMPUTE_PARTS``, recompute
+    included: its GEMMs at their shapes' efficiency (``meshlab.plan.gemm``), attention's at
+    theirs, and the memory-bound rest at memory bandwidth."""
     hw, dt, lay = stage.hardware, stage.dtypes, stage.layout
     dense_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in layer_gemms(stage))
     dense_fb = sum(gemm.training_seconds(hw, g, dt.compute, dt.activations)
                    for g in layer_gemms(stage))
     attn_f = attention_seconds(stage)  # the backward computes four products to its two
     bandwidth = hw.memory_bandwidth_gbs * 1e9
-    mem_f = memory_bound_bytes(stage) / 3 / bandwidth
-    scores_f = score_bytes(stage) / 3 / bandwidth
-    f = dense_f + attn_f + mem_f + scores_f
-    b = (dense_fb - dense_f) + 2 * attn_f + 2 * (mem_f + scores_f)
+    mem_f = (memory_bound_bytes(stage) + score_bytes(stage)) / 3 / bandwidth
+    gemm_b, attn_b, mem_b = dense_fb - dense_f, 2 * attn_f, 2 * mem_f
     if lay.recompute == "full":
-        b += f
+        gemm_b, attn_b, mem_b = gemm_b + dense_f, attn_b + attn_f, mem_b + mem_f
     elif lay.recompute == "selective" or (lay.cp > 1 and lay.context_parallel == "chunked"):
-        b += attn_f + scores_f  # the attention core again (chunked: each chunk checkpointed)
-    return f, b
+        # the attention core again (chunked: each chunk checkpointed)
+        attn_b += attn_f
+        mem_b += score_bytes(stage) / 3 / bandwidth
+    return {"gemm": (dense_f, gemm_b), "attention": (attn_f, attn_b), "memory": (mem_f, mem_b)}
 
 
 def attention_seconds(stage: Stage) -> float:
@@ -82,13 +111,19 @@ def attention_seconds(stage: Stage) -> float:
 
 
 def output_seconds(stage: Stage) -> tuple[float, float]:
-    """The output projection and the loss over the vocabulary (fp32 logits, ~3 passes
-    forward, twice that backward), forward and backward, on the last stage."""
+    """The output projection and the loss, forward and backward, on the last stage."""
+    (gf, gb), (lf, lb) = output_parts(stage)
+    return gf + lf, gb + lb
+
+
+def output_parts(stage: Stage) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(forward, backward) of the output projection's GEMM and of the loss over the
+    vocabulary (fp32 logits, ~3 passes forward, twice that backward), on the last stage."""
     hw, dt, m, lay = stage.hardware, stage.dtypes, stage.model, stage.layout
     g = gemm.Gemm("output projection", stage.tokens, max(1, m.vocab // lay.tp), m.hidden)
     loss = 3 * 4 * stage.tokens * m.vocab / lay.tp / (hw.memory_bandwidth_gbs * 1e9)
-    f = gemm.seconds(hw, g, dt.compute, dt.activations) + loss
-    return f, gemm.training_seconds(hw, g, dt.compute, dt.activations) - f + 3 * loss
+    f = gemm.seconds(hw, g, dt.compute, dt.activations)
+    return (f, gemm.training_seconds(hw, g, dt.compute, dt.activations) - f), (loss, 2 * loss)
 
 
 def layer_gemms(stage: Stage) -> list[gemm.Gemm]:
@@ -187,5 +222,5 @@ def _layer_matmul_params(model: ModelShape) -> int:
     return m.attention_params + ffn
 
 
-def _with_host(stage: Stage, device_s: float, host_s: float) -> float:
+def with_host(stage: Stage, device_s: float, host_s: float) -> float:
     return max(device_s, host_s) if stage.hardware.asynchronous else device_s + host_s

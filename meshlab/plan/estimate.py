@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshlab.plan.communication import Collective, Communication
-from meshlab.plan.compute import ADAMW_BYTES, flops_per_token, microbatch_seconds, optimizer_seconds
+from meshlab.plan.compute import (
+    ADAMW_BYTES,
+    with_host,
+    flops_per_token,
+    microbatch_parts,
+    optimizer_seconds,
+)
 from meshlab.plan.hardware import GIB, Hardware
 from meshlab.plan.layout import Layout, check
 from meshlab.plan.memory import DDP_BUCKET_BYTES, memory_per_gpu
@@ -76,6 +82,22 @@ class Estimate:
     bubble_s: float = 0.0
     """Pipeline time beyond every micro-batch's forward, backward and exposed communication:
     the bubble, hop waits included (0 without a pipeline)."""
+    compute_parts: dict[str, float] = field(default_factory=dict)
+    """``compute_s`` by kind of work (``compute.COMPUTE_PARTS``), and "host": the host's
+    fixed cost per layer where it outlasts the device's work (launch gaps)."""
+
+    def terms(self) -> dict[str, float]:
+        """The step time by what it is made of, adding up to ``step_s``: compute (GEMMs,
+        attention, memory-bound work, host gaps), the communication each family of axes
+        keeps exposed (tp, cp, ep, dp: every data-parallel axis; offload: host copies), the
+        pipeline bubble (hop waits included) and the optimizer step."""
+        out = {k: self.compute_parts.get(k, 0.0)
+               for k in ("gemm", "attention", "memory", "host")}
+        for axis, seconds in self.exposed_by_axis.items():
+            term = ("offload" if axis == "host" else axis if axis in ("tp", "cp", "ep", "pp")
+                    else "dp")
+            out[term] = out.get(term, 0.0) + seconds
+        return {**out, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
     @property
     def fits(self) -> bool:
@@ -152,8 +174,12 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
                          f"{hardware.name} is not a GPU: use context_parallel=meshlab or ulysses")
     stage, lay = Stage(model, layout, hardware), layout
     comm = Communication(stage)
-    t_f, t_b = microbatch_seconds(stage)
+    parts, host_f, host_b = microbatch_parts(stage)
+    t_f = with_host(stage, sum(f for f, _ in parts.values()), host_f)
+    t_b = with_host(stage, sum(b for _, b in parts.values()), host_b)
     compute_mb = t_f + t_b
+    work = {k: lay.microbatches * (f + b) for k, (f, b) in parts.items()}
+    work["host"] = max(0.0, lay.microbatches * compute_mb - sum(work.values()))
     t_f_crit, t_b_crit = comm.critical_path()  # TP, CP, EP per micro-batch
     # ring hops hide behind attention: what they leave, not their time, is exposed
     by_axis = _exposed(comm.collectives, (t_f_crit + t_b_crit) * lay.microbatches)
@@ -199,7 +225,8 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
                     model_flops=model_per_token * tokens,
                     hardware_flops=hardware_per_token * tokens, notes=notes,
                     exposed_by_axis=by_axis,
-                    bubble_s=max(0.0, pipeline_s - lay.microbatches * (t_f + t_b)))
+                    bubble_s=max(0.0, pipeline_s - lay.microbatches * (t_f + t_b)),
+                    compute_parts=work)
 
 
 def precision_notes(lay: Layout) -> list[str]:

@@ -1,84 +1,9 @@
-"""Published large training runs the planner is checked against: each with its source, table
-and row, what its figure counts, and what the paper leaves unsaid, as explicit assumptions.
-
-Every figure becomes the step time the run achieved, through the paper's own FLOP count
-(papers differ: Megatron's counts the recomputed forward, MFU does not), so predicted and
-published compare like for like whatever the convention.
-
-Two groups. ``DEVELOPMENT``: the runs the planner's model was developed against (its
-hardware constants are the vendors' and the physics', not fitted per run). ``HELD_OUT``:
-runs of the same era the model was not looked at against while it was built, to see that it
-predicts runs it has not seen.
-
-Knobs a paper does not state (micro-batch size, interleaving depth, recomputation) are
-``free``: the planner picks, among the values the paper leaves open, the fastest that fits,
-as the authors tuned them (Narayanan et al. section 5.4, Korthikanti et al. section 6).
-"""
+"""Published A100-era runs (2021-24): Megatron-LM's papers, MegaScale's baseline."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, replace
-from typing import Any
-
-from meshlab.plan.compute import flops_per_token
-from meshlab.plan.estimate import Estimate, estimate
-from meshlab.plan.hardware import HARDWARE, Hardware
-from meshlab.plan.layout import Layout
-from meshlab.plan.shapes import MODELS, ModelShape
-
-# what a published figure is
-STEP = "step s"  # iteration time, as printed
-HARDWARE_TFLOPS = "hardware TFLOP/s per GPU (Megatron eq. 3: recomputed forward counted)"
-MODEL_TFLOPS = "model TFLOP/s per GPU (MFU: 6N + attention, no recompute)"
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    name: str
-    source: str
-    """Paper, table and row."""
-    model: ModelShape
-    hardware: str
-    layout: str
-    """What the paper states, as ``Layout.parse`` reads it (micro-batches follow from the
-    batch and the micro-batch size)."""
-    batch: int
-    """Global batch, sequences."""
-    figure: float
-    unit: str
-    free: tuple[str, ...] = ()
-    """Layout knobs the paper does not state: the planner's choice among their values."""
-    assumed: tuple[str, ...] = ()
-    """Everything else taken as given that the paper does not say."""
-    family: str = ""
-    layer_slots: int = 0
-    """Stage slots beyond the layers when splitting the pipeline (Llama 3: the embedding
-    and the output, one each)."""
-
-    @property
-    def gpus(self) -> int:
-        return self.stated().gpus
-
-    def stated(self) -> Layout:
-        """The layout as the paper states it (a free interleaving depth at 2 for now)."""
-        return Layout.parse(self.layout + (" v=2" if "virtual" in self.free else ""))
-
-    def published_step_s(self) -> float:
-        """The run's step time: printed, or its figure through the paper's FLOP count."""
-        if self.unit == STEP:
-            return self.figure
-        flops = (megatron_flops(self.model, self.batch) if self.unit == HARDWARE_TFLOPS
-                 else flops_per_token(self.model, "none", self.model.layers)[0]
-                 * self.batch * self.model.seq_len)  # PaLM's 6N + attention: the MFU count
-        return flops / (self.figure * 1e12 * self.gpus)
-
-
-def megatron_flops(m: ModelShape, batch: int) -> float:
-    """Narayanan et al. 2021, eq. 3: F = 96 B s l h^2 (1 + s/6h + V/16lh) per iteration, a
-    GPT layer (4h MLP) with its forward recomputed; the logits are not recomputed."""
-    s, h, ell, v = m.seq_len, m.hidden, m.layers, m.vocab
-    return 96 * batch * s * ell * h**2 * (1 + s / (6 * h) + v / (16 * ell * h))
+from meshlab.plan.published.run import HARDWARE_TFLOPS, STEP, PublishedRun
+from meshlab.plan.shapes import ModelShape
 
 
 def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) -> ModelShape:
@@ -192,49 +117,13 @@ def _korthikanti() -> list[PublishedRun]:
     return runs
 
 
-# Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 and section
-# 3.3: H100 80 GB, 400 Gb/s RoCE per GPU, FSDP that does not reshard after the forward
-# (zero=2 here), interleaved schedule with one layer removed from the first and the last
-# stage, no activation checkpointing at 8K, BF16 MFU on 989 TFLOP/s.
-_LLAMA3 = "Dubey et al. 2024 (arXiv 2407.21783)"
-
-
-def _llama3() -> list[PublishedRun]:
-    base = MODELS["llama3-405b"]
-    long = ModelShape(**{**base.__dict__, "name": "llama3-405b-128k", "seq_len": 131072})
-    rows = [(1, base, "tp=8 pp=16 dp=64", 2048, 430),
-            (2, base, "tp=8 pp=16 dp=128", 2048, 400),
-            (3, long, "tp=8 cp=16 pp=16 dp=8 cp_impl=all_gather", 128, 380)]
-    runs = []
-    for row, model, layout, batch, tflops in rows:
-        runs.append(PublishedRun(
-            f"Llama 3 405B, row {row}", f"{_LLAMA3}, Table 4, row {row}", model, "h100-sxm",
-            f"{layout} zero=2", batch, tflops, MODEL_TFLOPS, layer_slots=2,
-            free=("micro_batch", "schedule", "virtual") + (("recompute",) if row == 3 else ()),
-            assumed=("FlashAttention-style attention (not stated)",
-                     "schedule free between 1F1B and interleaved: Llama 3's interleaved "
-                     "schedule tunes the micro-batches per round to fit memory (section "
-                     "3.3.2); the planner's is Megatron's, which keeps more in flight",
-                     "vocabulary 128,256 (the released one; the table says 128,000)")
-            + (("dp=8: the table prints 4, but 16,384 GPUs and 16M tokens need 8",
-                "recompute free: section 3.3 states none only for 8K sequences",
-                "cp_impl=all_gather: section 3.3.2's all-gather of K and V in 2 x cp "
-                "load-balanced chunks; the backward's reduce-scatter of their gradients is "
-                "the all-gather's transpose (not stated)")
-               if row == 3 else ("no recompute (section 3.3)",)),
-            family="Llama 3"))
-    return runs
-
-
-DEVELOPMENT: list[PublishedRun] = [*_table1(), *_table2(), *_korthikanti(), *_llama3()]
-
 # Jiang et al. 2024, "MegaScale" (NSDI 24, arXiv 2402.15627), Tables 1 and 2, the stock
 # Megatron-LM rows: 175B with 128 heads, tp 8, pp 8, interleaved with 6 stages per rank,
 # ZeRO-2 (distributed optimizer), s = 2,048, V = 64,000; MFU on model FLOPs; iteration time
 # printed.
 _MEGASCALE = "Jiang et al. 2024 (arXiv 2402.15627)"
 _MEGASCALE_175B = _gpt("megascale-175b", 96, 12288, 128, vocab=64000)
-HELD_OUT: list[PublishedRun] = [
+MEGASCALE: list[PublishedRun] = [
     PublishedRun(
         f"MegaScale's Megatron-LM, {gpus:,} GPUs",
         f"{_MEGASCALE}, Table 2, Megatron-LM, batch {batch}, {gpus} GPUs", _MEGASCALE_175B,
@@ -249,34 +138,4 @@ HELD_OUT: list[PublishedRun] = [
                                  (6144, 8192, 12.24), (6144, 12288, 8.57))
 ]
 
-
-FREE: dict[str, tuple[Any, ...]] = {"micro_batch": (1, 2, 4, 8), "virtual": tuple(range(2, 9)),
-                                    "schedule": ("1f1b", "interleaved_1f1b"),
-        "recompute": ("none", "selective", "full")}
-"""The values a free knob is tried at."""
-
-
-def predict(run: PublishedRun, hardware: Hardware | None = None) -> Estimate | None:
-    """The planner's estimate of ``run``: its stated layout, with each free knob at the
-    value the planner finds fastest among those that fit; None when none fits."""
-    hw = hardware or HARDWARE[run.hardware]
-    stated = run.stated()
-    best: Estimate | None = None
-    for values in itertools.product(*(FREE[k] for k in run.free)):
-        knobs: dict[str, Any] = dict(zip(run.free, values, strict=True))
-        if knobs.get("schedule") == "1f1b":
-            if knobs.get("virtual", 2) != 2:
-                continue  # one 1F1B per interleaving depth tried: keep the first
-            knobs["virtual"] = 1
-        mbs: int = knobs.get("micro_batch", stated.micro_batch)
-        v = knobs.get("virtual", stated.virtual)
-        if run.batch % (stated.dp * mbs) or (run.model.layers + run.layer_slots) % (stated.pp * v):
-            continue  # equal chunks of layers (Llama 3 counts embedding and output as two)
-        try:
-            layout = replace(stated, **knobs, microbatches=run.batch // (stated.dp * mbs))
-            e = estimate(run.model, layout, hw)
-        except ValueError:
-            continue  # not a layout this model takes (virtual stages, micro-batch rounds)
-        if e.fits and (best is None or e.step_s < best.step_s):
-            best = e
-    return best
+RUNS: list[PublishedRun] = [*_table1(), *_table2(), *_korthikanti(), *MEGASCALE]
