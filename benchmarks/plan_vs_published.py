@@ -2,13 +2,14 @@
 
 Each run (``meshlab.plan.published``: paper, table and row, what its figure counts, what the
 paper leaves unsaid) is estimated with its stated layout, the unstated knobs at the
-planner's fastest choice that fits. A published TFLOP/s figure becomes the step time through
-the paper's own FLOP count, so Megatron's hardware FLOP/s (recompute counted) and Llama 3's
-MFU compare like for like; the predicted run's model and hardware TFLOP/s, MFU and HFU are
-printed beside. The development runs are what the model was built against; the held-out
-runs were not looked at while it was. No GPU needed.
+planner's fastest choice that fits. A published TFLOP/s or tokens/s figure becomes the step
+time through the paper's own FLOP count, so Megatron's hardware FLOP/s (recompute counted)
+and MFU compare like for like; the predicted run's model and hardware TFLOP/s, MFU and HFU
+are printed beside. The runs are split once, by a hash of each name, into a development part
+and a held-out part (``published.held_out``); both are printed, per family, then each run's
+step time by term (``Estimate.terms``). No GPU needed.
 
-$ python benchmarks/plan_vs_published.py            # every run, both groups, the errors
+$ python benchmarks/plan_vs_published.py            # every run, the parts, families, terms
 $ python benchmarks/plan_vs_published.py --rank     # also where each published layout
                                                     # ranks in the planner's own search,
                                                     # on the run's own software
@@ -20,32 +21,73 @@ import argparse
 import statistics
 
 from meshlab.plan import HARDWARE, search
-from meshlab.plan.published import DEVELOPMENT, HELD_OUT, PublishedRun, predict
+from meshlab.plan.estimate import Estimate
+from meshlab.plan.published import (
+    DEVELOPMENT,
+    HELD_OUT,
+    RUNS,
+    PublishedRun,
+    by_family,
+    predict,
+)
 
 
-def table(runs: list[PublishedRun], title: str, rank: bool) -> list[float]:
+def table(runs: list[PublishedRun], title: str, rank: bool
+          ) -> tuple[dict[str, float], dict[str, Estimate]]:
+    """Print one part's runs; their signed errors and estimates by name."""
     print(f"\n{title}")
-    print(f"{'run':<36} {'published':>9} {'predicted':>9} {'error':>7} {'model TF':>8} "
+    print(f"{'run':<38} {'published':>9} {'predicted':>9} {'error':>7} {'model TF':>8} "
           f"{'hw TF':>6} {'MFU':>5} {'HFU':>5} {'GiB':>4}  layout (free knobs chosen)"
           + ("   rank in search" if rank else ""))
-    errors = []
+    errors, found = {}, {}
     for run in runs:
         e, published = predict(run), run.published_step_s()
         if e is None:
-            print(f"{run.name:<36} {published:>8.2f}s  does not fit: a run that ran")
-            errors.append(1.0)
+            print(f"{run.name:<38} {published:>8.2f}s  does not fit: a run that ran")
+            errors[run.name] = 1.0
             continue
-        error = e.step_s / published - 1
-        errors.append(abs(error))
-        line = (f"{run.name:<36} {published:>8.2f}s {e.step_s:>8.2f}s {error:>+7.1%} "
-                f"{e.tflops_per_gpu:>8.0f} {e.hw_tflops_per_gpu:>6.0f} {e.mfu:>5.0%} "
-                f"{e.hfu:>5.0%} {e.memory['total'] / 2**30:>4.0f}  {e.layout.describe()}")
+        errors[run.name], found[run.name] = e.step_s / published - 1, e
+        line = (f"{run.name:<38} {published:>8.2f}s {e.step_s:>8.2f}s "
+                f"{errors[run.name]:>+7.1%} {e.tflops_per_gpu:>8.0f} {e.hw_tflops_per_gpu:>6.0f} "
+                f"{e.mfu:>5.0%} {e.hfu:>5.0%} {e.memory['total'] / 2**30:>4.0f}  "
+                f"{e.layout.describe()}")
         if rank:
             line += "   " + _rank(run, e.tokens_per_s)
         print(line)
-    print(f"mean absolute error {statistics.mean(errors):.1%}, worst {max(errors):.1%} "
-          f"({len(runs)} runs)")
-    return errors
+    absolute = [abs(x) for x in errors.values()]
+    print(f"mean absolute error {statistics.mean(absolute):.1%}, worst {max(absolute):.1%}, "
+          f"mean signed {statistics.mean(errors.values()):+.1%} ({len(runs)} runs)")
+    return errors, found
+
+
+TERMS = ("gemm", "attention", "memory", "host", "tp", "cp", "ep", "dp", "offload", "bubble",
+         "optimizer")
+
+
+def families(errors: dict[str, float]) -> None:
+    """Each family's mean absolute and signed error (below zero: optimistic), per part."""
+    print("\nper family: mean absolute error (mean signed; below zero the planner is "
+          "optimistic), runs")
+    print(f"{'family':<22} {'development':>22} {'held-out':>22} {'all':>22}")
+    for family, row in by_family(errors).items():
+        cells = []
+        for part in ("development", "held-out", "all"):
+            n = int(row.get(f"{part} runs", 0))
+            cells.append(f"{row[f'{part} abs']:>5.1%} ({row[f'{part} signed']:+6.1%}) {n:>3}"
+                         if n else "-")
+        print(f"{family:<22} " + " ".join(f"{c:>22}" for c in cells))
+
+
+def terms(found: dict[str, Estimate]) -> None:
+    """Each run's step time by term (``Estimate.terms``), as shares of its step."""
+    print("\nstep time by term, % of the predicted step (exposed communication only; pp "
+          "hops are in the bubble)")
+    print(f"{'run':<38} " + " ".join(f"{t[:6]:>6}" for t in TERMS))
+    for name, e in found.items():
+        parts = e.terms()
+        print(f"{name:<38} " + " ".join(
+            f"{parts.get(t, 0.0) / e.step_s:>6.1%}" if parts.get(t) else f"{'':>6}"
+            for t in TERMS))
 
 
 # what a run's software could do, held for every layout of its search: a 2021 run had no
@@ -73,10 +115,14 @@ def main() -> None:
     parser.add_argument("--rank", action="store_true",
                         help="also rank each published layout in the planner's search (slow)")
     args = parser.parse_args()
-    for run in DEVELOPMENT + HELD_OUT:
+    for run in RUNS:
         assert run.source, run.name
-    table(DEVELOPMENT, "development runs (the model was built against these)", args.rank)
-    table(HELD_OUT, "held-out runs (not looked at while the model was built)", args.rank)
+    dev, dev_found = table(DEVELOPMENT, "development part (2 runs in 3, by a hash of the name)",
+                           args.rank)
+    held, held_found = table(HELD_OUT, "held-out part (1 run in 3, by a hash of the name)",
+                             args.rank)
+    families({**dev, **held})
+    terms({**dev_found, **held_found})
 
 
 if __name__ == "__main__":

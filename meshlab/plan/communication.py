@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshlab.plan.compute import attention_seconds
+from meshlab.plan.compute import attention_backward, attention_seconds, layer_parts
 from meshlab.plan.formulas import collective_seconds, context_parallel_collectives
 from meshlab.plan.memory import DDP_BUCKET_BYTES, cp_memory, layer_bytes, sharded_params
 from meshlab.plan.stage import Stage
@@ -92,17 +92,27 @@ class Communication:
                       ("ep", "EP all-to-all of their gradients", "all_to_all", lay.ep, lay.tp,
                        routed, 2, True)]
         f = b = 0.0
+        tp_f = tp_b = 0.0  # async TP: hidden behind the GEMMs below
         n = s.layers * lay.microbatches
         for axis, what, kind, ranks, stride, nbytes, per_layer, backward in calls:
+            behind = axis == "tp" and lay.async_tp
             seconds = self.add(axis, what, kind, ranks, stride, nbytes, per_layer * n,
-                               overlapped=False) / lay.microbatches
-            if backward:
+                               overlapped=behind) / lay.microbatches
+            again = 0.0
+            if not backward and lay.recompute == "full":  # the recomputed forward: again
+                again = self.add(axis, what + " (recomputed forward)", kind, ranks, stride,
+                                 nbytes, per_layer * n, overlapped=behind) / lay.microbatches
+            if behind:
+                tp_f, tp_b = (tp_f, tp_b + seconds + again) if backward else (
+                    tp_f + seconds, tp_b + again)
+            elif backward:
                 b += seconds
             else:
-                f += seconds
-                if lay.recompute == "full":  # the recomputed forward issues them again
-                    b += self.add(axis, what + " (recomputed forward)", kind, ranks, stride,
-                                  nbytes, per_layer * n, overlapped=False) / lay.microbatches
+                f, b = f + seconds, b + again
+        if tp_f or tp_b:
+            gemm_f, gemm_b = layer_parts(s)["gemm"]
+            f += s.not_hidden(tp_f, gemm_f * s.layers)
+            b += s.not_hidden(tp_b, gemm_b * s.layers)
         cp_f, cp_b = self.context_parallel()
         return f + cp_f, b + cp_b
 
@@ -129,9 +139,9 @@ class Communication:
                                    lay.stride("cp"), c.buffer, c.calls * n,
                                    overlapped=c.overlappable) / lay.microbatches
                 sums[c.backward or again][c.overlappable] += seconds
-        attention = attention_seconds(s) * s.layers  # forward; the backward's is twice that
+        attention = attention_seconds(s) * s.layers  # forward's
         f = sums[False][0] + s.not_hidden(sums[False][1], attention)
-        b = sums[True][0] + s.not_hidden(sums[True][1], 2 * attention)
+        b = sums[True][0] + s.not_hidden(sums[True][1], attention_backward(lay) * attention)
         return f, b
 
     def fsdp_per_microbatch(self) -> tuple[float, float]:
@@ -162,8 +172,10 @@ class Communication:
             if lay.zero == 3 and not kept:
                 bwd += self.add(axis, "FSDP all-gather of parameters (backward)",
                                 "all_gather", ranks, stride, gather, calls, overlapped=True)
+            reduced = units if s.fsdp_reduces_once else calls
             bwd += self.add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
-                            ranks, stride, params * dt.grads / units, calls, overlapped=True)
+                            ranks, stride, params * s.reduce_bytes / units, reduced,
+                            overlapped=True)
         return fwd / mb, bwd / mb
 
     def fsdp_edges(self) -> float:
@@ -177,7 +189,7 @@ class Communication:
         inter = lay.shard_group * lay.tp > hw.gpus_per_node
         out = 0.0
         for kind, nbytes in (("all_gather", unit * dt.params), ("reduce_scatter",
-                                                                 unit * dt.grads)):
+                                                                 unit * s.reduce_bytes)):
             link = hw.link(kind, inter_node=inter)
             out += collective_seconds(kind, ranks, nbytes, latency_s=link.latency_us * 1e-6,
                                       bandwidth_bytes_s=link.bandwidth_gbs * 1e9)
@@ -217,15 +229,15 @@ class Communication:
             # its replicas in the other ep groups only (torchtitan's dp_shard_mod_ep)
             summed = dense if lay.ep > 1 else params
             ar = self.add(axis, "gradient all-reduce", "all_reduce", dp_all, lay.tp,
-                          summed * dt.grads, 1, overlapped=True)
+                          summed * s.reduce_bytes, 1, overlapped=True)
             if lay.ep > 1 and dp_all > lay.ep:
                 replicas = ("dp_replicate+" if lay.dp_replicate > 1 else "") + "dp_shard_mod_ep"
                 ar += self.add(replicas, "gradient all-reduce of the experts", "all_reduce",
-                               dp_all // lay.ep, lay.tp * lay.ep, expert * dt.grads, 1,
+                               dp_all // lay.ep, lay.tp * lay.ep, expert * s.reduce_bytes, 1,
                                overlapped=True)
             # overlaps the last micro-batch's backward, bucket by bucket; the last bucket
             # always waits (without overlap: all of it waits)
-            bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * dt.grads))
+            bucket = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, params * s.reduce_bytes))
             exposed += (max(s.not_hidden(ar, last_backward_s), bucket)
                         if lay.overlap_grad_reduce else ar)
             if lay.zero == 1 and lay.shard_group > 1:
@@ -237,7 +249,7 @@ class Communication:
                                     "all_gather", lay.shard_group, lay.tp,
                                     params * dt.params, 1, overlapped=False)
         elif lay.dp_replicate > 1 and not alone:  # HSDP: the shards' gradients across replicas
-            shard = params * dt.grads / lay.shard_group
+            shard = params * s.reduce_bytes / lay.shard_group
             ar = self.add("dp_replicate", "HSDP all-reduce of gradient shards", "all_reduce",
                           lay.dp_replicate, lay.stride("dp_replicate"), shard, 1,
                           overlapped=True)

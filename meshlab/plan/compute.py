@@ -6,8 +6,11 @@ step. The FLOP counts (PaLM's, for MFU) are kept apart from the time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from meshlab.plan import gemm
-from meshlab.plan.formulas import training_flops_per_token
+from meshlab.plan.formulas import op_recomputed_params, training_flops_per_token
+from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
 from meshlab.plan.stage import Stage
 
@@ -19,7 +22,10 @@ def flops_per_token(model: ModelShape, recompute: str, layers: int) -> tuple[flo
     projection: 6N + attention (PaLM), the hardware's with recompute added."""
     layer_model, layer_hw = training_flops_per_token(
         matmul_params=_layer_matmul_params(model), layers=1, seq=model.seq_len,
-        attn_width=model.heads * model.head_dim, recompute=recompute)
+        attn_width=model.heads * model.head_dim,
+        recompute="none" if recompute == "op" else recompute)
+    if recompute == "op":
+        layer_hw += 2.0 * op_recomputed_params(**_op_shape(model))
     out_flops = 6.0 * model.vocab * model.hidden  # output projection, last stage
     return layer_model * layers + out_flops, layer_hw * layers + out_flops
 
@@ -81,17 +87,26 @@ def layer_parts(stage: Stage) -> dict[str, tuple[float, float]]:
     dense_f = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in layer_gemms(stage))
     dense_fb = sum(gemm.training_seconds(hw, g, dt.compute, dt.activations)
                    for g in layer_gemms(stage))
-    attn_f = attention_seconds(stage)  # the backward computes four products to its two
+    attn_f = attention_seconds(stage)
     bandwidth = hw.memory_bandwidth_gbs * 1e9
     mem_f = (memory_bound_bytes(stage) + score_bytes(stage)) / 3 / bandwidth
-    gemm_b, attn_b, mem_b = dense_fb - dense_f, 2 * attn_f, 2 * mem_f
+    gemm_b, attn_b, mem_b = dense_fb - dense_f, attention_backward(lay) * attn_f, 2 * mem_f
     if lay.recompute == "full":
         gemm_b, attn_b, mem_b = gemm_b + dense_f, attn_b + attn_f, mem_b + mem_f
+    elif lay.recompute == "op":  # the matmuls not kept, and every memory-bound op
+        gemm_b, mem_b = gemm_b + dense_f * op_recomputed_share(stage.model), mem_b + mem_f
     elif lay.recompute == "selective" or (lay.cp > 1 and lay.context_parallel == "chunked"):
         # the attention core again (chunked: each chunk checkpointed)
         attn_b += attn_f
         mem_b += score_bytes(stage) / 3 / bandwidth
     return {"gemm": (dense_f, gemm_b), "attention": (attn_f, attn_b), "memory": (mem_f, mem_b)}
+
+
+def attention_backward(layout: Layout) -> float:
+    """Attention's backward over its forward: four products to two, and a fused kernel
+    recomputes the scores QK^T (and their softmax) to save storing them: five to two
+    (Dao et al. 2022, "FlashAttention", Algorithm 4)."""
+    return 2.5 if layout.flash_attention else 2.0
 
 
 def attention_seconds(stage: Stage) -> float:
@@ -159,12 +174,14 @@ def score_bytes(stage: Stage) -> float:
     """Bytes unfused attention moves for its s x s scores (none under FlashAttention):
     writing the scores, reading them for the masked softmax, writing the probabilities,
     dropout's read, mask and write, the read by the weighted sum (~13 bytes a score in
-    16-bit), twice that in the backward."""
+    16-bit; fused: the scale, mask and softmax in one pass, ~9), twice that in the
+    backward."""
     if stage.layout.flash_attention:
         return 0.0
     m, lay = stage.model, stage.layout
     scores = lay.micro_batch * m.heads / lay.tp * stage.seq * m.seq_len
-    return 3 * 13 * scores * stage.dtypes.activations / 2
+    per_score = 9 if lay.fused else 13
+    return 3 * per_score * scores * stage.dtypes.activations / 2
 
 
 def memory_bound_bytes(stage: Stage) -> float:
@@ -176,13 +193,17 @@ def memory_bound_bytes(stage: Stage) -> float:
     each), RoPE on queries and keys (~3 passes), attention reading q, k, v and writing
     its output, two residual adds (3 passes each) and SwiGLU (~5 passes over the
     feed-forward width, per routed expert); the backward moves about twice as much.
+    Fused (``Layout.fused``), each region reads its inputs and writes its outputs once:
+    residual add and norm together (4 passes, twice), RoPE 2, SwiGLU 3.
     """
     m, lay = stage.model, stage.layout
     q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
     ffn = m.ffn * (m.top_k if m.experts else 1)
-    per_token = (14 * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden
-                 + 5 * ffn) / lay.tp
-    return 3 * per_token * stage.dtypes.activations * stage.tokens + qat_bytes(stage)
+    if lay.fused:
+        per_token = 8 * m.hidden + 2 * (q + kv) + (2 * q + 2 * kv) + 3 * ffn
+    else:
+        per_token = 14 * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden + 5 * ffn
+    return 3 * per_token / lay.tp * stage.dtypes.activations * stage.tokens + qat_bytes(stage)
 
 
 def qat_bytes(stage: Stage) -> float:
@@ -214,6 +235,18 @@ def optimizer_seconds(stage: Stage) -> float:
     bandwidth = hw.host_memory_bandwidth_gbs if stage.layout.offload_params \
         else hw.memory_bandwidth_gbs
     return (dense + expert) / shard * ADAMW_BYTES / (bandwidth * 1e9)
+
+
+def op_recomputed_share(model: ModelShape) -> float:
+    """Share of a layer's weight-matmul FLOPs that per-op checkpointing recomputes."""
+    return op_recomputed_params(**_op_shape(model)) / _layer_matmul_params(model)
+
+
+def _op_shape(model: ModelShape) -> dict[str, Any]:
+    m = model
+    return {"hidden": m.hidden, "q_width": m.heads * m.head_dim,
+            "kv_width": m.n_kv_heads * m.head_dim, "ffn": m.ffn * (m.top_k if m.experts else 1),
+            "gated": m.gated_ffn}
 
 
 def _layer_matmul_params(model: ModelShape) -> int:

@@ -69,7 +69,7 @@ class Differences:
                 out.append(("FSDP2 keeps its root unit (embedding, output) gathered from the "
                             "forward to the backward: gathered once, not twice",
                             -self.root * dt.params * mb))
-            if deferred and not self.stage.fsdp_units_kept and mb > 1:
+            if deferred and not self.stage.fsdp_reduces_once and mb > 1:
                 out.append(("gradients reduce-scattered once, after the last micro-batch "
                             "(torch's pipeline stages, meshlab's accumulation)",
                             -(mb - 1) * g))

@@ -31,10 +31,10 @@ from typing import Any
 from meshlab.plan.communication import Collective, Communication
 from meshlab.plan.compute import (
     ADAMW_BYTES,
-    with_host,
     flops_per_token,
     microbatch_parts,
     optimizer_seconds,
+    with_host,
 )
 from meshlab.plan.hardware import GIB, Hardware
 from meshlab.plan.layout import Layout, check
@@ -94,8 +94,8 @@ class Estimate:
         out = {k: self.compute_parts.get(k, 0.0)
                for k in ("gemm", "attention", "memory", "host")}
         for axis, seconds in self.exposed_by_axis.items():
-            term = ("offload" if axis == "host" else axis if axis in ("tp", "cp", "ep", "pp")
-                    else "dp")
+            # dp_shard, dp_replicate, dp_shard+cp, dp_shard_mod_ep...: every data axis is dp
+            term = "offload" if axis == "host" else "dp" if axis.startswith("dp") else axis
             out[term] = out.get(term, 0.0) + seconds
         return {**out, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
 
@@ -186,9 +186,15 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
     fsdp_axis = "dp_shard+cp" if lay.cp > 1 else "dp_shard"
     hidden_f, hidden_b = comm.fsdp_per_microbatch()  # overlaps its own compute
     not_hidden = stage.not_hidden_units(hidden_f, t_f), stage.not_hidden_units(hidden_b, t_b)
+    if not lay.overlap_grad_reduce:  # ZeRO-2/3's traffic waits for the compute around it
+        not_hidden = hidden_f, hidden_b
     t_f += t_f_crit + not_hidden[0]
     t_b += t_b_crit + not_hidden[1]
     hop = comm.pipeline_hop()
+    if not lay.overlap_p2p:  # each chunk's send and receive block its stage
+        blocked = lay.stages_per_rank * hop
+        t_f, t_b = t_f + blocked, t_b + blocked
+        by_axis = _add(by_axis, {"pp": 2 * blocked * lay.microbatches})
     pipeline_s, bubble, inflight = pipeline_time(lay.schedule, lay.pp, lay.microbatches,
                                                  lay.stages_per_rank, t_f, t_b, hop)
     before = len(comm.collectives)

@@ -10,9 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE_MODES = ("none", "selective", "full")
+PLANNED_RECOMPUTE = (*RECOMPUTE_MODES, "op")
+"""What the planner costs: meshlab.parallel's modes and torchtitan's per-op selective
+checkpointing ("op": every other matmul's output and attention's kept, the rest recomputed)."""
 REPLICA_SYNC = ("every_step", "local_sgd", "diloco", "edit", "a_edit", "parameter_server")
 """How dp_replicate replicas agree: gradients reduced every step (DDP, HSDP), parameters
 averaged every H steps (local SGD), DiLoCo's outer step every H steps, EDiT's (the same
@@ -118,8 +122,8 @@ def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_w
     with dropout, Korthikanti's 10); sequence parallelism shards those too. Selective
     recompute drops the scores; full recompute keeps the layer's input, 2h (sharded by SP).
     """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute not in PLANNED_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {PLANNED_RECOMPUTE}, got {recompute!r}")
     for name, value in (("seq", seq), ("batch", batch), ("hidden", hidden), ("heads", heads),
                         ("tp", tp), ("q_width", q_width), ("kv_width", kv_width),
                         ("ffn", ffn)):
@@ -129,11 +133,36 @@ def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_w
     sp = sequence_parallel and t > 1
     if recompute == "full":
         return 2 * sb * h / (t if sp else 1)
+    if recompute == "op":  # the layer's input, the kept matmuls' outputs, attention's output
+        kept = op_saved_widths(hidden=h, q_width=q_width, kv_width=kv_width, ffn=ffn,
+                               gated=gated)
+        return 2 * sb * (h / (t if sp else 1) + (sum(kept) + q_width) / t)
     replicated = 4 * h + 2 * h + 2 * h + (2 * h if dropout else 0)
     sharded = 2 * q_width + 4 * kv_width + 2 * q_width + (6 if gated else 4) * ffn
     if scores and recompute == "none":
         sharded += (5 if dropout else 2) * heads * seq
     return sb * (replicated / (t if sp else 1) + sharded / t)
+
+
+def op_matmuls(*, hidden: int, q_width: int, kv_width: int, ffn: int,
+               gated: bool) -> list[tuple[int, int]]:
+    """A Llama block's matmuls in the order its forward runs them, as (input, output) widths:
+    Q, K, V, the attention output, then w1, w3 (gated) and w2 (torchtitan's model)."""
+    h, q, kv = hidden, q_width, kv_width
+    mlp = [(h, ffn), (h, ffn), (ffn, h)] if gated else [(h, ffn), (ffn, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
+
+
+def op_saved_widths(**shape: Any) -> list[int]:
+    """Output widths per token of the matmuls torchtitan's per-op checkpointing keeps: the
+    1st, 3rd, 5th... of each block ("Saves output of all compute ops, except every second
+    mm", torchtitan 9dec370 parallelize_llama.py); the others are recomputed."""
+    return [out for i, (_, out) in enumerate(op_matmuls(**shape)) if i % 2 == 0]
+
+
+def op_recomputed_params(**shape: Any) -> int:
+    """Weights per layer of the matmuls per-op checkpointing recomputes (the 2nd, 4th...)."""
+    return sum(i * o for n, (i, o) in enumerate(op_matmuls(**shape)) if n % 2 == 1)
 
 
 # -- FLOPs -------------------------------------------------------------------------------------

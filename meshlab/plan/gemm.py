@@ -95,7 +95,9 @@ def seconds(hw: Hardware, gemm: Gemm, dtype: str, dtype_bytes: int) -> float:
     """Time of ``gemm`` (all its ``count``): compute at its efficiency, or reading and
     writing its matrices, whichever is longer."""
     g = gemm
-    compute = g.flops / (hw.tflops_peak(dtype) * 1e12 * efficiency(hw, g.m, g.n, g.k, g.count))
+    compute = g.flops / (hw.tflops_peak(dtype) * 1e12 * hw.ceiling(dtype)
+                         * shape_factor(g.m, g.n, g.k, g.count, sms=hw.sms, tile=hw.gemm_tile,
+                                        k0=hw.gemm_k0))
     traffic = dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) * g.count
     return max(compute, traffic / (hw.memory_bandwidth_gbs * 1e9))
 

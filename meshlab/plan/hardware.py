@@ -47,6 +47,9 @@ class Hardware:
     matmul_efficiency: float = 0.75
     """Share of peak a large square GEMM reaches; smaller and skinnier ones reach less
     (``meshlab.plan.gemm``: tiles, waves, depth)."""
+    fp8_efficiency: float = 0.0
+    """Share of the fp8 peak a large GEMM reaches in float8 training, the scaling casts and
+    amax passes included (torchao's dynamic float8 Linear); 0: ``matmul_efficiency``."""
     sms: int = 1
     """Streaming multiprocessors: tiles of a GEMM run in waves of this many (1: no waves)."""
     gemm_tile: tuple[int, int] = (1, 1)
@@ -113,8 +116,9 @@ class Hardware:
                              "positive")
         if min(self.layer_overhead_us, self.fsdp_overhead_us, self.tp_overhead_us) < 0:
             raise ValueError(f"{self.name}: host overheads cannot be negative")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
+        if not 0 < self.matmul_efficiency <= 1 or not 0 <= self.fp8_efficiency <= 1:
+            raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1] and "
+                             "fp8_efficiency in [0, 1] (0: matmul_efficiency's)")
         if self.sms < 1 or min(self.gemm_tile) < 1 or len(self.gemm_tile) != 2:
             raise ValueError(f"{self.name}: sms and both gemm_tile sizes must be >= 1, got "
                              f"sms={self.sms}, gemm_tile={self.gemm_tile}")
@@ -138,9 +142,14 @@ class Hardware:
                              f"{', '.join(self.tflops)}): choose another precision")
         return self.tflops[dtype]
 
+    def ceiling(self, dtype: str) -> float:
+        """Share of ``dtype``'s peak a large square GEMM reaches."""
+        return self.fp8_efficiency if dtype == "fp8" and self.fp8_efficiency else \
+            self.matmul_efficiency
+
     def flops_per_s(self, dtype: str) -> float:
         """FLOP/s of a large square matmul in ``dtype``."""
-        return self.tflops_peak(dtype) * 1e12 * self.matmul_efficiency
+        return self.tflops_peak(dtype) * 1e12 * self.ceiling(dtype)
 
     def link(self, collective: str, *, inter_node: bool) -> Link:
         """The link a collective runs on: measured for it, else the node's or the network's."""
@@ -175,13 +184,14 @@ class Hardware:
 
 def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
          nvlink_gbs: float, nic_gbs: float, efficiency: float, sms: int, host_gib: float,
-         host_gbs: float, pcie_gbs: float) -> Hardware:
+         host_gbs: float, pcie_gbs: float, fp8_efficiency: float = 0.0) -> Hardware:
     # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
     # an eager layer's forward and backward launch ~100 kernels at ~4 us each
     # cuBLAS's large bf16 tiles are 256 x 128; a tile's main loop steps 64 deep in K with a
     # pipeline a few steps long (gemm_k0 = 128); NCCL's ring kernels occupy up to 16
     # multiprocessors and their memory traffic while they run (overlap_cost)
     return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency, sms=sms,
+                    fp8_efficiency=fp8_efficiency,
                     gemm_tile=(256, 128), gemm_k0=128.0, overlap_cost=16 / sms,
                     memory_gib=memory_gib, reserved_gib=4.0, layer_overhead_us=400.0,
                     memory_bandwidth_gbs=memory_tbs * 1000, host_memory_gib=host_gib,
@@ -194,24 +204,37 @@ def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: 
 # datasheet. Bus bandwidth inside a node: measured NCCL all-reduce busBw on DGX systems
 # (~230 GB/s A100 NVLink3, ~370 GB/s H100/H200 NVLink4, ~700 GB/s B200 NVLink5). Between nodes:
 # one 200 Gb/s (A100) or 400 Gb/s (H100, H200, B200) NIC per GPU, ~90% of line rate.
-# Efficiency: large bf16 GEMMs reach ~80% of peak on A100 and ~70-75% on H100/H200/B200.
+# Efficiency: large bf16 GEMMs reach ~80% of peak on A100 and ~70% on B200; H100 and H200
+# as measured below.
 # The host: DGX A100 and DGX H100/H200 hold 2 TB of RAM for 8 GPUs, DGX B200 4 TB; their two
 # CPUs' memory channels (8 x DDR4-3200 each on A100's EPYC 7742, 8 x DDR5-4800 on H100's
 # Xeon 8480C, DDR5-5600 on B200's 8570) shared by 8 GPUs: ~50, ~75 and ~90 GB/s each. PCIe
 # Gen4 x16 (A100) moves ~25 GB/s each way in practice, Gen5 (H100 on) ~50.
+# H100 and H200 (one GH100 die, 132 SMs, 700 W) measured by this project's GPU pass
+# (docs/guides/gpu.md): held for two minutes, an 8192^3 bf16 matmul runs at 664 TFLOP/s at the
+# 700 W cap (the clocks fall from 1,980 to ~1,440 MHz within the first seconds; a short burst
+# reaches 779), fp8 (torch._scaled_mm) at 1,203; a training step keeps its GPUs this busy, so
+# the sustained rates are the ceilings. Float8 training's casts and amax passes (torchao,
+# compiled) kept 1,059 of the 1,410 TFLOP/s the same burst's raw fp8 matmul reached. B200 is
+# not measured: the presets' 0.7, and the H100's fp8 share.
+GH100_SUSTAINED = 664 / 989.5
+FP8_TRAINING_EFFICIENCY = 1203 / 1979 * 1059 / 1410
 HARDWARE: dict[str, Hardware] = {
     "a100-80gb": _gpu("a100-80gb", tflops={"fp32": 19.5, "tf32": 156, "bf16": 312},
                       memory_gib=80, memory_tbs=2.039, nvlink_gbs=230, nic_gbs=22.5,
                       efficiency=0.8, sms=108, host_gib=232, host_gbs=50, pcie_gbs=25),
     "h100-sxm": _gpu("h100-sxm", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                      memory_gib=80, memory_tbs=3.35, nvlink_gbs=370, nic_gbs=45,
-                     efficiency=0.75, sms=132, host_gib=232, host_gbs=75, pcie_gbs=50),
+                     efficiency=GH100_SUSTAINED, sms=132, host_gib=232, host_gbs=75,
+                     pcie_gbs=50, fp8_efficiency=FP8_TRAINING_EFFICIENCY),
     "h200": _gpu("h200", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
-                 memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45, efficiency=0.75,
-                 sms=132, host_gib=232, host_gbs=75, pcie_gbs=50),
+                 memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45,
+                 efficiency=GH100_SUSTAINED, sms=132, host_gib=232, host_gbs=75, pcie_gbs=50,
+                 fp8_efficiency=FP8_TRAINING_EFFICIENCY),
     "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7,
-                 sms=148, host_gib=465, host_gbs=90, pcie_gbs=50),
+                 sms=148, host_gib=465, host_gbs=90, pcie_gbs=50,
+                     fp8_efficiency=FP8_TRAINING_EFFICIENCY),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
     "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,

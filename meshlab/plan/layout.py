@@ -19,7 +19,7 @@ from meshlab.plan.formulas import (
     CP_IMPLEMENTATIONS,
     EVERY_H,
     OPTIMIZER_KINDS,
-    RECOMPUTE_MODES,
+    PLANNED_RECOMPUTE,
     REPLICA_SYNC,
     ZERO_STAGES,
     cp_refusal,
@@ -109,7 +109,8 @@ class Layout:
     microbatches: int = 1
     """Micro-batches per step (pipeline micro-batches, or gradient accumulation)."""
     recompute: str = "none"
-    """Activation checkpointing: none, selective (attention core) or full (whole layer)."""
+    """Activation checkpointing: none, selective (attention core), full (whole layer) or op
+    (torchtitan's per-op selective checkpointing: every other matmul and attention kept)."""
     precision: str = "bf16"
     flash_attention: bool = True
     """Attention kernels that do not store the s x s scores (FlashAttention, SDPA)."""
@@ -118,7 +119,24 @@ class Layout:
     "weight" (each weight matrix: DeepSpeed ZeRO-3, FSDP1 wrapping every Linear)."""
     overlap_grad_reduce: bool = True
     """Gradients reduced during the backward, bucket by bucket (torch DDP, FSDP, Megatron's
-    --overlap-grad-reduce); off: after it (Megatron-LM before 2023)."""
+    --overlap-grad-reduce); off: after it, and under ZeRO-2/3 the parameters gathered
+    before the forward (Megatron-LM before 2023, without --overlap-param-gather)."""
+    overlap_p2p: bool = True
+    """Pipeline sends and receives behind compute; off: each blocks its stage until the
+    transfer is done (Megatron-LM before --overlap-p2p-communication, 2023; DeepSpeed's
+    pipeline engine)."""
+    fused: bool = False
+    """Memory-bound work fused into few kernels (torch.compile; Megatron's fused LayerNorm,
+    bias-GeLU, bias-dropout-add and masked softmax): each fused region reads its inputs and
+    writes its outputs once. Off: eager PyTorch, one kernel per operator."""
+    reduce_fp32: bool = False
+    """Gradients reduced across data-parallel ranks in fp32 (Megatron-LM with bf16 forces
+    it; torchtitan's FSDP reduce_dtype default; meshlab's own mixed precision): twice a
+    16-bit gradient's bytes on the wire."""
+    async_tp: bool = False
+    """Tensor-parallel collectives run behind the GEMMs they feed (torchtitan's async TP,
+    Megatron's --tp-comm-overlap): what the GEMMs cannot hide is exposed. Off: on the
+    critical path."""
     offload_params: bool = False
     """With zero 2 or 3: the shards of parameters, gradients and optimizer states in host
     memory, copied over PCIe for every gather and reduce-scatter, the optimizer stepping on
@@ -162,8 +180,8 @@ class Layout:
                                  f"pass {name}=1 or more")
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+        if self.recompute not in PLANNED_RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, "
                              f"got {self.recompute!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
@@ -271,6 +289,14 @@ class Layout:
             parts.append(f"shard_unit={self.shard_unit}")
         if not self.overlap_grad_reduce:
             parts.append("overlap_grad_reduce=0")
+        if self.pp > 1 and not self.overlap_p2p:
+            parts.append("overlap_p2p=0")
+        if self.fused:
+            parts.append("fused=1")
+        if self.reduce_fp32 and self.dp * self.cp > 1:
+            parts.append("reduce_fp32=1")
+        if self.tp > 1 and self.async_tp:
+            parts.append("async_tp=1")
         parts += [f"{k}=1" for k in ("offload_params", "offload_activations") if getattr(self, k)]
         if self.cp > 1:
             parts.append(f"cp_impl={self.context_parallel}")
@@ -298,7 +324,7 @@ class Layout:
         values: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
         for token in text.replace(",", " ").split():
-            match = re.fullmatch(r"([a-z_]+)=(\S+)", token)
+            match = re.fullmatch(r"([a-z_][a-z0-9_]*)=(\S+)", token)
             key = ALIASES.get(match.group(1), match.group(1)) if match else ""
             if not match or key not in types:
                 raise ValueError(f"layout {token!r}: write NAME=VALUE with NAME one of "

@@ -155,6 +155,8 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
         activations = kept
     if lay.recompute == "full":  # one layer's activations exist while it is recomputed
         activations += layer_bytes(stage, "none")
+    elif lay.recompute == "op":  # and what per-op checkpointing recomputes, for one layer
+        activations += layer_bytes(stage, "none") - layer_bytes(stage, "op")
     # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
     activations += 2 * 4 * stage.tokens * m.vocab / lay.tp
     unit, layer_units = stage.shard_unit_params, lay.shard_unit == "layer"

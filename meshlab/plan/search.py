@@ -42,7 +42,7 @@ def parse_constraints(text: str) -> dict[str, Any]:
     """``"tp<=8 pp=16 zero=1"`` -> {"tp": ("<=", 8), ...} (dp means dp_shard)."""
     out: dict[str, Any] = {}
     for token in text.replace(",", " ").split():
-        match = re.fullmatch(r"([a-z_]+)(<=|>=|=|<|>)(\S+)", token)
+        match = re.fullmatch(r"([a-z_][a-z0-9_]*)(<=|>=|=|<|>)(\S+)", token)
         if not match:
             raise ValueError(f"constraint {token!r}: write NAME=VALUE, NAME<=VALUE or "
                              f"NAME>=VALUE, NAME one of {', '.join(SEARCHED)}")

@@ -34,6 +34,11 @@ class Stage:
         """Layers on the busiest stage."""
         return math.ceil(self.model.layers / self.layout.pp)
 
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of one gradient element as the data-parallel reductions move it."""
+        return 4 if self.layout.reduce_fp32 else self.dtypes.grads
+
     @cached_property
     def seq(self) -> int:
         """Tokens of one sequence on one rank (cp splits the sequence)."""
@@ -66,6 +71,15 @@ class Stage:
         per-layer units (FSDP2's) only: ZeRO-2 is Llama 3's FSDP, as the paper ran it."""
         lay = self.layout
         return lay.pp > 1 and lay.zero == 3 and lay.shard_unit == "layer"
+
+    @property
+    def fsdp_reduces_once(self) -> bool:
+        """ZeRO-2/3 gradients reduce-scattered once a step, after the last micro-batch:
+        under a pipeline, for the units kept (``fsdp_units_kept``) and under ZeRO-2 (torch's
+        PipelineStage defers FSDP's reduction to the last backward; Megatron's distributed
+        optimizer reduce-scatters its accumulated buffer once)."""
+        lay = self.layout
+        return lay.pp > 1 and (lay.zero == 2 or self.fsdp_units_kept)
 
     @cached_property
     def shard_units(self) -> list[float]:

@@ -85,7 +85,7 @@ def test_slow_pcie_is_named_as_the_bottleneck() -> None:
     (note,) = [n for n in slow.notes if "bottleneck" in n]
     assert "the PCIe link is the bottleneck" in note
     # the shard goes up twice (forward and backward gathers): 106,816 bytes at 1 GB/s,
-    # 107 us against the micro-batch's 75 us of compute; the rest shows in the step
+    # 107 us against the micro-batch's 77 us of compute; the rest shows in the step
     assert slow.compute_s == pytest.approx(TINY_MICROBATCH_S)
     assert slow.step_s - fast.step_s == pytest.approx(2 * 53_408 / 1e9 - TINY_MICROBATCH_S,
                                                       rel=1e-6)
@@ -236,4 +236,4 @@ def test_diloco_changes_the_best_layout_on_a_slow_network() -> None:
     assert every.layout.pp > 1 and every.layout.tp > 1
     assert diloco.layout.describe() == ("dp_replicate=128 dp_shard=8 zero=3 mbs=1 m=1 "
                                         "replica_sync=diloco sync_every=100")
-    assert diloco.tokens_per_s > 2 * every.tokens_per_s
+    assert diloco.tokens_per_s > 1.5 * every.tokens_per_s

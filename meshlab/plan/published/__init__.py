@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshlab.plan.estimate import Estimate, estimate
-from meshlab.plan.hardware import HARDWARE, Hardware
+from meshlab.plan.hardware import Hardware, hardware
 from meshlab.plan.published import a100, h100
 from meshlab.plan.published.a100 import GPT_175B
 from meshlab.plan.published.run import (
@@ -61,10 +61,10 @@ FREE: dict[str, tuple[Any, ...]] = {"micro_batch": (1, 2, 4, 8), "virtual": tupl
 """The values a free knob is tried at."""
 
 
-def predict(run: PublishedRun, hardware: Hardware | None = None) -> Estimate | None:
+def predict(run: PublishedRun, hw_override: Hardware | None = None) -> Estimate | None:
     """The planner's estimate of ``run``: its stated layout, with each free knob at the
     value the planner finds fastest among those that fit; None when none fits."""
-    hw = hardware or HARDWARE[run.hardware]
+    hw = hardware(hw_override or run.hardware)
     stated = run.stated()
     best: Estimate | None = None
     for values in itertools.product(*(FREE[k] for k in run.free)):
@@ -85,3 +85,32 @@ def predict(run: PublishedRun, hardware: Hardware | None = None) -> Estimate | N
         if e.fits and (best is None or e.step_s < best.step_s):
             best = e
     return best
+
+
+def error(run: PublishedRun, hw_override: Hardware | None = None) -> float:
+    """Predicted over published step time, less one (negative: optimistic); +1.0 (100% off)
+    when the planner says a run that ran does not fit."""
+    e = predict(run, hw_override)
+    return 1.0 if e is None else e.step_s / run.published_step_s() - 1
+
+
+def by_family(errors: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per family, for each part (development, held-out, all): runs, mean absolute error and
+    mean signed error (optimism below zero), from ``errors`` (run name -> signed error)."""
+    out: dict[str, dict[str, float]] = {}
+    for run in RUNS:
+        if run.name not in errors:
+            continue
+        row = out.setdefault(run.family, {})
+        for part in ("held-out" if held_out(run) else "development", "all"):
+            e = errors[run.name]
+            row[f"{part} runs"] = row.get(f"{part} runs", 0) + 1
+            row[f"{part} abs"] = row.get(f"{part} abs", 0.0) + abs(e)
+            row[f"{part} signed"] = row.get(f"{part} signed", 0.0) + e
+    for row in out.values():
+        for part in ("development", "held-out", "all"):
+            n = row.get(f"{part} runs", 0)
+            for kind in ("abs", "signed"):
+                if n:
+                    row[f"{part} {kind}"] /= n
+    return out

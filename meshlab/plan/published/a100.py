@@ -1,7 +1,11 @@
-"""Published A100-era runs (2021-24): Megatron-LM's papers, MegaScale's baseline."""
+"""Published A100-era runs (2021-24): Megatron-LM's papers, MegaScale's baseline, BLOOM and
+GLM-130B."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from meshlab.plan.hardware import HARDWARE, Link
 from meshlab.plan.published.run import HARDWARE_TFLOPS, STEP, PublishedRun
 from meshlab.plan.shapes import ModelShape
 
@@ -26,7 +30,11 @@ GPT_1T = _gpt("gpt-1t", 128, 25600, 160)
 _NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473)"
 _MEGATRON_2021 = ("zero=0: data parallelism without a distributed optimizer (2021 Megatron)",
                   "gradients all-reduced after the backward (--overlap-grad-reduce came in "
-                  "2023)", "no FlashAttention, no sequence parallelism (both later)")
+                  "2023)", "no FlashAttention, no sequence parallelism (both later)",
+                  "pipeline sends and receives block their stage (--overlap-p2p-communication "
+                  "came in 2023)")
+_MEGATRON_KERNELS = "fused=1: section 4.2's fused bias + GeLU, bias + dropout + add and " \
+    "scale + mask + softmax kernels (and apex's fused LayerNorm)"
 _T1 = [  # (billions, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s)
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
     (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
@@ -45,11 +53,11 @@ def _table1() -> list[PublishedRun]:
         runs.append(PublishedRun(
             f"GPT {b}B, {gpus:,} GPUs", f"{_NARAYANAN}, Table 1, row {row} ({b}B)",
             _gpt(f"gpt-{b}b", layers, hidden, heads), "a100-80gb",
-            f"tp={tp} pp={pp} dp={dp} zero=0 ac=full sp=0 flash_attention=0 "
-            "overlap_grad_reduce=0" + pipe, batch,
+            f"tp={tp} pp={pp} dp={dp} zero=0 ac=full sp=0 flash_attention=0 fused=1 "
+            "overlap_grad_reduce=0 overlap_p2p=0" + pipe, batch,
             tflops, HARDWARE_TFLOPS,
             free=("micro_batch", "virtual") if pp > 1 else ("micro_batch",),
-            assumed=_MEGATRON_2021, family="Megatron-LM 2021"))
+            assumed=(*_MEGATRON_2021, _MEGATRON_KERNELS), family="Megatron-LM 2021"))
     return runs
 
 
@@ -65,10 +73,12 @@ def _table2() -> list[PublishedRun]:
                 f"{model.name} PTD-P, {gpus:,} GPUs",
                 f"{_NARAYANAN}, Table 2, PTD-P row {3 * row + i + 1}", model, "a100-80gb",
                 f"tp={tp} pp={pp} dp={gpus // (tp * pp)} zero=0 ac=full sp=0 "
-                "flash_attention=0 overlap_grad_reduce=0 mbs=1 schedule=interleaved_1f1b", batch,
+                "flash_attention=0 fused=1 overlap_grad_reduce=0 overlap_p2p=0 mbs=1 "
+                "schedule=interleaved_1f1b", batch,
                 tflops,
                 HARDWARE_TFLOPS, free=("virtual",),
-                assumed=(*_MEGATRON_2021, "tp 8 x pp 12 (175B), tp 8 x pp 35 (530B): the "
+                assumed=(*_MEGATRON_2021, _MEGATRON_KERNELS,
+                         "tp 8 x pp 12 (175B), tp 8 x pp 35 (530B): the "
                          "table gives only their product"), family="Megatron-LM 2021"))
     zero3 = [(GPT_175B, 1536, 384, 4, 144), (GPT_175B, 1536, 768, 2, 88),
              (GPT_175B, 1536, 1536, 1, 44), (GPT_530B, 2560, 640, 4, 138),
@@ -108,9 +118,12 @@ def _korthikanti() -> list[PublishedRun]:
             runs.append(PublishedRun(
                 f"{model.name} {variant}, {gpus} GPUs",
                 f"{_KORTHIKANTI}, Tables 3 and 5, row {row} ({variant})", model, "a100-80gb",
-                f"tp=8 pp={pp} zero=0 mbs={mbs} flash_attention=0 {layout}{pipe}", batch,
+                f"tp=8 pp={pp} zero=0 mbs={mbs} flash_attention=0 fused=1 overlap_p2p=0 "
+                f"{layout}{pipe}", batch,
                 seconds, STEP, free=free,
-                assumed=("no FlashAttention (the selective recompute it introduces is of "
+                assumed=("Megatron's fused kernels (Narayanan et al. 2021, section 4.2)",
+                         "pipeline sends and receives block their stage (2022 Megatron)",
+                         "no FlashAttention (the selective recompute it introduces is of "
                          "the unfused attention core)",)
                 + (("1T: interleaving depth not given",) if free else ()),
                 family="Korthikanti 2022"))
@@ -127,10 +140,13 @@ MEGASCALE: list[PublishedRun] = [
     PublishedRun(
         f"MegaScale's Megatron-LM, {gpus:,} GPUs",
         f"{_MEGASCALE}, Table 2, Megatron-LM, batch {batch}, {gpus} GPUs", _MEGASCALE_175B,
-        "a100-80gb", f"tp=8 pp=8 dp={gpus // 64} zero=2 overlap_grad_reduce=0 "
+        "a100-80gb", f"tp=8 pp=8 dp={gpus // 64} zero=2 fused=1 overlap_grad_reduce=0 "
+        "overlap_p2p=0 "
         "schedule=interleaved_1f1b v=6", batch, seconds, STEP, free=("micro_batch", "recompute"),
         assumed=("A100 80 GB (the paper says Ampere, 8 x 200 Gb/s NICs per node)",
                  "data-parallel traffic not overlapped (MegaScale's Table 3 adds that)",
+                 "pipeline sends and receives not overlapped (MegaScale adds that too)",
+                 "Megatron-LM's fused kernels",
                  "FlashAttention not stated for the baseline: taken as on",),
         family="MegaScale 2024")
     for batch, gpus, seconds in ((768, 256, 40.0), (768, 512, 21.2), (768, 768, 15.2),
@@ -138,4 +154,56 @@ MEGASCALE: list[PublishedRun] = [
                                  (6144, 8192, 12.24), (6144, 12288, 8.57))
 ]
 
-RUNS: list[PublishedRun] = [*_table1(), *_table2(), *_korthikanti(), *MEGASCALE]
+
+# BLOOM-176B (BigScience 2022), the training team's own files: bigscience-workshop/bigscience
+# @ 9e64edec train/tr11-176B-ml (the Slurm script, README "Hardware", "Replica setup",
+# "Important checkpoints"), their Megatron-DeepSpeed fork @ 8387ae17 (the TFLOPs it logs: eq.
+# 3) and the HF blog "The Technology Behind BLOOM Training". Jean Zay: 8 A100 80 GB a node on
+# NVLink, "4 OmniPath links" a node (100 Gb/s each: 50 Gb/s a GPU).
+_BLOOM = "bigscience-workshop/bigscience @ 9e64edec, train/tr11-176B-ml/README.md"
+JEAN_ZAY_A100 = replace(HARDWARE["a100-80gb"], name="a100-80gb-jean-zay",
+                        inter=Link(bandwidth_gbs=0.9 * 50 / 8, latency_us=10.0))
+"""Jean Zay's A100 nodes: four 100 Gb/s Omni-Path links shared by 8 GPUs, at the presets'
+90% of line rate."""
+BLOOM_176B = ModelShape(name="bloom-176b", layers=70, hidden=14336, heads=112, ffn=4 * 14336,
+                        vocab=250880, seq_len=2048, gated_ffn=False, tied_embeddings=True,
+                        dropout=True)
+
+
+def _others() -> list[PublishedRun]:
+    """Large A100 runs from other teams' papers and logs, with their own software."""
+    bloom = PublishedRun(
+        "BLOOM-176B, 384 GPUs", f"{_BLOOM}, Table \"Important checkpoints\", row iteration "
+        "85376", BLOOM_176B, JEAN_ZAY_A100, "tp=4 pp=12 dp=8 zero=1 mbs=2 ac=full sp=0 "
+        "flash_attention=0 fused=1 reduce_fp32=1 overlap_grad_reduce=0 overlap_p2p=0", 2048,
+        104.70, STEP, layer_slots=2,
+        assumed=("DeepSpeed's 1F1B pipeline engine (not stated): sends block, gradients "
+                 "reduced after the last backward", "ZeRO-1 (DeepSpeed's BF16 optimizer, "
+                 "\"its own zero stage 1\"), fp32 gradient accumulation and reduction",
+                 "Omni-Path links at 100 Gb/s (a secondary source)", "ALiBi costed as "
+                 "learned positions are (not at all)"),
+        family="BLOOM, GLM 2022")
+    glm = [PublishedRun(
+        f"GLM-130B, 768 GPUs, batch {batch}", f"THUDM/GLM-130B @ 212215c, logs/main-log-en.md, "
+        f"Table \"Speed Testing\", row batch {batch}", GLM_130B, A100_40GB,
+        "tp=4 pp=8 dp=24 zero=1 sp=0 flash_attention=0 fused=1 overlap_p2p=0 "
+        "overlap_grad_reduce=0 precision=fp16", batch, seconds, STEP,
+        free=("micro_batch", "recompute"), layer_slots=2,
+        assumed=("DGX-A100 40 GB nodes with their 8 x 200 Gb/s NICs (the datasheet)",
+                 "ZeRO-1 and DeepSpeed's 1F1B pipeline (DeepSpeed 0.6.1; not stated)",
+                 "the prefix-bidirectional attention costed as causal",
+                 "70 layers on 8 stages with the embedding and output counted as layers "
+                 "(not stated; BLOOM's DeepSpeed partition did so)"),
+        family="BLOOM, GLM 2022") for batch, seconds in ((4224, 88.5), (6144, 122.5))]
+    return [bloom, *glm]
+
+
+# GLM-130B: configs/model_glm_130b.sh (70 layers, 12,288 hidden, GeGLU 32,768, 96 heads,
+# vocabulary 150,528, sequence 2,048), "96 DGX-A100 (40G) nodes", MP 4 x PP 8.
+GLM_130B = ModelShape(name="glm-130b", layers=70, hidden=12288, heads=96, ffn=32768,
+                      vocab=150528, seq_len=2048)
+A100_40GB = replace(HARDWARE["a100-80gb"], name="a100-40gb", memory_gib=40,
+                    memory_bandwidth_gbs=1555)
+"""An A100 40 GB SXM (datasheet: 1,555 GB/s) in a DGX A100."""
+
+RUNS: list[PublishedRun] = [*_table1(), *_table2(), *_korthikanti(), *MEGASCALE, *_others()]

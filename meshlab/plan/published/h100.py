@@ -1,8 +1,16 @@
-"""Published H100-era runs (2024-): Llama 3."""
+"""Published H100-era runs (2024-): Llama 3, torchtitan's tables, Megatron-Core's H100 table."""
 
 from __future__ import annotations
 
-from meshlab.plan.published.run import MODEL_TFLOPS, PublishedRun
+from dataclasses import replace
+
+from meshlab.plan.hardware import HARDWARE
+from meshlab.plan.published.run import (
+    MEGATRON_CORE_TFLOPS,
+    MODEL_TFLOPS,
+    TOKENS_PER_GPU,
+    PublishedRun,
+)
 from meshlab.plan.shapes import MODELS, ModelShape
 
 # Dubey et al. 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 and section
@@ -39,4 +47,119 @@ def _llama3() -> list[PublishedRun]:
     return runs
 
 
-RUNS: list[PublishedRun] = [*_llama3()]
+
+def _with_seq(model: ModelShape, seq_len: int) -> ModelShape:
+    return replace(model, name=f"{model.name}-{seq_len // 1024}k", seq_len=seq_len)
+
+
+# torchtitan's published H100 tables: benchmarks/llama3_h100_202412_torchtitan.md (written as
+# docs/performance.md in d4c86e37, measured with torchtitan 9dec370, torch 1963fc8, Dec 2024)
+# and benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (820504e2, June 2025). Not the
+# paper's tables (arXiv 2410.06511, a different measurement, not readable here).
+_TITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ b5bcd76c"
+_TITAN_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ b5bcd76c"
+GRAND_TETON_H100 = replace(
+    HARDWARE["h100-sxm"], name="h100-hbm2e-500w", memory_gib=94.0, memory_bandwidth_gbs=2400,
+    tflops={"fp32": 61, "tf32": 456, "bf16": 912, "fp8": 1824})
+"""torchtitan's Grand Teton H100s, as its table states them: "96GB HBM2e with 2.4 TB/sec",
+"400 Gb/s per GPU", "the default 500W power limit"; "the actual peak TFLOPs number is between
+SXM and NVL, and we don't know its exact value": taken midway (989.5 and 835 TFLOP/s bf16),
+an assumption; 96 GB is 94 GiB as the device reports it less its reserve."""
+_TITAN_FACTS = ("gradients reduced in fp32 (reduce_fp32: torchtitan's only "
+                "--training.mixed_precision_reduce)",
+                "sequence 8,192 (not printed; the shipped train_configs at 9dec370)",
+                "SDPA's flash attention (not stated)", "FSDP reshards after the forward "
+                "(torchtitan's default: zero=3)", "Grand Teton peak taken midway between H100 "
+                "SXM and NVL (the table says it is between them)")
+_FP8 = "Float8 (torchao, dynamic tensorwise: torchtitan's default) on every Linear"
+
+
+def _torchtitan() -> list[PublishedRun]:
+    llama8, llama70, llama405 = MODELS["llama3-8b"], MODELS["llama3-70b"], MODELS["llama3-405b"]
+    rows: list[tuple[str, ModelShape, str, int, float, tuple[str, ...], tuple[str, ...]]] = []
+    for table, gpus, figures in (("Table 1", 8, (5762, 6667, 8532)),
+                                 ("Table 3", 128, (5605, 6514, 8380))):
+        for variant, extra, tps in zip(("FSDP", "FSDP + torch.compile",
+                                        "FSDP + torch.compile + Float8"),
+                                       ("", " fused=1", " fused=1 precision=fp8"), figures,
+                                       strict=True):
+            rows.append((f"{table} {variant}", llama8,
+                         f"dp={gpus} zero=3 mbs=2 ac=op reduce_fp32=1{extra}", 2 * gpus,
+                         tps, (), ("selective: the configs' per-op SAC (selective_ac_option "
+                                   "'op'), ac=op",) + ((_FP8,) if "fp8" in extra else ())))
+    for variant, extra, tps in (("2D", "", 829), ("2D + AsyncTP", " async_tp=1", 876)):
+        rows.append((f"Table 4 {variant}", llama70, "dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 "
+                     f"precision=fp8 reduce_fp32=1{extra}", 512, tps, (), (_FP8,)))
+    for variant, sched, tps in (("1F1B", "schedule=1f1b", 100),
+                                ("Interleaved 1F1B", "schedule=interleaved_1f1b v=2", 128)):
+        rows.append((f"Table 5 {variant}", llama405, "pp=8 dp=8 tp=8 zero=3 mbs=4 ac=full "
+                     f"fused=1 precision=fp8 async_tp=1 reduce_fp32=1 {sched}", 256, tps, (),
+                     (_FP8, "8 micro-batches of 4 (the default: as many as stages)",
+                      "2 stages per rank interleaved (the default)",
+                      "126 layers in stages of 8 or 16 with the embedding and output counted")))
+    for fsdp, cp, tps in ((8, 1, 3890), (4, 2, 2540), (2, 4, 1071), (1, 8, 548)):
+        rows.append((f"Table 2 FSDP {fsdp}, CP {cp}", _with_seq(llama8, 32768 * cp),
+                     f"dp={fsdp} cp={cp} cp_impl=torch zero=3 mbs=1 ac=full fused=1 "
+                     "precision=fp8 reduce_fp32=1", fsdp, tps, (),
+                     (_FP8, "CP is torch's ring attention (torchtitan's)",
+                      "the global batch: local batch 1 on each FSDP rank")))
+    for fsdp, cp, tps in ((8, 1, 76), (4, 2, 47), (2, 4, 31), (1, 8, 16)):
+        rows.append((f"Table 6 FSDP {fsdp}, CP {cp}", _with_seq(llama405, 32768 * cp),
+                     f"pp=8 dp={fsdp} cp={cp} tp=8 cp_impl=torch zero=3 mbs=1 ac=full fused=1 "
+                     "precision=fp8 async_tp=1 reduce_fp32=1 schedule=1f1b", 8 * fsdp, tps, (),
+                     (_FP8, "CP is torch's ring attention (torchtitan's)",
+                      "8 micro-batches of 1 (the default: as many as stages)",
+                      "the global batch: local batch 8 on each FSDP rank")))
+    runs = [PublishedRun(f"torchtitan {model.name} {what}", f"{_TITAN}, {what}", model,
+                         GRAND_TETON_H100, layout, batch, tps, TOKENS_PER_GPU, free=free,
+                         assumed=(*_TITAN_FACTS, *assumed), family="torchtitan 2024",
+                         layer_slots=2 if "pp=" in layout else 0)
+            for what, model, layout, batch, tps, free, assumed in rows]
+    for variant, extra, rate in (("vanilla TP", "", 597.3), ("async TP", " async_tp=1", 652.4)):
+        runs.append(PublishedRun(
+            f"torchtitan llama3-70b bf16, {variant}",
+            f"{_TITAN_ASYNC}, Table \"Llama3 70b on 256 H100s\", row None (bfloat16)",
+            llama70, GRAND_TETON_H100,
+            f"dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 reduce_fp32=1{extra}",
+            512, rate, TOKENS_PER_GPU, assumed=_TITAN_FACTS, family="torchtitan 2024"))
+    return runs
+
+
+# Megatron-LM's README, "Performance Benchmarking": images/model_table.png (commit f2e5db40,
+# 2024-07-15, Megatron-Core r0.8.0 on H100): GPTs of 1.7B to 462B, vocabulary 131,072,
+# sequence 4,096, "--overlap-grad-reduce, --overlap-param-gather (DP), --tp-comm-overlap (TP),
+# and PP (enabled by default)", MFU on 989 TFLOP/s (a maintainer, NVIDIA/Megatron-LM#1276).
+_MCORE = "NVIDIA/Megatron-LM README.md images/model_table.png @ f2e5db40"
+_MCORE_TABLE = [  # (name, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU)
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9),
+]
+
+
+def _megatron_core() -> list[PublishedRun]:
+    runs = []
+    for row, (size, heads, hidden, layers, tp, pp, gpus, batch, tflops) in enumerate(
+            _MCORE_TABLE, 1):
+        model = ModelShape(name=f"mcore-gpt-{size.lower()}", layers=layers, hidden=hidden,
+                           heads=heads, ffn=4 * hidden, vocab=131072, seq_len=4096,
+                           gated_ffn=False)
+        free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
+        runs.append(PublishedRun(
+            f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
+            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 fused=1 reduce_fp32=1"
+            + (" async_tp=1" if tp > 1 else ""), batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
+            assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
+                     "the distributed optimizer (--overlap-param-gather needs it): zero=2",
+                     "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
+                     "Transformer Engine's fused kernels and flash attention (not stated)",
+                     "a GPT with a 4h MLP, untied embeddings, no dropout (not stated; the "
+                     "parameter counts fit)", "the logged FLOP count (not stated)"),
+            family="Megatron-Core 2024"))
+    return runs
+
+
+RUNS: list[PublishedRun] = [*_llama3(), *_torchtitan(), *_megatron_core()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlab.plan.compute import flops_per_token
+from meshlab.plan.hardware import Hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
 
@@ -13,6 +14,9 @@ from meshlab.plan.shapes import ModelShape
 STEP = "step s"  # iteration time, as printed
 HARDWARE_TFLOPS = "hardware TFLOP/s per GPU (Megatron eq. 3: recomputed forward counted)"
 MODEL_TFLOPS = "model TFLOP/s per GPU (MFU: 6N + attention, no recompute)"
+MEGATRON_CORE_TFLOPS = ("model TFLOP/s per GPU (Megatron-Core's logged count: 72 B s l h^2 "
+                        "(1 + s/6h + V/12lh), attention unmasked, no recompute)")
+TOKENS_PER_GPU = "tokens/s per GPU"
 
 
 @dataclass(frozen=True)
@@ -21,7 +25,8 @@ class PublishedRun:
     source: str
     """Paper, table and row."""
     model: ModelShape
-    hardware: str
+    hardware: str | Hardware
+    """A built-in profile's name, or the run's own (hardware the presets do not describe)."""
     layout: str
     """What the paper states, as ``Layout.parse`` reads it (micro-batches follow from the
     batch and the micro-batch size)."""
@@ -47,12 +52,17 @@ class PublishedRun:
         return Layout.parse(self.layout + (" v=2" if "virtual" in self.free else ""))
 
     def published_step_s(self) -> float:
-        """The run's step time: printed, or its figure through the paper's FLOP count."""
+        """The run's step time: printed, or its figure through the source's own count."""
+        m, tokens = self.model, self.batch * self.model.seq_len
         if self.unit == STEP:
             return self.figure
-        flops = (megatron_flops(self.model, self.batch) if self.unit == HARDWARE_TFLOPS
-                 else flops_per_token(self.model, "none", self.model.layers)[0]
-                 * self.batch * self.model.seq_len)  # PaLM's 6N + attention: the MFU count
+        if self.unit == TOKENS_PER_GPU:
+            return tokens / (self.figure * self.gpus)
+        flops = {HARDWARE_TFLOPS: lambda: megatron_flops(m, self.batch),
+                 MEGATRON_CORE_TFLOPS: lambda: megatron_core_flops(m, self.batch),
+                 # PaLM's 6N + attention: the MFU count
+                 MODEL_TFLOPS: lambda: flops_per_token(m, "none", m.layers)[0] * tokens,
+                 }[self.unit]()
         return flops / (self.figure * 1e12 * self.gpus)
 
 
@@ -63,3 +73,12 @@ def megatron_flops(m: ModelShape, batch: int) -> float:
     return 96 * batch * s * ell * h**2 * (1 + s / (6 * h) + v / (16 * ell * h))
 
 
+
+
+def megatron_core_flops(m: ModelShape, batch: int) -> float:
+    """What Megatron-Core (r0.8) logs per iteration for a GPT with a 4h MLP and full attention
+    heads: 72 B s l h^2 (1 + s/6h + V/12lh), forward and backward, the attention square
+    counted whole, no recompute (megatron/training/training.py,
+    num_floating_point_operations)."""
+    s, h, ell, v = m.seq_len, m.hidden, m.layers, m.vocab
+    return 72 * batch * s * ell * h**2 * (1 + s / (6 * h) + v / (12 * ell * h))
