@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from meshlab.plan import HARDWARE, search
-from meshlab.plan.estimate import Estimate
+from meshlab.plan import HARDWARE, MODELS, Layout, estimate, search
+from meshlab.plan.estimate import Estimate, term_differences
 from meshlab.plan.published import (
     DEVELOPMENT,
     HELD_OUT,
@@ -110,6 +110,45 @@ def _rank(run: PublishedRun, tokens_per_s: float) -> str:
     return f"{ahead + 1} of {len(found)} (top {(ahead + 1) / len(found):.1%})"
 
 
+# Llama 3's last batch, 16M tokens (2,048 sequences of 8,192), on 1,024 and 16,384 H100s; the
+# layout a paper ran there, or the nearest published one with its data parallelism scaled
+SEARCHES = [
+    ("llama3-405b", 16384, "tp=8 pp=16 dp=128 zero=2 schedule=interleaved_1f1b v=4 mbs=1",
+     "Llama 3 405B as run (Dubey et al. 2024, Table 4, row 2)"),
+    ("llama3-405b", 1024, "tp=8 pp=8 dp=16 zero=3 schedule=interleaved_1f1b v=2 mbs=4 ac=full",
+     "torchtitan's 405B layout (Table 5, interleaved), dp 8 -> 16"),
+    ("llama3-70b", 1024, "tp=8 dp=128 zero=3 mbs=16 ac=full",
+     "torchtitan's 70B layout (Table 4: FSDP 32, TP 8), dp 32 -> 128"),
+    ("llama3-70b", 16384, "tp=8 pp=2 dp=1024 zero=2 mbs=1",
+     "Megatron-Core's 70B row (tp 8, pp 2), dp 48 -> 1,024"),
+]
+SEARCH_BATCH = 2048
+
+
+def searches() -> None:
+    """The search's best layout beside the published one, and the terms that separate them."""
+    hw = HARDWARE["h100-sxm"]
+    print(f"\nthe search on H100s, {SEARCH_BATCH:,} sequences of 8,192 a step (Llama 3's 16M "
+          "tokens), bf16: its best layout beside a published one")
+    for name, gpus, stated, source in SEARCHES:
+        model = MODELS[name]
+        best = search(model, gpus=gpus, hardware=hw, global_batch=SEARCH_BATCH, top=1)
+        found: Estimate = best["estimate"].iloc[0]
+        lay = Layout.parse(stated)
+        lay = Layout.parse(stated, microbatches=SEARCH_BATCH // (lay.dp * lay.micro_batch))
+        ran = estimate(model, lay, hw)
+        print(f"{name} on {gpus:,} GPUs")
+        for label, e in (("search", found), ("published", ran)):
+            gib = e.memory["total"] / 2**30
+            print(f"  {label:<9} {e.step_s:6.2f} s  MFU {e.mfu:4.0%}  {gib:3.0f} GiB"
+                  f"{'' if e.fits else ' (does not fit)'}  {e.layout.describe()}"
+                  + (f"   [{source}]" if label == "published" else ""))
+        why = term_differences(found, ran)
+        same = found.layout == ran.layout
+        print("  why: " + ("the same layout" if same else ", ".join(
+            f"{term} {diff:+.2f} s" for term, diff in why) or "within 2% on every term"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rank", action="store_true",
@@ -123,6 +162,7 @@ def main() -> None:
                              args.rank)
     families({**dev, **held})
     terms({**dev_found, **held_found})
+    searches()
 
 
 if __name__ == "__main__":

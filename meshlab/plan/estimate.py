@@ -235,6 +235,16 @@ def estimate(model: ModelShape, layout: Layout, hardware: Hardware) -> Estimate:
                     compute_parts=work)
 
 
+def term_differences(a: Estimate, b: Estimate, *, least: float = 0.02
+                     ) -> list[tuple[str, float]]:
+    """Why ``a``'s step differs from ``b``'s: each term (``Estimate.terms``) whose seconds
+    differ by ``least`` of ``b``'s step or more, as (term, a's seconds less b's), the
+    largest first."""
+    ta, tb = a.terms(), b.terms()
+    diffs = [(t, ta.get(t, 0.0) - tb.get(t, 0.0)) for t in {*ta, *tb}]
+    return sorted([d for d in diffs if abs(d[1]) >= least * b.step_s], key=lambda d: -abs(d[1]))
+
+
 def precision_notes(lay: Layout) -> list[str]:
     """What the planner assumes for the precision, optimizer and QAT of ``lay``."""
     out = []

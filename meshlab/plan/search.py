@@ -113,8 +113,12 @@ def candidates(model: ModelShape, gpus: int, hardware: Hardware, *, global_batch
             continue
         virtuals = [1]
         if schedule in TAKES_VIRTUAL:
+            # equal chunks of layers, or of layers with the embedding and the output
+            # counted as one each (Megatron's --account-for-embedding/loss-in-pipeline-split,
+            # as Llama 3 split 126 layers into 16 x 4 chunks, section 3.3.2)
             virtuals = [v for v in allowed("virtual", range(2, 9))
-                        if model.layers % (pp * v) == 0 and microbatches % pp == 0]
+                        if microbatches % pp == 0 and (model.layers % (pp * v) == 0
+                                                       or (model.layers + 2) % (pp * v) == 0)]
         if pp > 1 and microbatches < pp:
             continue  # the pipeline would never fill
         # HSDP: shard inside a node's worth of data ranks, replicate across

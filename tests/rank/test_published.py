@@ -16,38 +16,90 @@ from meshlab.plan.published import (
     HELD_OUT,
     RUNS,
     PublishedRun,
+    by_family,
+    h100,
+    held_out,
     megatron_flops,
     predict,
 )
 from meshlab.plan.stage import Stage
 
-# -- the development set -------------------------------------------------------------------
+# -- the development and held-out parts ------------------------------------------------------
 
-# The bound each run is held to: the issue's "no case worse than 25%", and 10% on average.
-WORST, MEAN = 0.25, 0.10
+# The issue's bounds: no run worse than 25%; 10% on average over the development part, 12%
+# over the held-out part, and held-out no more than 5 points worse than development (a
+# planner that learnt its examples would read far worse on the runs it was not mended on).
+WORST, MEAN, HELD_OUT_MEAN, GAP = 0.25, 0.10, 0.12, 0.05
 
 
 @pytest.fixture(scope="module")
 def predicted() -> dict[str, float]:
     out = {}
-    for run in DEVELOPMENT:
+    for run in RUNS:
         e = predict(run)
         assert e is not None, f"{run.name} ran, but the planner says it does not fit"
         out[run.name] = e.step_s / run.published_step_s() - 1
     return out
 
 
-@pytest.mark.parametrize("run", DEVELOPMENT, ids=lambda r: r.name)
+def _mean(errors: dict[str, float], runs: list[PublishedRun]) -> float:
+    return sum(abs(errors[r.name]) for r in runs) / len(runs)
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
 def test_each_published_run_is_predicted_within_25_percent(
         run: PublishedRun, predicted: dict[str, float]) -> None:
     assert abs(predicted[run.name]) <= WORST, (
         f"{run.name} ({run.source}): predicted {predicted[run.name]:+.1%} off")
 
 
-def test_the_development_set_is_predicted_within_10_percent_on_average(
+def test_the_development_part_is_predicted_within_10_percent_on_average(
         predicted: dict[str, float]) -> None:
-    errors = [abs(e) for e in predicted.values()]
-    assert sum(errors) / len(errors) <= MEAN
+    assert _mean(predicted, DEVELOPMENT) <= MEAN
+
+
+def test_the_held_out_part_is_predicted_within_12_percent_on_average(
+        predicted: dict[str, float]) -> None:
+    assert _mean(predicted, HELD_OUT) <= HELD_OUT_MEAN
+
+
+def test_held_out_error_is_within_5_points_of_development_error(
+        predicted: dict[str, float]) -> None:
+    dev, held = _mean(predicted, DEVELOPMENT), _mean(predicted, HELD_OUT)
+    assert held <= dev + GAP, f"held-out {held:.1%} against development {dev:.1%}"
+
+
+def test_the_split_is_one_run_in_three_by_name_alone() -> None:
+    assert len(HELD_OUT) + len(DEVELOPMENT) == len(RUNS)
+    assert 0.2 <= len(HELD_OUT) / len(RUNS) <= 0.45
+    for run in RUNS[::7]:  # the figure, the layout or the family do not move a run
+        moved = dataclasses.replace(run, figure=2 * run.figure, layout=run.layout + " zero=3",
+                                    family="x")
+        assert held_out(moved) == held_out(run)
+
+
+# Not met yet: the issue's "no family optimistic on average by more than 10%" and "the H100
+# rows within 15% each" (benchmarks/plan_vs_published.py prints where each stands). Strict:
+# the day a fix meets them, these fail until the marks go.
+@pytest.mark.xfail(strict=True, reason="MegaScale's Megatron-LM rows, BLOOM/GLM-130B and "
+                   "Megatron-Core's H100 table read 11-17% optimistic on average")
+def test_no_family_is_optimistic_by_more_than_10_percent_on_average(
+        predicted: dict[str, float]) -> None:
+    signed = {f: row["all signed"] for f, row in by_family(predicted).items()}
+    assert min(signed.values()) >= -0.10, signed
+
+
+@pytest.mark.xfail(strict=True, reason="a third of the H100 rows are 15-24% off")
+def test_every_h100_row_is_predicted_within_15_percent(predicted: dict[str, float]) -> None:
+    off = {r.name: predicted[r.name] for r in h100.RUNS if abs(predicted[r.name]) > 0.15}
+    assert not off, off
+
+
+def test_the_terms_add_up_to_the_step() -> None:
+    for run in RUNS[::3]:
+        e = predict(run)
+        assert e is not None
+        assert sum(e.terms().values()) == pytest.approx(e.step_s, rel=1e-9), run.name
 
 
 def test_every_run_says_where_it_comes_from_and_what_it_assumes() -> None:

@@ -36,7 +36,8 @@ from meshlab.plan.published.run import (
 )
 
 __all__ = ["DEVELOPMENT", "FREE", "GPT_175B", "HARDWARE_TFLOPS", "HELD_OUT", "MODEL_TFLOPS",
-           "RUNS", "STEP", "PublishedRun", "held_out", "megatron_flops", "predict"]
+           "RUNS", "STEP", "PublishedRun", "a100", "by_family", "error", "h100", "held_out",
+           "megatron_flops", "predict"]
 
 RUNS: list[PublishedRun] = [*a100.RUNS, *h100.RUNS]
 """Every published run the planner is checked against."""

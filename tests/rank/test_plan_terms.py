@@ -1,0 +1,90 @@
+"""The planner's software facts (fused kernels, async TP, blocking pipeline sends, fp32
+gradient reduction, torchtitan's per-op checkpointing) counted by hand on TINY, and the search
+on today's hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from meshlab.plan import HARDWARE, MODELS, Layout, estimate, search
+from meshlab.plan.compute import memory_bound_bytes
+from meshlab.plan.estimate import term_differences
+from meshlab.plan.formulas import layer_activation_bytes, op_recomputed_params
+from meshlab.plan.stage import Stage
+from tests.rank.test_plan import COMPUTE_BOUND, PIPE, TINY, TINY_PARAMS, TOY
+
+
+def test_fused_kernels_move_each_tensor_once_per_region() -> None:
+    # TINY per token and layer (h 64, q 64, kv 32, ffn 128): eager 2,400 values (test_plan);
+    # fused: add + norm twice 8h = 512, RoPE 2(q + kv) = 192, attention I/O 2q + 2kv = 192,
+    # SwiGLU 3 ffn = 384 -> 1,280; forward + backward x3, 2 bytes, 64 tokens
+    eager = memory_bound_bytes(Stage(TINY, Layout(), TOY))
+    fused = memory_bound_bytes(Stage(TINY, Layout(fused=True), TOY))
+    assert (eager, fused) == (3 * 2400 * 2 * 64, 3 * 1280 * 2 * 64)
+
+
+def test_async_tp_exposes_only_what_the_gemms_cannot_hide() -> None:
+    sync = estimate(TINY, Layout(tp=2, dp_shard=1), TOY)
+    overlapped = estimate(TINY, Layout(tp=2, dp_shard=1, async_tp=True), TOY)
+    assert {c.overlapped for c in sync.collectives if c.axis == "tp"} == {False}
+    assert {c.overlapped for c in overlapped.collectives if c.axis == "tp"} == {True}
+    tp = sum(c.seconds for c in sync.collectives if c.axis == "tp")
+    assert sync.exposed_by_axis["tp"] == pytest.approx(tp, rel=1e-12)
+    # TOY's TP collectives take ~20 us a layer, its GEMMs far more: all hidden (no overlap
+    # cost on TOY)
+    assert overlapped.exposed_by_axis.get("tp", 0.0) == 0.0
+    assert overlapped.step_s == pytest.approx(sync.step_s - tp, rel=1e-9)
+
+
+def test_blocking_pipeline_sends_stall_each_chunk_both_ways() -> None:
+    lay = Layout(pp=2, microbatches=4)
+    free = estimate(PIPE, lay, TOY)
+    blocked = estimate(PIPE, dataclasses.replace(lay, overlap_p2p=False), TOY)
+    (send,) = [c for c in blocked.collectives if c.axis == "pp"]
+    hop = send.seconds / send.calls
+    # 4 micro-batches, one chunk a rank: a forward send and a backward send each
+    assert blocked.terms()["pp"] == pytest.approx(2 * 4 * hop, rel=1e-12)
+    assert "pp" not in free.terms() and blocked.step_s > free.step_s
+
+
+def test_fp32_reduction_doubles_the_gradient_bytes() -> None:
+    lay = Layout(dp_shard=4, zero=0)
+    (bf16,) = estimate(TINY, lay, COMPUTE_BOUND).collectives
+    (fp32,) = estimate(TINY, dataclasses.replace(lay, reduce_fp32=True), COMPUTE_BOUND).collectives
+    assert (bf16.nbytes, fp32.nbytes) == (2 * TINY_PARAMS, 4 * TINY_PARAMS)
+
+
+def test_per_op_checkpointing_keeps_every_other_matmul_and_attention() -> None:
+    # TINY's matmuls in order: q 64, k 32, v 32, o 64, w1 128, w3 128, w2 64 wide; kept: the
+    # 1st, 3rd, 5th, 7th (q, v, w1, w2: 64 + 32 + 128 + 64) with the layer's input (64) and
+    # attention's output (64): 416 values a token, 2 bytes each
+    kept = layer_activation_bytes(seq=64, batch=1, hidden=64, heads=4, q_width=64,
+                                  kv_width=32, ffn=128, gated=True, dropout=False,
+                                  recompute="op")
+    assert kept == 2 * 416 * 64
+    # recomputed: k 64 x 32, o 64 x 64, w3 64 x 128 -> 14,336 weights, 2 FLOPs each a token
+    assert op_recomputed_params(hidden=64, q_width=64, kv_width=32, ffn=128,
+                                gated=True) == 14_336
+    none, op = (estimate(TINY, Layout(recompute=r), TOY) for r in ("none", "op"))
+    tokens = 64 * TINY.layers
+    assert op.hardware_flops - none.hardware_flops == pytest.approx(2 * 14_336 * tokens)
+    assert op.memory["activations"] < none.memory["activations"]
+
+
+def test_the_search_finds_llama3s_own_layout_on_16384_h100s() -> None:
+    # Dubey et al. 2024, Table 4, row 2: tp 8, pp 16 (126 layers and the two ends in 16 x 4
+    # chunks), dp 128, 16M tokens a step
+    best = search(MODELS["llama3-405b"], gpus=16384, hardware=HARDWARE["h100-sxm"],
+                  global_batch=2048, top=1)["estimate"].iloc[0]
+    assert best.layout.describe() == ("pp=16 dp_shard=128 tp=8 zero=2 interleaved_1f1b/v4 "
+                                      "mbs=1 m=16")
+
+
+def test_term_differences_name_what_separates_two_layouts() -> None:
+    a = estimate(PIPE, Layout(pp=2, microbatches=4), TOY)
+    b = estimate(PIPE, Layout(pp=2, microbatches=2, micro_batch=2), TOY)
+    diffs = dict(term_differences(a, b, least=0.0))
+    assert sum(diffs.values()) == pytest.approx(a.step_s - b.step_s, rel=1e-9)
+    assert term_differences(a, a) == []
