@@ -89,8 +89,9 @@ class Estimate:
     def terms(self) -> dict[str, float]:
         """The step time by what it is made of, adding up to ``step_s``: compute (GEMMs,
         attention, memory-bound work, host gaps), the communication each family of axes
-        keeps exposed (tp, cp, ep, dp: every data-parallel axis; offload: host copies), the
-        pipeline bubble (hop waits included) and the optimizer step."""
+        keeps exposed (tp, cp, ep; dp: every data-parallel axis; pp: blocking sends;
+        offload: host copies), the pipeline bubble (hop waits included) and the optimizer
+        step."""
         out = {k: self.compute_parts.get(k, 0.0)
                for k in ("gemm", "attention", "memory", "host")}
         for axis, seconds in self.exposed_by_axis.items():
