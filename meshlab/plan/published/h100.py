@@ -162,4 +162,43 @@ def _megatron_core() -> list[PublishedRun]:
     return runs
 
 
-RUNS: list[PublishedRun] = [*_llama3(), *_torchtitan(), *_megatron_core()]
+# NeMo 24.07's DGX-H100 FP8 table: NVIDIA/NeMo docs/source/performance/performance_summary.md
+# @ 0b8a80ee ("Container: NeMo24.07. System: DGX-H100"), the Llama rows; every degree, the
+# micro-batch and the virtual stages printed, DP the GPUs left. Llama 2 shapes as Meta
+# released them (vocabulary 32,000).
+_NEMO = "NVIDIA/NeMo docs/source/performance/performance_summary.md @ 0b8a80ee"
+_LLAMA2 = {"7b": ModelShape(name="llama2-7b", layers=32, hidden=4096, heads=32, ffn=11008,
+                            vocab=32000, seq_len=4096),
+           "13b": ModelShape(name="llama2-13b", layers=40, hidden=5120, heads=40, ffn=13824,
+                             vocab=32000, seq_len=4096),
+           "70b": ModelShape(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                             ffn=28672, vocab=32000, seq_len=4096)}
+_NEMO_TABLE = [  # (model, GPUs, GBS, MBS, TP, PP, CP, VP, tokens/s per GPU)
+    (_LLAMA2["7b"], 8, 128, 1, 1, 1, 1, 1, 16934), (_LLAMA2["13b"], 16, 128, 1, 1, 4, 1, 10, 8715),
+    (_LLAMA2["70b"], 64, 128, 1, 4, 4, 1, 20, 1728),
+    (MODELS["llama3-8b"], 8, 128, 1, 1, 1, 2, 1, 12273),
+    (MODELS["llama3-70b"], 64, 128, 1, 4, 4, 2, 5, 1524),
+]
+
+
+def _nemo() -> list[PublishedRun]:
+    runs = []
+    for model, gpus, batch, mbs, tp, pp, cp, vp, tps in _NEMO_TABLE:
+        dp = gpus // (tp * pp * cp)
+        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 mbs={mbs} fused=1 precision=fp8"
+                  + (" async_tp=1" if tp > 1 else "") + (" cp_impl=torch" if cp > 1 else "")
+                  + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
+        runs.append(PublishedRun(
+            f"NeMo 24.07 {model.name}, {gpus} GPUs", f"{_NEMO}, Table (FP8), row {model.name}",
+            model, "h100-sxm", layout, batch, tps, TOKENS_PER_GPU, free=("recompute",),
+            assumed=("Megatron-Core with Transformer Engine: fused kernels, the distributed "
+                     "optimizer (zero=2), overlapped data-parallel traffic",
+                     "TP communication overlapped (NeMo's performance configs; not printed)",
+                     "FP8 on every Linear at the float8 training rate measured with torchao "
+                     "(Transformer Engine's own casts not measured)",
+                     "CP as ring attention (Transformer Engine's), recompute not printed"),
+            family="NeMo 24.07"))
+    return runs
+
+
+RUNS: list[PublishedRun] = [*_llama3(), *_torchtitan(), *_megatron_core(), *_nemo()]
