@@ -180,7 +180,8 @@ RECORD_STATUS = """() => {
     const m = args.msg, now = performance.now();
     if (args.direction !== 'recv') return;
     if (m.header.msg_type === 'status')
-      window.meshlabStatus.push([now, m.content.execution_state, m.parent_header.msg_type]);
+      window.meshlabStatus.push([now, m.content.execution_state, m.parent_header.msg_type,
+                                 m.parent_header.msg_id]);
     if (m.header.msg_type === 'execute_input' && m.content.code.startsWith('%mesh start'))
       window.meshlabStart = {id: m.parent_header.msg_id, from: now};
     if (m.header.msg_type === 'execute_reply' &&
@@ -188,15 +189,19 @@ RECORD_STATUS = """() => {
   });
 }"""
 
-# how often the page was told Idle while the start's cell ran (null: it did not run); not
-# counting the status the kernel publishes around the debugger's and kernel-info requests,
-# which JupyterLab sends on the control channel whenever it likes (late, under load)
+# the Idle statuses the page was told while the start's cell ran (null: it did not run), as
+# [parent's type, ms after the cell began]; not counting the status the kernel publishes
+# around the debugger's and kernel-info requests, which JupyterLab sends on the control
+# channel whenever it likes (late, under load), nor the cell's own closing Idle: it comes on
+# the iopub channel and its execute_reply on the shell channel, which can arrive later
 IDLE_DURING_START = """() => {
   const start = window.meshlabStart;
   if (!start.to) return null;
   const control = ['debug_request', 'kernel_info_request'];
-  return window.meshlabStatus.filter(([t, s, parent]) => s === 'idle' && t > start.from &&
-                                     t < start.to && !control.includes(parent)).length;
+  return window.meshlabStatus
+    .filter(([t, s, parent, id]) => s === 'idle' && t > start.from && t < start.to &&
+                                    !control.includes(parent) && id !== start.id)
+    .map(([t, s, parent]) => [parent, Math.round(t - start.from)]);
 }"""
 
 # what the notebook shows as pictures, and what shows as a broken one
@@ -505,7 +510,7 @@ def test_quickstart_runs_and_reports_in_jupyterlab(browser: Any, jupyterlab: str
     assert lab.pictures()["starts"] == 1  # the start's progress, not a widget
     # the kernel showed busy through the start (a widget's subshell once showed it Idle for
     # the whole start, inviting a second Run All)
-    assert lab.page.evaluate(IDLE_DURING_START) == 0
+    assert lab.page.evaluate(IDLE_DURING_START) == []
     lab.check_clean()
     lab.check_pictures_survive_saving()
     lab.close()
