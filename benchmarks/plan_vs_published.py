@@ -50,7 +50,7 @@ def table(runs: list[PublishedRun], title: str, rank: bool
         line = (f"{run.name:<38} {published:>8.2f}s {e.step_s:>8.2f}s "
                 f"{errors[run.name]:>+7.1%} {e.tflops_per_gpu:>8.0f} {e.hw_tflops_per_gpu:>6.0f} "
                 f"{e.mfu:>5.0%} {e.hfu:>5.0%} {e.memory['total'] / 2**30:>4.0f}  "
-                f"{e.layout.describe()}")
+                f"{described(e.layout)}")
         if rank:
             line += "   " + _rank(run, e.tokens_per_s)
         print(line)
@@ -58,6 +58,12 @@ def table(runs: list[PublishedRun], title: str, rank: bool
     print(f"mean absolute error {statistics.mean(absolute):.1%}, worst {max(absolute):.1%}, "
           f"mean signed {statistics.mean(errors.values()):+.1%} ({len(runs)} runs)")
     return errors, found
+
+
+def described(layout: Layout) -> str:
+    """The layout as ``Layout.describe`` gives it, its precision named when not bf16."""
+    return layout.describe() + ("" if layout.precision == "bf16"
+                                else f" precision={layout.precision}")
 
 
 TERMS = ("gemm", "attention", "memory", "host", "tp", "cp", "ep", "dp", "offload", "bubble",
@@ -141,7 +147,7 @@ def searches() -> None:
         for label, e in (("search", found), ("published", ran)):
             gib = e.memory["total"] / 2**30
             print(f"  {label:<9} {e.step_s:6.2f} s  MFU {e.mfu:4.0%}  {gib:3.0f} GiB"
-                  f"{'' if e.fits else ' (does not fit)'}  {e.layout.describe()}"
+                  f"{'' if e.fits else ' (does not fit)'}  {described(e.layout)}"
                   + (f"   [{source}]" if label == "published" else ""))
         why = term_differences(found, ran)
         same = found.layout == ran.layout

@@ -281,8 +281,6 @@ class Layout:
         parts.append(f"mbs={self.micro_batch} m={self.microbatches}")
         if self.recompute != "none":
             parts.append(f"ac={self.recompute}")
-        if self.precision != "bf16":
-            parts.append(f"precision={self.precision}")
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("sp=0")
         if not self.flash_attention:

@@ -248,7 +248,7 @@ def test_a_edit_fast_replica_takes_more_steps_and_its_log_replays_exactly(
               f"seconds per round {[round(s, 2) for s in seconds]}")
         # float64: most step patterns replay to ~1e-13; one, [[5, 2], [6, 2], [5, 2], [5, 2]]
         # (it comes about one run in eight), replays replica 0 to 1.9e-9 every time it comes,
-        # cause not found yet (replica 1 and the synchronised states agree to 1e-16)
+        # cause not found yet (replica 1, two steps a round, replays to 1e-16)
         assert loss_error < 1e-8 and param_error < 1e-8, (r, loss_error, param_error)
         # the first round holds the first step's set-up; after it the fast replica runs ahead
         assert sum(s[0] for s in steps[1:]) > sum(s[1] for s in steps[1:]), (r, steps)
