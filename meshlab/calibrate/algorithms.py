@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from meshlab.allreduce import ALGORITHMS, Round, Transfer, _run, all_reduce, host_of_ranks
 from meshlab.calibrate.collectives import BATCH, CollectiveFit, fit_collective
-from meshlab.plan.formulas import allreduce_crossover, allreduce_seconds
+from meshlab.plan.allreduce_formulas import allreduce_crossover, allreduce_seconds
 from meshlab.plan.hardware import Link
 from meshlab.timing import median_seconds
 

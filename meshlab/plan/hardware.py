@@ -15,7 +15,8 @@ from typing import Any
 
 import tomllib
 
-from meshlab.plan.formulas import ALLREDUCE_ALGORITHMS, COLLECTIVES, allreduce_seconds
+from meshlab.plan.allreduce_formulas import ALLREDUCE_ALGORITHMS, allreduce_seconds
+from meshlab.plan.formulas import COLLECTIVES
 
 GB = 1e9
 GIB = 2**30

@@ -17,8 +17,7 @@ from meshlab.allreduce import ALGORITHMS, rounds
 from meshlab.calibrate.algorithms import AllreduceSweep, crossover_below
 from meshlab.calibrate.algorithms import links as round_links
 from meshlab.calibrate.collectives import CollectiveFit
-from meshlab.plan.estimate import estimate
-from meshlab.plan.formulas import (
+from meshlab.plan.allreduce_formulas import (
     ALLREDUCE_ALGORITHMS,
     allreduce_crossover,
     allreduce_rounds,
@@ -26,6 +25,7 @@ from meshlab.plan.formulas import (
     allreduce_terms,
     round_seconds,
 )
+from meshlab.plan.estimate import estimate
 from meshlab.plan.hardware import HARDWARE, Hardware, Link, load, save
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
