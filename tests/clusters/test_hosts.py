@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.cluster]
 HOSTS = ["node1", "node2"]
 ADDRESS = {"node1": "10.231.0.11", "node2": "10.231.0.12"}
 LOGIN = "10.231.0.1"  # this machine on the hosts' bridge: the controller listens here
+UNASSIGNED = "10.231.0.99"  # on the bridge, held by no host: a host that is down
 STATE = Path("/var/lib/meshlab-hosts")  # the test hosts' keys, ssh_config, mpirun options
 SSH = ["ssh", "-F", str(STATE / "ssh_config")]
 
@@ -290,12 +291,22 @@ def test_when_its_ssh_ends_a_hosts_forkserver_stops_its_ranks(test_hosts: list[s
 
 def test_a_host_ssh_cannot_reach_fails_the_start_with_what_ssh_said(test_hosts: list[str],
                                                                    tmp_path: Path) -> None:
+    """A host that is down: its name is an address on the bridge that nobody holds, so the
+    test asks no DNS server (CI's once hung past every timeout) and ssh fails within its
+    ConnectTimeout. The start's own timeout stays under pytest's, so a hang is meshlab's."""
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Include {STATE}/ssh_config\nHost no-such-node\n    HostName {UNASSIGNED}\n"
+                      "    BatchMode yes\n    ConnectTimeout 5\n")
     profile = profile_file("ssh", tmp_path)
-    profile.write_text(profile.read_text().replace('hosts = ["node1", "node2"]',
-                                                   'hosts = ["node1", "no-such-node"]'))
+    profile.write_text(profile.read_text()
+                       .replace('hosts = ["node1", "node2"]', 'hosts = ["node1", "no-such-node"]')
+                       .replace(f"{STATE}/ssh_config", str(config))
+                       .replace("start_timeout = 300", "start_timeout = 60"))
     cluster = Cluster(profile=profile)
-    with pytest.raises(ClusterError, match=r"(?s)exited during start-up.*no-such-node"):
+    with pytest.raises(ClusterError, match=r"(?s)exited during start-up.*no-such-node\n *ssh: "
+                       r"connect to host") as failed:
         cluster.start(progress=False)
+    assert "node1: " not in str(failed.value)  # only the host that is down is named
     assert not cluster.running
 
 
