@@ -1,7 +1,9 @@
 """Does a parallel run train like one process? Losses and final parameters, compared.
 
 Every rank also trains the reference: the same model (same seed) on the whole global batch,
-alone. Both runs then differ only by the order of floating-point sums.
+alone. Both runs then differ only by the order of floating-point sums. Comparing one model
+under many plans, ``with reusing_references():`` (meshlab.parallel.reused_references) trains
+each distinct reference once.
 
 Tolerances. Losses agree to ~1e-7 in fp32 (rtol 1e-5 below). Parameters after AdamW steps
 do not: AdamW divides each element's step by that element's own gradient scale, so where a
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.models.llama import loss_fn
+from meshlab.parallel import reused_references
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import (
@@ -281,37 +284,16 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
             raise ValueError(f"batch_schedule gives {size} rows at step {s}: each step's batch "
                              f"must be a multiple of batch={batch}, the rows one micro-step "
                              "takes across the data ranks")
-    replicas = [reference]
-    ref_opt: Any = None
-    loss_rtol, param_rtol = TOLERANCES[precision]
-    if plan.replica_sync == "every_step":
-        whole = [global_batch(step=s, batch=size, **shape) for s, size in enumerate(sizes)]
-        ref_opt = _optimizer(reference, lr, optimizer, plan.max_grad_norm)
-        if plan.mixed_precision == "fp16":
-            ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
-                                          world=False)
-        ref_losses = train(reference, ref_opt, whole, loss=loss)
-        if not plan.mixed_precision and batch % 2 == 0:
-            probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
-            floor = _reordering_floor(*probe)
-            above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
-            random = _reordering_floor(*probe, halves=False) if above else (0.0, 0.0)
-            if random[0] > loss_rtol or random[1] > param_rtol:  # no floor: chance
-                notes.append(f"in one process alone, the same run with its random numbers "
-                             f"drawn afresh moves the parameters by {random[1]:.1e}: the model "
-                             "draws them in training (dropout?), so no comparison can hold")
-            elif above:
-                loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
-                param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
-                notes.append(f"in one process alone, the same batches in 2 accumulated halves "
-                             f"move the losses by {floor[0]:.1e} and the parameters by "
-                             f"{floor[1]:.1e}: {type(reference).__name__} computes parts in a "
-                             f"lower precision than {dtype} (e.g. norms or a router's softmax "
-                             f"in float32), so both runs can agree no closer: held to "
-                             f"{FLOOR_MARGIN}x that")
-    else:  # each replica trains alone on its rows; the algorithm syncs them, in one process
-        replicas = [reference] + [build() for _ in range(axis_size(mesh, "dp_replicate") - 1)]
-        ref_losses = _train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss)
+    replicas = [reference] if plan.replica_sync == "every_step" else (
+        [reference] + [build() for _ in range(axis_size(mesh, "dp_replicate") - 1)])
+    # the settings the one-process run depends on: a reuse (reused_references) keys on them
+    settings = (model if isinstance(model, ModelConfig) else factory, dtype, optimizer, lr,
+                tuple(sizes), batch, seq, vocab, seed, loss, on_meta,
+                reused_references.reference_plan(plan))
+    alone = reused_references.trained(settings, replicas, lambda: _train_reference(
+        replicas, build, plan, shape, sizes, lr, optimizer, loss, precision, dtype, batch))
+    ref_losses, loss_rtol, param_rtol = alone.losses, alone.loss_rtol, alone.param_rtol
+    notes += alone.notes
 
     plan = replace(plan, seq_len=seq)
     rank, ranks = data_rank(mesh)
@@ -342,14 +324,15 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         if error >= worst_error:
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-    if isinstance(opt, LossScaledOptimizer) and isinstance(ref_opt, LossScaledOptimizer):
+    if isinstance(opt, LossScaledOptimizer) and alone.scaler is not None:
+        ref_skipped, ref_scale = alone.scaler
         notes.append(f"fp16 loss scaling: {opt.skipped_steps} of {steps} steps skipped on "
-                     f"overflow (one process: {ref_opt.skipped_steps}), loss scale now "
-                     f"{opt.loss_scale:g} (one process: {ref_opt.loss_scale:g})"
+                     f"overflow (one process: {ref_skipped}), loss scale now "
+                     f"{opt.loss_scale:g} (one process: {ref_scale:g})"
                      + ("; they skipped different steps: near the overflow limit a data rank's "
                         "fp16 gradients are dp times one process's (FSDP's fp16 also keeps no "
                         "op in fp32): start from a smaller loss_scale"
-                        if opt.skipped_steps != ref_opt.skipped_steps else ""))
+                        if opt.skipped_steps != ref_skipped else ""))
     result = Comparison(losses, ref_losses, loss_error, worst_error, worst, loss_rtol,
                         param_rtol, notes=notes,
                         skipped_steps=getattr(opt, "skipped_steps", None))
@@ -358,6 +341,60 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     if not result.ok:
         result.notes += _suspects(reference, worst)
     return result
+
+
+@dataclass(slots=True)
+class Reference:
+    """What the one-process run gives a comparison: its losses, the tolerances the model
+    allows (raised to its own floor where it computes parts in a lower precision) and why."""
+
+    losses: list[float]
+    loss_rtol: float
+    param_rtol: float
+    notes: list[str]
+    scaler: tuple[int, float] | None = None
+    """fp16: (steps skipped on overflow, loss scale now)."""
+
+
+def _train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.nn.Module],
+                     plan: ParallelPlan, shape: dict[str, int], sizes: list[int], lr: float,
+                     optimizer: str, loss: LossFn, precision: torch.dtype, dtype: torch.dtype,
+                     batch: int) -> Reference:
+    """Train the reference (``replicas[0]``; with local SGD or DiLoCo every replica) in this
+    process, on the whole global batches, and measure the model's own floor."""
+    reference = replicas[0]
+    loss_rtol, param_rtol = TOLERANCES[precision]
+    notes: list[str] = []
+    if plan.replica_sync != "every_step":  # each replica trains alone on its rows
+        return Reference(_train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss),
+                         loss_rtol, param_rtol, notes)
+    whole = [global_batch(step=s, batch=size, **shape) for s, size in enumerate(sizes)]
+    ref_opt = _optimizer(reference, lr, optimizer, plan.max_grad_norm)
+    if plan.mixed_precision == "fp16":
+        ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
+                                      world=False)
+    ref_losses = train(reference, ref_opt, whole, loss=loss)
+    if not plan.mixed_precision and batch % 2 == 0:
+        probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
+        floor = _reordering_floor(*probe)
+        above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
+        random = _reordering_floor(*probe, halves=False) if above else (0.0, 0.0)
+        if random[0] > loss_rtol or random[1] > param_rtol:  # no floor: chance
+            notes.append(f"in one process alone, the same run with its random numbers "
+                         f"drawn afresh moves the parameters by {random[1]:.1e}: the model "
+                         "draws them in training (dropout?), so no comparison can hold")
+        elif above:
+            loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
+            param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
+            notes.append(f"in one process alone, the same batches in 2 accumulated halves "
+                         f"move the losses by {floor[0]:.1e} and the parameters by "
+                         f"{floor[1]:.1e}: {type(reference).__name__} computes parts in a "
+                         f"lower precision than {dtype} (e.g. norms or a router's softmax "
+                         f"in float32), so both runs can agree no closer: held to "
+                         f"{FLOOR_MARGIN}x that")
+    scaler = ((ref_opt.skipped_steps, ref_opt.loss_scale)
+              if isinstance(ref_opt, LossScaledOptimizer) else None)
+    return Reference(ref_losses, loss_rtol, param_rtol, notes, scaler)
 
 
 def _mine(value: torch.Tensor, ref: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -167,6 +167,7 @@ REFUSED: dict[tuple[str, str], str] = {
 
 CELL = '''
 from meshlab.parallel import ParallelPlan
+from meshlab.parallel.reused_references import reusing_references
 from meshlab.parallel.verify import compare_with_single_process
 from meshlab.schedules import ScheduleError
 import meshlab.mesh
@@ -183,10 +184,11 @@ def _cell(family, mesh, plan, how):
             r.param_rtol, r.notes)
 
 _matrix = {}
-for _strategy, (_mesh, _plan, _how) in STRATEGIES.items():
-    if "tp=" in _mesh and FAMILY == "GPT in a cell":
-        _plan += ", tp_plan=CELL_TP_PLAN"
-    _matrix[_strategy] = _cell(FAMILY, _mesh, _plan, _how)
+with reusing_references():  # one family's strategies share their one-process runs
+    for _strategy, (_mesh, _plan, _how) in STRATEGIES.items():
+        if "tp=" in _mesh and FAMILY == "GPT in a cell":
+            _plan += ", tp_plan=CELL_TP_PLAN"
+        _matrix[_strategy] = _cell(FAMILY, _mesh, _plan, _how)
 _matrix
 '''
 
