@@ -272,16 +272,19 @@ def test_every_pipeline_schedule_trains_a_transformers_llama_like_one_process(
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan\n"
+        "from meshlab.parallel.reused_references import reusing_references\n"
         "from meshlab.parallel.verify import compare_with_single_process\n"
         "from meshlab.schedules import TAKES_VIRTUAL\n"
+        f"llama = lambda: {LLAMA.replace('layers=2', 'layers=4')}\n"
         "failed = []\n"
-        "for name in ['gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zbv', "
+        "with reusing_references():  # one reference for every schedule\n"
+        "    for name in ['gpipe', '1f1b', 'interleaved_1f1b', 'looped_bfs', 'zb_h1', 'zbv', "
         "'dualpipev']:\n"
-        "    plan = ParallelPlan(data_parallel='zero2', pipeline_schedule=name, microbatches=4, "
-        "virtual=2 if name in TAKES_VIRTUAL else 1)\n"
-        f"    r = compare_with_single_process(lambda: {LLAMA.replace('layers=2', 'layers=4')}, "
-        "mesh, plan, steps=2, dtype=torch.float64)\n"
-        "    failed += [] if r.ok else [(name, r.max_loss_error, r.max_param_error)]\n"
+        "        plan = ParallelPlan(data_parallel='zero2', pipeline_schedule=name, "
+        "microbatches=4, virtual=2 if name in TAKES_VIRTUAL else 1)\n"
+        "        r = compare_with_single_process(llama, mesh, plan, steps=2, "
+        "dtype=torch.float64)\n"
+        "        failed += [] if r.ok else [(name, r.max_loss_error, r.max_param_error)]\n"
         "failed", timeout=400)
     assert all(out.result == "[]" for out in result.outputs.values()), result.results()
 

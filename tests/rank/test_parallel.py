@@ -271,17 +271,19 @@ OWN_SCHEDULE = """
 EVERY_SCHEDULE = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
+from meshlab.parallel.reused_references import reusing_references
 from meshlab.parallel.verify import compare_with_single_process
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, parse
 verdicts = {{}}
-for schedule in [*BUILDERS, parse({own!r}, name="own")]:
-    name = getattr(schedule, "name", schedule)
-    plan = ParallelPlan(data_parallel="zero3", pipeline_schedule=schedule, microbatches=4,
-                        virtual=2 if name in TAKES_VIRTUAL else 1)
-    # 4 layers: the looped and V-shaped schedules place 4 stages on the 2 pp ranks
-    result = compare_with_single_process(ModelConfig(n_layers=4), mesh, plan, steps=3,
-                                         dtype=torch.float64)
-    verdicts[name] = (result.ok, result.max_loss_error, result.max_param_error)
+with reusing_references():  # one reference for every schedule
+    for schedule in [*BUILDERS, parse({own!r}, name="own")]:
+        name = getattr(schedule, "name", schedule)
+        plan = ParallelPlan(data_parallel="zero3", pipeline_schedule=schedule, microbatches=4,
+                            virtual=2 if name in TAKES_VIRTUAL else 1)
+        # 4 layers: the looped and V-shaped schedules place 4 stages on the 2 pp ranks
+        result = compare_with_single_process(ModelConfig(n_layers=4), mesh, plan, steps=3,
+                                             dtype=torch.float64)
+        verdicts[name] = (result.ok, result.max_loss_error, result.max_param_error)
 verdicts
 """
 
