@@ -144,6 +144,8 @@ def _transformer(cfg: Any) -> nn.Module:
 def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
     """The planner's shape of a meshlab Transformer or a transformers decoder (from its
     config); None for a model whose shape it cannot read."""
+    from torch.nn import LayerNorm  # the model is a torch module: torch is loaded
+
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "n_layers"):
         return ModelShape.from_config(cfg, seq_len=seq, name=type(model).__name__)
@@ -161,6 +163,7 @@ def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
             or c.intermediate_size, vocab=c.vocab_size,
             seq_len=seq or c.max_position_embeddings, experts=experts,
             top_k=getattr(c, "num_experts_per_tok", 1) if experts else 1,
-            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            layer_norm=any(isinstance(m, LayerNorm) for m in model.modules()))
     except (AttributeError, TypeError, ValueError):
         return None

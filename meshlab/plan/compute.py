@@ -189,10 +189,11 @@ def memory_bound_bytes(stage: Stage) -> float:
     backward).
 
     Eager PyTorch runs each elementwise step as its own kernel, reading and writing
-    whole tensors: per token and layer, two RMSNorms (~7 passes over the hidden state
-    each), RoPE on queries and keys (~3 passes), attention reading q, k, v and writing
-    its output, two residual adds (3 passes each) and SwiGLU (~5 passes over the
-    feed-forward width, per routed expert); the backward moves about twice as much.
+    whole tensors: per token and layer, two norms (an RMSNorm written in PyTorch:
+    ``EAGER_RMSNORM_PASSES``; a LayerNorm ~7), RoPE on queries and keys (~3 passes),
+    attention reading q, k, v and writing its output, two residual adds (3 passes each)
+    and SwiGLU (~5 passes over the feed-forward width, per routed expert); the backward
+    moves about twice as much.
     Fused (``Layout.fused``), each region reads its inputs and writes its outputs once:
     residual add and norm together (4 passes, twice), RoPE 2, SwiGLU 3.
     """
@@ -202,8 +203,23 @@ def memory_bound_bytes(stage: Stage) -> float:
     if lay.fused:
         per_token = 8 * m.hidden + 2 * (q + kv) + (2 * q + 2 * kv) + 3 * ffn
     else:
-        per_token = 14 * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden + 5 * ffn
+        norm = LAYER_NORM_PASSES if m.layer_norm else EAGER_RMSNORM_PASSES
+        per_token = (2 * norm * m.hidden + 3 * (q + kv) + (2 * q + 2 * kv) + 6 * m.hidden
+                     + 5 * ffn)
     return 3 * per_token / lay.tp * stage.dtypes.activations * stage.tokens + qat_bytes(stage)
+
+
+EAGER_RMSNORM_PASSES = 23
+"""Passes over the (16-bit) hidden state an RMSNorm written in PyTorch makes in its forward:
+Llama's, transformers' and torchtitan's ``norm_type="rmsnorm"`` (torchtitan/models/norms.py,
+2024) upcast to float32 and run pow, mean, rsqrt, two products and the cast back as separate
+kernels. Measured on an H100 (docs/guides/gpu.md, kernels table): 0.528 ms on 8,192 x 4,096
+and 2.001 ms on 8,192 x 16,384 bf16 rows, against 22.5 and 90.1 us for one pass at the
+2,980 GB/s the card copies at: 23.4 and 22.2 passes. Fused (compiled) it makes 2."""
+
+LAYER_NORM_PASSES = 7
+"""An eager LayerNorm: one torch kernel reading and writing the hidden state, with its
+statistics; ~7 passes is this model's estimate, not a measurement."""
 
 
 def qat_bytes(stage: Stage) -> float:

@@ -40,6 +40,9 @@ class ModelShape:
     dropout: bool = False
     """Dropout in training (GPT-2/3, Megatron's GPTs): its masks are kept for the backward.
     Llama-style models train without."""
+    layer_norm: bool = False
+    """LayerNorm (GPT-3, BLOOM, GLM: one torch kernel even eagerly) rather than RMSNorm
+    (Llama: written in PyTorch, eagerly a chain of float32 kernels)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
@@ -127,7 +130,7 @@ MODELS: dict[str, ModelShape] = {
                               kv_heads=8, ffn=53248, vocab=128256, seq_len=8192),
     "gpt3-175b": ModelShape(name="gpt3-175b", layers=96, hidden=12288, heads=96, ffn=49152,
                             vocab=50257, seq_len=2048, gated_ffn=False, tied_embeddings=True,
-                            learned_positions=True, dropout=True),
+                            learned_positions=True, dropout=True, layer_norm=True),
     # meshlab.models.ModelConfig() at the size the benchmarks train (max_seq_len=64)
     "meshlab": ModelShape(name="meshlab", layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
                           vocab=256, seq_len=64),

@@ -79,13 +79,13 @@ COMPUTE_BOUND = dataclasses.replace(TOY, memory_bandwidth_gbs=1e6)
 #   times (five products to two: the fused kernel recomputes the scores) -> 3.5 x 8,192 =
 #   28,672; output projection 6 x 256 x 64 = 98,304 per token
 #   per micro-batch: 64 x (2 x (221,184 + 28,672) + 98,304) = 38,273,024 FLOPs at 5e11
-#   eager elementwise traffic per token and layer (compute.memory_bound_bytes): norms
-#   14 h = 896, RoPE 3 (q + kv) = 3 x 96 = 288, attention I/O 2q + 2kv = 192, residuals
-#   6 h = 384, SwiGLU 5 ffn = 640 -> 2,400 values; forward + backward (x3), 2 bytes,
-#   64 tokens, 2 layers -> 1,843,200 bytes; the loss over fp32 logits 3 x 4 x 64 x 256
+#   eager elementwise traffic per token and layer (compute.memory_bound_bytes): two
+#   RMSNorms 2 x 23 h = 2,944, RoPE 3 (q + kv) = 3 x 96 = 288, attention I/O 2q + 2kv = 192,
+#   residuals 6 h = 384, SwiGLU 5 ffn = 640 -> 4,448 values; forward + backward (x3), 2
+#   bytes, 64 tokens, 2 layers -> 3,416,064 bytes; the loss over fp32 logits 3 x 4 x 64 x 256
 #   forward, twice that backward -> 589,824 bytes; both at 1e15 B/s
 TINY_FLOPS_PER_TOKEN = 2 * (6 * 36_864 + 12 * 64 * 64) + 6 * 256 * 64
-TINY_MICROBATCH_S = 38_273_024 / 5e11 + (1_843_200 + 589_824) / 1e15  # t_F + t_B
+TINY_MICROBATCH_S = 38_273_024 / 5e11 + (3_416_064 + 589_824) / 1e15  # t_F + t_B
 
 
 # -- formulas: ZeRO ----------------------------------------------------------------------

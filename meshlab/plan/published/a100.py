@@ -15,7 +15,7 @@ def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200) ->
     2,048."""
     return ModelShape(name=name, layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden,
                       vocab=vocab, seq_len=2048, gated_ffn=False, tied_embeddings=True,
-                      learned_positions=True, dropout=True)
+                      learned_positions=True, dropout=True, layer_norm=True)
 
 
 GPT_175B = _gpt("gpt-175b", 96, 12288, 96)
@@ -167,7 +167,7 @@ JEAN_ZAY_A100 = replace(HARDWARE["a100-80gb"], name="a100-80gb-jean-zay",
 90% of line rate."""
 BLOOM_176B = ModelShape(name="bloom-176b", layers=70, hidden=14336, heads=112, ffn=4 * 14336,
                         vocab=250880, seq_len=2048, gated_ffn=False, tied_embeddings=True,
-                        dropout=True)
+                        dropout=True, layer_norm=True)
 
 
 def _others() -> list[PublishedRun]:
@@ -201,7 +201,7 @@ def _others() -> list[PublishedRun]:
 # GLM-130B: configs/model_glm_130b.sh (70 layers, 12,288 hidden, GeGLU 32,768, 96 heads,
 # vocabulary 150,528, sequence 2,048), "96 DGX-A100 (40G) nodes", MP 4 x PP 8.
 GLM_130B = ModelShape(name="glm-130b", layers=70, hidden=12288, heads=96, ffn=32768,
-                      vocab=150528, seq_len=2048)
+                      vocab=150528, seq_len=2048, layer_norm=True)  # DeepNorm: a LayerNorm
 A100_40GB = replace(HARDWARE["a100-80gb"], name="a100-40gb", memory_gib=40,
                     memory_bandwidth_gbs=1555)
 """An A100 40 GB SXM (datasheet: 1,555 GB/s) in a DGX A100."""

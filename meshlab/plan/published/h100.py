@@ -146,7 +146,7 @@ def _megatron_core() -> list[PublishedRun]:
             _MCORE_TABLE, 1):
         model = ModelShape(name=f"mcore-gpt-{size.lower()}", layers=layers, hidden=hidden,
                            heads=heads, ffn=4 * hidden, vocab=131072, seq_len=4096,
-                           gated_ffn=False)
+                           gated_ffn=False, layer_norm=True)
         free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
         runs.append(PublishedRun(
             f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
