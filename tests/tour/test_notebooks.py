@@ -269,14 +269,15 @@ def test_planning_notebook_answers_the_classic_exercises(executed: Any) -> None:
     # 5. the notebook's own model on 1,024 GPUs: a profile measured here, and H100s
     assert "calibrated 4 ranks" in everything and scratch_files(nb) == ["calibrated.toml"]
     assert "on 1024 x calibrated" in everything and "on 1024 x h100-sxm" in everything
-    # on the measured profile most of the step is waiting (bubble and exposed communication),
-    # not math; the measured latencies vary with the machine and its load (computing measured
-    # 32-38% here), so the test holds the claim, not a share
-    shares = re.search(r"^calibrated CPU ranks\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", everything,
-                       re.M)
-    assert shares, everything
-    _, computing, exposed_ms = map(float, shares.groups())
-    assert computing < 0.5 and exposed_ms > 0, shares.group(0)
+    # on H100s most of the step is waiting (bubble and exposed communication), not math; on
+    # the measured profile part of it is, but how much depends on the machine and its load
+    # (computing measured 32% quiet and 78% beside a running suite), so the test holds only
+    # that the waits are there
+    for name, most_waiting in (("calibrated CPU ranks", False), ("H100", True)):
+        shares = re.search(rf"^{name}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s", everything, re.M)
+        assert shares, everything
+        _, computing, exposed_ms = map(float, shares.groups())
+        assert computing < (0.5 if most_waiting else 1.0) and exposed_ms > 0, shares.group(0)
     assert re.search(r"on H100, .*\(speed-up 0\.\d+x\)", everything)  # one H100 is faster
     charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
     assert charts == 10  # the schedule, the 405B variants, 4 x %mesh plan's memory and comms
