@@ -185,7 +185,7 @@ def _forward_backward(model: nn.Module, pipeline: Any, plan: ParallelPlan, x: to
     gradient accumulation (one without it)."""
     from meshlab.models.llama import loss_fn
     from meshlab.parallel.accumulate import micro_batches
-    from meshlab.parallel.verify import logits_of
+    from meshlab.parallel.training import logits_of
 
     if pipeline is not None:
         pipeline.step(x, y)

@@ -111,6 +111,7 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
     from meshlab.parallel import verify
     from meshlab.parallel.compose import build_optimizer, parallelize
+    from meshlab.parallel.training import one_process_optimizer
 
     for axis in ("cp", "pp", "ep"):
         if axis_size(mesh, axis) > 1:
@@ -145,7 +146,7 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
         inputs, targets = global_batch(step=step, batch=batch, **shape)
         return inputs[r * rows:][:rows], targets[r * rows:][:rows]
 
-    optimizers = [verify._optimizer(m, lr, optimizer, plan.max_grad_norm) for m in replicas]
+    optimizers = [one_process_optimizer(m, lr, optimizer, plan.max_grad_norm) for m in replicas]
     replayed = simulate(replicas, optimizers, batch_of, [s.steps for s in sync.history], plan,
                         penalty=sync.penalty, loss=loss)
     mine = sync.replica

@@ -44,6 +44,7 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     from meshlab.parallel import verify
     from meshlab.parallel.blocks import clean_name
     from meshlab.parallel.compose import build_optimizer, parallelize
+    from meshlab.parallel.training import one_process_optimizer
 
     if plan.mixed_precision:
         raise ValueError("mixed_precision=True with replica_sync='parameter_server': the "
@@ -85,7 +86,7 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     names = [clean_name(n) for n, p in parallel.named_parameters() if p.requires_grad]
     pieces = dict(zip(names, sync.piece_map(), strict=True))
     history = [{n: p.detach().clone() for n, p in servers.named_parameters()}]
-    server_opt = verify._optimizer(servers, lr, optimizer, None)
+    server_opt = one_process_optimizer(servers, lr, optimizer, None)
     replayed: dict[int, list[float]] = {w: [] for w in workers}
     for c in range(steps):
         inputs, targets = global_batch(step=c, batch=batch, **shape)

@@ -78,10 +78,10 @@ def trained(settings: tuple[Any, ...], models: list[torch.nn.Module],
     if key in _STORE:
         result, states = _STORE[key]
         for model, state in zip(models, states, strict=True):
-            _load(model, state)
+            model.load_state_dict(state)
         return result
     result = train()
-    _STORE[key] = result, [_state(m) for m in models]
+    _STORE[key] = result, [{k: t.clone() for k, t in m.state_dict().items()} for m in models]
     return result
 
 
@@ -107,14 +107,3 @@ def _fingerprint(model: torch.nn.Module) -> tuple[str, str, str]:
             flat = tensor.detach().cpu().contiguous().reshape(-1)
             digest.update(flat.view(torch.uint8).numpy().tobytes())
     return repr(model), repr(getattr(model, "config", None)), digest.hexdigest()
-
-
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone()
-            for name, t in (*model.named_parameters(), *model.named_buffers())}
-
-
-def _load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, t in (*model.named_parameters(), *model.named_buffers()):
-            t.copy_(state[name])

@@ -1,7 +1,8 @@
 """Does a parallel run train like one process? Losses and final parameters, compared.
 
-Every rank also trains the reference: the same model (same seed) on the whole global batch,
-alone. Both runs then differ only by the order of floating-point sums. Comparing one model
+Every rank also trains the reference (meshlab.parallel.reference_run): the same model (same
+seed) on the whole global batch, alone. Both runs then differ only by the order of
+floating-point sums. Comparing one model
 under many plans, ``with reusing_references():`` (meshlab.parallel.reused_references) trains
 each distinct reference once.
 
@@ -38,27 +39,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from meshlab.mesh import axis_size
-from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
-from meshlab.models.llama import loss_fn
+from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import reused_references
-from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.blocks import clean_name
-from meshlab.parallel.compose import (
-    OPTIMIZERS,
-    ParallelPlan,
-    apply_autocast,
-    build_optimizer,
-    parallelize,
-)
+from meshlab.parallel.compose import ParallelPlan, apply_autocast, build_optimizer, parallelize
 from meshlab.parallel.materialize import materialize
 from meshlab.parallel.precision import LossScaledOptimizer, apply_qat
+from meshlab.parallel.reference_run import train_reference
 from meshlab.parallel.ties import tied_groups
+from meshlab.parallel.training import LossFn, next_token_loss, train
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,73 +108,6 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 for n, p in model.named_parameters()}
     finally:
         quiet.setLevel(level)
-
-
-LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
-
-
-def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
-                    ) -> torch.Tensor:
-    """The default loss: cross-entropy of the model's logits against the batch's targets. A
-    model may return the logits, an output holding them (transformers' ``.logits``), or a
-    tuple that starts with them."""
-    inputs, targets = batch
-    return loss_fn(logits_of(model(inputs)), targets)
-
-
-def logits_of(out: Any) -> torch.Tensor:
-    """The logits in what a model returned: themselves, transformers' ``.logits``, or the
-    first of a tuple (nanoGPT returns (logits, loss))."""
-    if isinstance(out, tuple | list):
-        out = out[0]
-    return getattr(out, "logits", out)
-
-
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
-          average_over: Any | None = None,
-          step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-          loss: LossFn = next_token_loss, grad_accum: int | list[int] = 1) -> list[float]:
-    """Training steps; each returns its loss averaged over ``average_over`` (a process group).
-
-    ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
-    through the model's pipeline (a model ``parallelize`` split over a pp axis), or
-    ``loss(model, (inputs, targets))`` then backward, in ``grad_accum`` micro-steps (one
-    count, or one per step).
-    """
-    pipeline = getattr(model, "pipeline", None)
-    # fp16: backward on the scaled loss (a pipeline scales its own, LossScaledOptimizer)
-    scale: Callable[[torch.Tensor], torch.Tensor] = getattr(optimizer, "scale", lambda x: x)
-    counts = grad_accum if isinstance(grad_accum, list) else [grad_accum] * len(batches)
-    losses: list[float] = []
-
-    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if pipeline is not None:  # every pp rank gets the step's mean loss
-            return torch.tensor(pipeline.step(inputs, targets), dtype=torch.float64,
-                                device=inputs.device)
-        k = counts[len(losses)]
-        # on the batch's device: NCCL reduces only GPU tensors, and a GPU loss adds to no CPU one
-        total = torch.zeros((), dtype=torch.float64, device=inputs.device)
-        for micro_inputs, micro_targets in micro_batches(model, (inputs, targets), k):
-            value = loss(model, (micro_inputs, micro_targets)) / k  # the batch's mean
-            scale(value).backward()
-            total += value.detach().double()
-        return total
-
-    # a replica_sync may refuse a fixed-length loop (A-EDiT) and hold a sync to apply at the end
-    sync: Any = getattr(optimizer, "replica_sync", None)
-    if hasattr(sync, "check_fixed_steps"):
-        sync.check_fixed_steps(len(batches))
-    for inputs, targets in batches:
-        optimizer.zero_grad()
-        value = (step or forward_backward)(inputs, targets).detach().clone()
-        optimizer.step()
-        if average_over is not None:
-            dist.all_reduce(value, group=average_over)
-            value /= dist.get_world_size(average_over)
-        losses.append(value.item())
-    if hasattr(sync, "finish"):
-        sync.finish()
-    return losses
 
 
 REPLAYED = ("a_edit", "parameter_server")
@@ -290,8 +217,9 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     settings = (model if isinstance(model, ModelConfig) else factory, dtype, optimizer, lr,
                 tuple(sizes), batch, seq, vocab, seed, loss, on_meta,
                 reused_references.reference_plan(plan))
-    alone = reused_references.trained(settings, replicas, lambda: _train_reference(
-        replicas, build, plan, shape, sizes, lr, optimizer, loss, precision, dtype, batch))
+    alone = reused_references.trained(settings, replicas, lambda: train_reference(
+        replicas, build, plan, shape, sizes, lr, optimizer, loss, TOLERANCES[precision], dtype,
+        batch))
     ref_losses, loss_rtol, param_rtol = alone.losses, alone.loss_rtol, alone.param_rtol
     notes += alone.notes
 
@@ -343,60 +271,6 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     return result
 
 
-@dataclass(slots=True)
-class Reference:
-    """What the one-process run gives a comparison: its losses, the tolerances the model
-    allows (raised to its own floor where it computes parts in a lower precision) and why."""
-
-    losses: list[float]
-    loss_rtol: float
-    param_rtol: float
-    notes: list[str]
-    scaler: tuple[int, float] | None = None
-    """fp16: (steps skipped on overflow, loss scale now)."""
-
-
-def _train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.nn.Module],
-                     plan: ParallelPlan, shape: dict[str, int], sizes: list[int], lr: float,
-                     optimizer: str, loss: LossFn, precision: torch.dtype, dtype: torch.dtype,
-                     batch: int) -> Reference:
-    """Train the reference (``replicas[0]``; with local SGD or DiLoCo every replica) in this
-    process, on the whole global batches, and measure the model's own floor."""
-    reference = replicas[0]
-    loss_rtol, param_rtol = TOLERANCES[precision]
-    notes: list[str] = []
-    if plan.replica_sync != "every_step":  # each replica trains alone on its rows
-        return Reference(_train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss),
-                         loss_rtol, param_rtol, notes)
-    whole = [global_batch(step=s, batch=size, **shape) for s, size in enumerate(sizes)]
-    ref_opt = _optimizer(reference, lr, optimizer, plan.max_grad_norm)
-    if plan.mixed_precision == "fp16":
-        ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
-                                      world=False)
-    ref_losses = train(reference, ref_opt, whole, loss=loss)
-    if not plan.mixed_precision and batch % 2 == 0:
-        probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
-        floor = _reordering_floor(*probe)
-        above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
-        random = _reordering_floor(*probe, halves=False) if above else (0.0, 0.0)
-        if random[0] > loss_rtol or random[1] > param_rtol:  # no floor: chance
-            notes.append(f"in one process alone, the same run with its random numbers "
-                         f"drawn afresh moves the parameters by {random[1]:.1e}: the model "
-                         "draws them in training (dropout?), so no comparison can hold")
-        elif above:
-            loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
-            param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
-            notes.append(f"in one process alone, the same batches in 2 accumulated halves "
-                         f"move the losses by {floor[0]:.1e} and the parameters by "
-                         f"{floor[1]:.1e}: {type(reference).__name__} computes parts in a "
-                         f"lower precision than {dtype} (e.g. norms or a router's softmax "
-                         f"in float32), so both runs can agree no closer: held to "
-                         f"{FLOOR_MARGIN}x that")
-    scaler = ((ref_opt.skipped_steps, ref_opt.loss_scale)
-              if isinstance(ref_opt, LossScaledOptimizer) else None)
-    return Reference(ref_losses, loss_rtol, param_rtol, notes, scaler)
-
-
 def _mine(value: torch.Tensor, ref: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The part of a reference parameter this rank's parameter is: this rank's experts
     under expert parallelism, else all of it."""
@@ -421,33 +295,6 @@ def _initial_differences(parallel: torch.nn.Module, initial: dict[str, torch.Ten
     return [f"{_UNEQUAL_START}: {', '.join(unequal[:4])} (of {len(unequal)})"]
 
 
-def _reordering_floor(build: Callable[[], torch.nn.Module], reference: torch.nn.Module,
-                      ref_losses: list[float], batches: list[tuple[torch.Tensor, torch.Tensor]],
-                      lr: float, optimizer: str, plan: ParallelPlan, loss: LossFn, *,
-                      halves: bool = True) -> tuple[float, float]:
-    """How far one process alone moves when only the order of its sums changes: the same
-    batches in 2 accumulated halves. 1e-16 for a model that computes in its own dtype; a
-    model computing parts in a lower one (Gemma's norms and Mixtral's router softmax in
-    float32 inside a float64 model) shows that precision here, and no parallel run can
-    agree more closely than this. ``halves=False``: the same run again, its random numbers
-    drawn afresh, which moves only a model that draws them in training (dropout)."""
-    twin = build()
-    if not halves:
-        torch.manual_seed(torch.initial_seed() + 1)
-    losses = train(twin, _optimizer(twin, lr, optimizer, plan.max_grad_norm), batches,
-                   loss=loss, grad_accum=2 if halves else 1)
-    expected = dict(reference.named_parameters())
-    params = max(((p.detach() - expected[n].detach()).abs().max()
-                  / expected[n].detach().abs().max().clamp_min(1e-12)).item()
-                 for n, p in twin.named_parameters())
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)), params
-
-
-FLOOR_MARGIN = 10
-"""A parallel run reorders sums as much as 2 accumulated halves do, and AdamW amplifies such
-differences unevenly: held to 10x the floor where the floor exceeds the dtype's tolerance."""
-
-
 def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
     """What in the model can make a parallel run differ from one process, named."""
     notes = []
@@ -469,71 +316,6 @@ def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
                          "the parallel run must keep them one weight; a difference here says "
                          "it did not")
     return notes
-
-
-def _optimizer(model: torch.nn.Module, lr: float, kind: str, max_grad_norm: float | None
-               ) -> torch.optim.Optimizer:
-    """What build_optimizer makes, for one process, clipping with torch's own clip."""
-    cls, extra = OPTIMIZERS[kind]
-    optimizer = cls(model.parameters(), lr=lr, weight_decay=0.1, **extra)
-    if max_grad_norm is not None:
-        limit = max_grad_norm
-
-        def clip(*_: Any) -> None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
-
-        optimizer.register_step_pre_hook(clip)
-    return optimizer
-
-
-def _train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],
-                    sizes: list[int], lr: float, kind: str, loss: LossFn) -> list[float]:
-    """Local SGD, DiLoCo or EDiT in one process: replica r trains on the r-th block of rows
-    of each global batch (the rows its data ranks get), and every ``plan.sync_every`` steps
-    the replicas are averaged, or take DiLoCo's outer step (EDiT's: penalised, block by
-    block, meshlab.parallel.edit_replay.simulate); returns the mean loss per step."""
-    optimizers = [_optimizer(m, lr, kind, plan.max_grad_norm) for m in models]
-    if plan.replica_sync == "edit":
-        from meshlab.parallel.edit_replay import simulate
-
-        def batch_of(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = global_batch(step=step, batch=sizes[step], **shape)
-            rows = inputs.shape[0] // len(models)
-            return inputs[r * rows:][:rows], targets[r * rows:][:rows]
-
-        every, steps = plan.sync_every, len(sizes)
-        rounds = [[every] * len(models)] * (steps // every) + (
-            [[steps % every] * len(models)] if steps % every else [])
-        by_replica = simulate(models, optimizers, batch_of, rounds, plan, loss=loss,
-                              sync_last=steps % every == 0)
-        return [sum(ls) / len(ls) for ls in zip(*by_replica, strict=True)]
-    params = [list(m.parameters()) for m in models]
-    backup = [p.detach().clone() for p in params[0]]
-    outer = torch.optim.SGD(backup, lr=plan.outer_lr, momentum=plan.outer_momentum,
-                            nesterov=plan.outer_momentum > 0)
-    losses = []
-    for step, size in enumerate(sizes):
-        inputs, targets = global_batch(step=step, batch=size, **shape)
-        rows = inputs.shape[0] // len(models)
-        per_replica = [train(m, o, [(inputs[r * rows:][:rows], targets[r * rows:][:rows])],
-                             loss=loss)[0]
-                       for r, (m, o) in enumerate(zip(models, optimizers, strict=True))]
-        losses.append(sum(per_replica) / len(per_replica))
-        if (step + 1) % plan.sync_every:
-            continue
-        with torch.no_grad():
-            for i, saved in enumerate(backup):
-                mean = torch.stack([ps[i] for ps in params]).mean(dim=0)
-                if plan.replica_sync == "diloco":
-                    saved.grad = saved - mean  # the pseudo-gradient, averaged
-                else:
-                    saved.copy_(mean)
-            if plan.replica_sync == "diloco":
-                outer.step()
-            for ps in params:
-                for p, saved in zip(ps, backup, strict=True):
-                    p.copy_(saved)
-    return losses
 
 
 def _vocab_size(model: torch.nn.Module) -> int:

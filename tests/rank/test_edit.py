@@ -78,7 +78,8 @@ from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.edit import Penalty
 from meshlab.parallel.edit_replay import simulate
-from meshlab.parallel.verify import _optimizer, data_rank, full_parameters, next_token_loss
+from meshlab.parallel.training import one_process_optimizer
+from meshlab.parallel.verify import data_rank, full_parameters, next_token_loss
 penalty = Penalty(warmup=3, clip=1.0)  # the z-test from the 4th sync on; some blocks clipped
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=1)
 SPIKE = 5  # replica 1's 6th step takes a 100x learning rate: its pseudo-gradient explodes
@@ -107,8 +108,9 @@ def batch_of(k, step):
 def before_step(k, step, optimizer):
     for group in optimizer.param_groups:
         group["lr"] = lr(k, step)
-simulate(models, [_optimizer(m, 1e-2, "adamw", None) for m in models], batch_of, [[1, 1]] * 8,
-         plan, penalty=penalty, before_step=before_step)
+optimizers = [one_process_optimizer(m, 1e-2, "adamw", None) for m in models]
+simulate(models, optimizers, batch_of, [[1, 1]] * 8, plan, penalty=penalty,
+         before_step=before_step)
 expected = dict(models[replica].named_parameters())
 history = opt.replica_sync.history
 ([record.weights for record in history], [bool(record.clipped) for record in history],

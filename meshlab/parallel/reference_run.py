@@ -1,0 +1,147 @@
+"""The one-process run a comparison is checked against: the same model trained alone on the
+whole global batches (with local SGD, DiLoCo or EDiT every replica, in one process), and how
+far the model moves when only the order of its sums changes: its own floor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from meshlab.models import global_batch
+from meshlab.parallel.compose import ParallelPlan
+from meshlab.parallel.precision import LossScaledOptimizer
+from meshlab.parallel.training import LossFn, one_process_optimizer, train
+
+
+@dataclass(slots=True)
+class Reference:
+    """What the one-process run gives a comparison: its losses, the tolerances the model
+    allows (raised to its own floor where it computes parts in a lower precision) and why."""
+
+    losses: list[float]
+    loss_rtol: float
+    param_rtol: float
+    notes: list[str]
+    scaler: tuple[int, float] | None = None
+    """fp16: (steps skipped on overflow, loss scale now)."""
+
+
+def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.nn.Module],
+                    plan: ParallelPlan, shape: dict[str, int], sizes: list[int], lr: float,
+                    optimizer: str, loss: LossFn, tolerances: tuple[float, float],
+                    dtype: torch.dtype, batch: int) -> Reference:
+    """Train the reference (``replicas[0]``; with local SGD or DiLoCo every replica) in this
+    process, on the whole global batches, and measure the model's own floor: the dtype's
+    ``tolerances`` (loss, params), raised to it where it is higher."""
+    reference = replicas[0]
+    loss_rtol, param_rtol = tolerances
+    notes: list[str] = []
+    if plan.replica_sync != "every_step":  # each replica trains alone on its rows
+        return Reference(train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss),
+                         loss_rtol, param_rtol, notes)
+    whole = [global_batch(step=s, batch=size, **shape) for s, size in enumerate(sizes)]
+    ref_opt = one_process_optimizer(reference, lr, optimizer, plan.max_grad_norm)
+    if plan.mixed_precision == "fp16":
+        ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
+                                      world=False)
+    ref_losses = train(reference, ref_opt, whole, loss=loss)
+    if not plan.mixed_precision and batch % 2 == 0:
+        probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
+        floor = _reordering_floor(*probe)
+        above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
+        random = _reordering_floor(*probe, halves=False) if above else (0.0, 0.0)
+        if random[0] > loss_rtol or random[1] > param_rtol:  # no floor: chance
+            notes.append(f"in one process alone, the same run with its random numbers "
+                         f"drawn afresh moves the parameters by {random[1]:.1e}: the model "
+                         "draws them in training (dropout?), so no comparison can hold")
+        elif above:
+            loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
+            param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
+            notes.append(f"in one process alone, the same batches in 2 accumulated halves "
+                         f"move the losses by {floor[0]:.1e} and the parameters by "
+                         f"{floor[1]:.1e}: {type(reference).__name__} computes parts in a "
+                         f"lower precision than {dtype} (e.g. norms or a router's softmax "
+                         f"in float32), so both runs can agree no closer: held to "
+                         f"{FLOOR_MARGIN}x that")
+    scaler = ((ref_opt.skipped_steps, ref_opt.loss_scale)
+              if isinstance(ref_opt, LossScaledOptimizer) else None)
+    return Reference(ref_losses, loss_rtol, param_rtol, notes, scaler)
+
+
+def _reordering_floor(build: Callable[[], torch.nn.Module], reference: torch.nn.Module,
+                      ref_losses: list[float], batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      lr: float, optimizer: str, plan: ParallelPlan, loss: LossFn, *,
+                      halves: bool = True) -> tuple[float, float]:
+    """How far one process alone moves when only the order of its sums changes: the same
+    batches in 2 accumulated halves. 1e-16 for a model that computes in its own dtype; a
+    model computing parts in a lower one (Gemma's norms and Mixtral's router softmax in
+    float32 inside a float64 model) shows that precision here, and no parallel run can
+    agree more closely than this. ``halves=False``: the same run again, its random numbers
+    drawn afresh, which moves only a model that draws them in training (dropout)."""
+    twin = build()
+    if not halves:
+        torch.manual_seed(torch.initial_seed() + 1)
+    losses = train(twin, one_process_optimizer(twin, lr, optimizer, plan.max_grad_norm), batches,
+                   loss=loss, grad_accum=2 if halves else 1)
+    expected = dict(reference.named_parameters())
+    params = max(((p.detach() - expected[n].detach()).abs().max()
+                  / expected[n].detach().abs().max().clamp_min(1e-12)).item()
+                 for n, p in twin.named_parameters())
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)), params
+
+
+FLOOR_MARGIN = 10
+"""A parallel run reorders sums as much as 2 accumulated halves do, and AdamW amplifies such
+differences unevenly: held to 10x the floor where the floor exceeds the dtype's tolerance."""
+
+
+def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],
+                   sizes: list[int], lr: float, kind: str, loss: LossFn) -> list[float]:
+    """Local SGD, DiLoCo or EDiT in one process: replica r trains on the r-th block of rows
+    of each global batch (the rows its data ranks get), and every ``plan.sync_every`` steps
+    the replicas are averaged, or take DiLoCo's outer step (EDiT's: penalised, block by
+    block, meshlab.parallel.edit_replay.simulate); returns the mean loss per step."""
+    optimizers = [one_process_optimizer(m, lr, kind, plan.max_grad_norm) for m in models]
+    if plan.replica_sync == "edit":
+        from meshlab.parallel.edit_replay import simulate
+
+        def batch_of(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs, targets = global_batch(step=step, batch=sizes[step], **shape)
+            rows = inputs.shape[0] // len(models)
+            return inputs[r * rows:][:rows], targets[r * rows:][:rows]
+
+        every, steps = plan.sync_every, len(sizes)
+        rounds = [[every] * len(models)] * (steps // every) + (
+            [[steps % every] * len(models)] if steps % every else [])
+        by_replica = simulate(models, optimizers, batch_of, rounds, plan, loss=loss,
+                              sync_last=steps % every == 0)
+        return [sum(ls) / len(ls) for ls in zip(*by_replica, strict=True)]
+    params = [list(m.parameters()) for m in models]
+    backup = [p.detach().clone() for p in params[0]]
+    outer = torch.optim.SGD(backup, lr=plan.outer_lr, momentum=plan.outer_momentum,
+                            nesterov=plan.outer_momentum > 0)
+    losses = []
+    for step, size in enumerate(sizes):
+        inputs, targets = global_batch(step=step, batch=size, **shape)
+        rows = inputs.shape[0] // len(models)
+        per_replica = [train(m, o, [(inputs[r * rows:][:rows], targets[r * rows:][:rows])],
+                             loss=loss)[0]
+                       for r, (m, o) in enumerate(zip(models, optimizers, strict=True))]
+        losses.append(sum(per_replica) / len(per_replica))
+        if (step + 1) % plan.sync_every:
+            continue
+        with torch.no_grad():
+            for i, saved in enumerate(backup):
+                mean = torch.stack([ps[i] for ps in params]).mean(dim=0)
+                if plan.replica_sync == "diloco":
+                    saved.grad = saved - mean  # the pseudo-gradient, averaged
+                else:
+                    saved.copy_(mean)
+            if plan.replica_sync == "diloco":
+                outer.step()
+            for ps in params:
+                for p, saved in zip(ps, backup, strict=True):
+                    p.copy_(saved)
+    return losses
