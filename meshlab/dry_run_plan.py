@@ -29,7 +29,8 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     implementation, QAT, offload and replica sync as they are (the optimizer kind is
     dry_run_step's). Not mapped:
     fp8 matmuls (run as bf16: the same bytes), shard_unit=weight (FSDP2 shards per block),
-    flash_attention=0 (the model's own attention runs), overlap_grad_reduce (timing only)."""
+    flash_attention=0 (the model's own attention runs), cp_balanced (meshlab's slices are
+    contiguous: the same bytes), attention_kernel and overlap_grad_reduce (timing only)."""
     from meshlab.parallel import ParallelPlan
 
     notes = []
@@ -50,6 +51,9 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
         notes.append("flash_attention=0: the model's own attention kernel runs (SDPA keeps "
                      "no score matrix)")
     cp_impl = layout.context_parallel
+    if layout.cp > 1 and layout.cp_balanced:
+        notes.append("cp_balanced: meshlab holds contiguous sequence slices; the same bytes "
+                     "move, the last rank's attention does more of the work")
     if cp_impl == "all_gather":  # Llama 3's, keeping only the local K/V: meshlab's is nearest
         notes.append("context_parallel=all_gather (Llama 3's): runs meshlab's all-gather, which "
                      "keeps the gathered K/V for backward")

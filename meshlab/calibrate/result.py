@@ -90,17 +90,18 @@ class Calibration:
         largest = max(self.matmul, key=lambda p: p.m * p.n * p.k)
         keeps = shape_factor(largest.m, largest.n, largest.k, sms=self.sms,
                              tile=self.gemm_tile, k0=self.gemm_k0)
+        # CPU ranks: the host is the device; a GPU keeps the class defaults (copies over
+        # PCIe are not measured yet)
+        host: dict[str, Any] = {} if self.device == "cuda" else {
+            "host_memory_gib": self.memory_gib,
+            "host_memory_bandwidth_gbs": self.memory_bandwidth_gbs,
+            "pcie_gbs": self.memory_bandwidth_gbs}
         hw = Hardware(name=name, tflops={d: t / keeps for d, t in self.tflops.items()},
                       matmul_efficiency=1.0, sms=self.sms, gemm_tile=self.gemm_tile,
                       gemm_k0=self.gemm_k0,
                       memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
                       memory_bandwidth_gbs=self.memory_bandwidth_gbs,
-                      # CPU ranks: the host is the device; a GPU keeps the class defaults
-                      # (copies over PCIe are not measured yet)
-                      **({} if self.device == "cuda" else {
-                          "host_memory_gib": self.memory_gib,
-                          "host_memory_bandwidth_gbs": self.memory_bandwidth_gbs,
-                          "pcie_gbs": self.memory_bandwidth_gbs}),
+                      **host,
                       # a GPU computes while its host queues work and NCCL runs beside it;
                       # CPU ranks share their cores among dispatch, gloo and the math
                       asynchronous=self.device == "cuda",

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshlab.plan import gemm
-from meshlab.plan.formulas import op_recomputed_params, training_flops_per_token
+from meshlab.plan.formulas import CONTIGUOUS_CP, op_recomputed_params, training_flops_per_token
+from meshlab.plan.hardware import Hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
 from meshlab.plan.stage import Stage
@@ -112,17 +113,41 @@ def attention_backward(layout: Layout) -> float:
 def attention_seconds(stage: Stage) -> float:
     """Attention's two products in one layer's forward, one micro-batch, on the slowest cp
     rank. Fused (flash) attention skips the masked half of the causal square; with cp,
-    meshlab's and torch's contiguous slices (no load balancing) leave the last rank's
-    queries against every key before them: (n - 1/2)/n of its square, not half, so that
-    rank takes 2 - 1/n times the average. Ulysses and chunked hold every position of their
-    heads, Llama 3's all-gather splits the sequence into 2n balanced chunks: no skew. The
-    products are costed at the all-gather's shapes (the same FLOPs for every impl)."""
+    meshlab's and torch's contiguous slices leave the last rank's queries against every key
+    before them: (n - 1/2)/n of its square, not half, so that rank takes 2 - 1/n times the
+    average. Head-tail slices (``cp_balanced``: torch's context_parallel() default), Ulysses
+    and chunked (every position of their heads) and Llama 3's all-gather (2n balanced
+    chunks): no skew. The products are costed at the all-gather's shapes (the same FLOPs
+    for every impl)."""
     hw, dt, lay = stage.hardware, stage.dtypes, stage.layout
-    seconds = sum(gemm.seconds(hw, g, dt.compute, dt.activations) for g in attention_gemms(stage))
-    if not lay.flash_attention:
-        return seconds
-    skew = 2 - 1 / lay.cp if lay.context_parallel in ("meshlab", "torch") else 1.0
+    products = attention_gemms(stage)
+    if not lay.flash_attention:  # the scores are written and read back: a GEMM's roofline
+        return sum(gemm.seconds(hw, g, dt.unconverted_compute, dt.activations)
+                   for g in products)
+    # the kernels' rates were measured in 16-bit
+    share = attention_kernel_share(lay, hw) if dt.unconverted_compute == "bf16" else None
+    if share:  # a fused kernel at its measured rate
+        seconds = sum(g.flops for g in products) / (
+            hw.tflops_peak(dt.unconverted_compute) * 1e12 * share)
+    else:  # its two products at the GEMM model's rates; the s x s scores stay on chip
+        seconds = sum(gemm.compute_seconds(hw, g, dt.unconverted_compute) for g in products)
+    skew = 2 - 1 / lay.cp if lay.context_parallel in CONTIGUOUS_CP and not lay.cp_balanced \
+        else 1.0
     return seconds * 0.5 * skew
+
+
+def attention_kernel_share(layout: Layout, hw: Hardware) -> float | None:
+    """The share of peak ``layout``'s fused attention kernel reaches on ``hw``; None: the
+    profile measured none (auto), so attention is costed as two GEMMs. A kernel named but
+    not measured on ``hw`` is refused, naming the ones that are."""
+    rates = hw.attention_efficiency
+    if layout.attention_kernel == "auto":
+        return rates.get("cudnn", rates.get("flash2"))
+    if layout.attention_kernel not in rates:
+        raise ValueError(f"attention_kernel={layout.attention_kernel}: the {hw.name} profile "
+                         "has no measured rate for it (it has "
+                         f"{', '.join(rates) or 'none'}); use attention_kernel=auto")
+    return rates[layout.attention_kernel]
 
 
 def output_seconds(stage: Stage) -> tuple[float, float]:
@@ -137,8 +162,9 @@ def output_parts(stage: Stage) -> tuple[tuple[float, float], tuple[float, float]
     hw, dt, m, lay = stage.hardware, stage.dtypes, stage.model, stage.layout
     g = gemm.Gemm("output projection", stage.tokens, max(1, m.vocab // lay.tp), m.hidden)
     loss = 3 * 4 * stage.tokens * m.vocab / lay.tp / (hw.memory_bandwidth_gbs * 1e9)
-    f = gemm.seconds(hw, g, dt.compute, dt.activations)
-    return (f, gemm.training_seconds(hw, g, dt.compute, dt.activations) - f), (loss, 2 * loss)
+    f = gemm.seconds(hw, g, dt.unconverted_compute, dt.activations)
+    return ((f, gemm.training_seconds(hw, g, dt.unconverted_compute, dt.activations) - f),
+            (loss, 2 * loss))
 
 
 def layer_gemms(stage: Stage) -> list[gemm.Gemm]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from meshlab.plan.estimate import Estimate, estimate
-from meshlab.plan.formulas import context_parallel_bytes
+from meshlab.plan.formulas import CONTIGUOUS_CP, context_parallel_bytes
 from meshlab.plan.hardware import GIB, Hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
@@ -54,7 +54,11 @@ def cp_options(model: ModelShape, layout: Layout, hardware: Hardware,
     out = []
     for impl in impls:
         try:
-            e = estimate(model, dataclasses.replace(layout, context_parallel=impl), hardware)
+            # head-tail slicing is a choice of the contiguous impls only; the others split
+            # the work evenly already
+            balanced = layout.cp_balanced and impl in CONTIGUOUS_CP
+            e = estimate(model, dataclasses.replace(layout, context_parallel=impl,
+                                                    cp_balanced=balanced), hardware)
         except ValueError as error:
             out.append(CpOption(impl, None, str(error)))
             continue

@@ -250,7 +250,8 @@ def precision_notes(lay: Layout) -> list[str]:
     """What the planner assumes for the precision, optimizer and QAT of ``lay``."""
     out = []
     if lay.precision == "fp8":
-        out.append("fp8: matmuls at the GPU's fp8 peak (torchao float8), states as bf16's; "
+        out.append("fp8: the blocks' Linear matmuls at the GPU's fp8 rate (torchao float8), "
+                   "attention and the output projection in bf16, states as bf16's; "
                    "GPU only: meshlab.parallel does not run it, so this is planned, not "
                    "verified")
     if lay.precision == "fp16":

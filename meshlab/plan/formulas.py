@@ -245,6 +245,9 @@ CP_IMPLEMENTATIONS = ("meshlab", "torch", "ulysses", "chunked", "all_gather")
 the published 128K run is planned with."""
 HEAD_SPLIT_CP = ("ulysses", "chunked")
 """The implementations that re-partition sequence into heads (all-to-all)."""
+CONTIGUOUS_CP = ("meshlab", "torch")
+"""The implementations whose ranks hold contiguous sequence slices unless ``cp_balanced``
+(Llama 3's all_gather is balanced by its design; the head splits hold every position)."""
 
 
 @dataclass(frozen=True, slots=True)

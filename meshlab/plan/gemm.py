@@ -95,11 +95,17 @@ def seconds(hw: Hardware, gemm: Gemm, dtype: str, dtype_bytes: int) -> float:
     """Time of ``gemm`` (all its ``count``): compute at its efficiency, or reading and
     writing its matrices, whichever is longer."""
     g = gemm
-    compute = g.flops / (hw.tflops_peak(dtype) * 1e12 * hw.ceiling(dtype)
-                         * shape_factor(g.m, g.n, g.k, g.count, sms=hw.sms, tile=hw.gemm_tile,
-                                        k0=hw.gemm_k0))
     traffic = dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) * g.count
-    return max(compute, traffic / (hw.memory_bandwidth_gbs * 1e9))
+    return max(compute_seconds(hw, g, dtype), traffic / (hw.memory_bandwidth_gbs * 1e9))
+
+
+def compute_seconds(hw: Hardware, gemm: Gemm, dtype: str) -> float:
+    """Time of ``gemm``'s arithmetic alone, at the efficiency its shape allows: a fused
+    kernel's products whose M x N result never reaches memory (FlashAttention's scores)."""
+    g = gemm
+    return g.flops / (hw.tflops_peak(dtype) * 1e12 * hw.ceiling(dtype)
+                      * shape_factor(g.m, g.n, g.k, g.count, sms=hw.sms, tile=hw.gemm_tile,
+                                     k0=hw.gemm_k0))
 
 
 def training_seconds(hw: Hardware, gemm: Gemm, dtype: str, dtype_bytes: int) -> float:

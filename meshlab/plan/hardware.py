@@ -21,6 +21,10 @@ from meshlab.plan.formulas import COLLECTIVES
 GB = 1e9
 GIB = 2**30
 DTYPES = ("fp32", "tf32", "bf16", "fp8")
+ATTENTION_KERNELS = ("flash2", "cudnn")
+"""Fused attention kernels a profile can hold a measured rate for: FlashAttention-2 (torch
+SDPA's flash backend) and cuDNN's (SDPA's cudnn backend, Transformer Engine's fused
+attention)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +55,10 @@ class Hardware:
     fp8_efficiency: float = 0.0
     """Share of the fp8 peak a large GEMM reaches in float8 training, the scaling casts and
     amax passes included (torchao's dynamic float8 Linear); 0: ``matmul_efficiency``."""
+    attention_efficiency: dict[str, float] = field(default_factory=dict)
+    """Share of the 16-bit peak a fused attention kernel reaches, by kernel
+    (``layout.ATTENTION_KERNELS``: flash2, cudnn), where measured; a kernel without a figure
+    is costed as attention's two products at the GEMM model's rates."""
     sms: int = 1
     """Streaming multiprocessors: tiles of a GEMM run in waves of this many (1: no waves)."""
     gemm_tile: tuple[int, int] = (1, 1)
@@ -123,6 +131,10 @@ class Hardware:
         if self.sms < 1 or min(self.gemm_tile) < 1 or len(self.gemm_tile) != 2:
             raise ValueError(f"{self.name}: sms and both gemm_tile sizes must be >= 1, got "
                              f"sms={self.sms}, gemm_tile={self.gemm_tile}")
+        shares = self.attention_efficiency
+        if set(shares) - set(ATTENTION_KERNELS) or not all(0 < v <= 1 for v in shares.values()):
+            raise ValueError(f"{self.name}: attention_efficiency takes shares in (0, 1] for "
+                             f"{', '.join(ATTENTION_KERNELS)}, got {shares}")
         if self.gemm_k0 < 0 or not 0 <= self.overlap_cost <= 1:
             raise ValueError(f"{self.name}: gemm_k0 must be >= 0 and overlap_cost in [0, 1]")
         unknown = set(self.collectives) - set(COLLECTIVES)
@@ -185,14 +197,15 @@ class Hardware:
 
 def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: float,
          nvlink_gbs: float, nic_gbs: float, efficiency: float, sms: int, host_gib: float,
-         host_gbs: float, pcie_gbs: float, fp8_efficiency: float = 0.0) -> Hardware:
+         host_gbs: float, pcie_gbs: float, fp8_efficiency: float = 0.0,
+         attention: dict[str, float] | None = None) -> Hardware:
     # NVLink/NCCL ring latency ~ a few us per hop inside a node, ~ 10 us across an IB fabric
     # an eager layer's forward and backward launch ~100 kernels at ~4 us each
     # cuBLAS's large bf16 tiles are 256 x 128; a tile's main loop steps 64 deep in K with a
     # pipeline a few steps long (gemm_k0 = 128); NCCL's ring kernels occupy up to 16
     # multiprocessors and their memory traffic while they run (overlap_cost)
     return Hardware(name=name, tflops=tflops, matmul_efficiency=efficiency, sms=sms,
-                    fp8_efficiency=fp8_efficiency,
+                    fp8_efficiency=fp8_efficiency, attention_efficiency=dict(attention or {}),
                     gemm_tile=(256, 128), gemm_k0=128.0, overlap_cost=16 / sms,
                     memory_gib=memory_gib, reserved_gib=4.0, layer_overhead_us=400.0,
                     memory_bandwidth_gbs=memory_tbs * 1000, host_memory_gib=host_gib,
@@ -220,6 +233,17 @@ def _gpu(name: str, *, tflops: dict[str, float], memory_gib: float, memory_tbs: 
 # not measured: the presets' 0.7, and the H100's fp8 share.
 GH100_SUSTAINED = 664 / 989.5
 FP8_TRAINING_EFFICIENCY = 1203 / 1979 * 1059 / 1410
+# Fused attention on an H100 SXM, bf16, batch 1 x 24 heads x 4,608 positions x head_dim 128,
+# forward, as Tritonbench measured it on torch 2.6.0.dev20241204 (pytorch/pytorch#142132):
+# SDPA's flash backend (FlashAttention-2, torch's default then: cuDNN was opt-in after
+# #138522) 329.5 TFLOP/s, cuDNN's 631.3 (FlashAttention-3: 631.8). FlashAttention-3's paper
+# (Shah et al. 2024, arXiv 2407.08608) puts FlashAttention-2 at 35% of the H100's peak too.
+# The backward is taken at the same share of its FLOPs (not measured here). Both are short
+# runs, like the matmul's 779-TFLOP/s burst; a training step holds the chip at its power cap,
+# which runs every kernel at the clocks that held the matmul at 664: the same ratio applies.
+GH100_HELD_OVER_BURST = 664 / 779
+GH100_ATTENTION = {"flash2": 329.483 / 989.5 * GH100_HELD_OVER_BURST,
+                   "cudnn": 631.338 / 989.5 * GH100_HELD_OVER_BURST}
 HARDWARE: dict[str, Hardware] = {
     "a100-80gb": _gpu("a100-80gb", tflops={"fp32": 19.5, "tf32": 156, "bf16": 312},
                       memory_gib=80, memory_tbs=2.039, nvlink_gbs=230, nic_gbs=22.5,
@@ -227,11 +251,12 @@ HARDWARE: dict[str, Hardware] = {
     "h100-sxm": _gpu("h100-sxm", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                      memory_gib=80, memory_tbs=3.35, nvlink_gbs=370, nic_gbs=45,
                      efficiency=GH100_SUSTAINED, sms=132, host_gib=232, host_gbs=75,
-                     pcie_gbs=50, fp8_efficiency=FP8_TRAINING_EFFICIENCY),
+                     pcie_gbs=50, fp8_efficiency=FP8_TRAINING_EFFICIENCY,
+                     attention=GH100_ATTENTION),
     "h200": _gpu("h200", tflops={"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp8": 1979},
                  memory_gib=141, memory_tbs=4.8, nvlink_gbs=370, nic_gbs=45,
                  efficiency=GH100_SUSTAINED, sms=132, host_gib=232, host_gbs=75, pcie_gbs=50,
-                 fp8_efficiency=FP8_TRAINING_EFFICIENCY),
+                 fp8_efficiency=FP8_TRAINING_EFFICIENCY, attention=GH100_ATTENTION),
     "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7,
                  sms=148, host_gib=465, host_gbs=90, pcie_gbs=50,
@@ -293,6 +318,8 @@ def load(path: str | Path) -> Hardware:
         data["collectives"] = {k: Link(**v) for k, v in data.get("collectives", {}).items()}
         data["allreduce_crossover_bytes"] = {  # older profiles have none: ring everywhere
             k: float(v) for k, v in data.get("allreduce_crossover_bytes", {}).items()}
+        data["attention_efficiency"] = {
+            k: float(v) for k, v in data.get("attention_efficiency", {}).items()}
         if "gemm_tile" in data:  # TOML has arrays, the profile a pair
             data["gemm_tile"] = tuple(data["gemm_tile"])
         return Hardware(**data)
@@ -309,8 +336,8 @@ def save(hw: Hardware, path: str | Path) -> Path:
     for key, value in data.items():
         if key in ("tflops", "intra", "inter"):
             sections[key] = value
-        elif key == "allreduce_crossover_bytes":
-            if value:  # a profile without crossovers reads as before
+        elif key in ("allreduce_crossover_bytes", "attention_efficiency"):
+            if value:  # a profile without them reads as before
                 sections[key] = value
         elif key == "collectives":
             sections.update({f"collectives.{k}": v for k, v in value.items()})

@@ -16,6 +16,7 @@ from typing import Any
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
 from meshlab.plan.formulas import (
+    CONTIGUOUS_CP,
     CP_IMPLEMENTATIONS,
     EVERY_H,
     OPTIMIZER_KINDS,
@@ -24,6 +25,7 @@ from meshlab.plan.formulas import (
     ZERO_STAGES,
     cp_refusal,
 )
+from meshlab.plan.hardware import ATTENTION_KERNELS
 from meshlab.plan.shapes import ModelShape
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
 
@@ -38,6 +40,15 @@ class Precision:
     optimizer: int
     """Adam states per parameter (and fp32 master weights where params are 16-bit)."""
     activations: int
+
+    @property
+    def unconverted_compute(self) -> str:
+        """The dtype of the matmuls fp8 training leaves alone: attention's two products and
+        the output projection. torchao's convert_to_float8_training swaps nn.Linear modules
+        only, and torchtitan skips the output (module_filter_fn: fqn != "output"); SDPA
+        runs in bf16. Transformer Engine's FP8 likewise leaves dot-product attention in
+        bf16 unless asked."""
+        return "bf16" if self.compute == "fp8" else self.compute
 
     @property
     def master_weights(self) -> bool:
@@ -114,6 +125,11 @@ class Layout:
     precision: str = "bf16"
     flash_attention: bool = True
     """Attention kernels that do not store the s x s scores (FlashAttention, SDPA)."""
+    attention_kernel: str = "auto"
+    """Which fused kernel runs attention (``hardware.ATTENTION_KERNELS``): its measured rate
+    in the hardware profile costs it. auto: cudnn where the profile measured it (torch's
+    SDPA picks cuDNN on Hopper and later since 2.10), else flash2, else attention's two
+    products at the GEMM model's rates."""
     shard_unit: str = "layer"
     """What ZeRO-2/3 gathers and reduces at once: "layer" (FSDP2 per block, torchtitan) or
     "weight" (each weight matrix: DeepSpeed ZeRO-3, FSDP1 wrapping every Linear)."""
@@ -166,6 +182,12 @@ class Layout:
     """context_parallel=chunked: the chunks the sequence goes through attention in."""
     cp_offload: bool = False
     """context_parallel=chunked: key/value chunks wait in host memory between uses."""
+    cp_balanced: bool = False
+    """context_parallel=torch or meshlab: each rank holds chunks i and 2·cp-1-i of the
+    sequence cut in 2·cp (head-tail), so causal attention costs every rank the same: torch's
+    context_parallel() does this by default (_ContextParallelOptions.enable_load_balance),
+    as does Megatron's get_batch_on_this_cp_rank. Off: contiguous slices, as meshlab's
+    runtime holds them (the last rank's queries see every key: 2 - 1/cp times the mean)."""
     optimizer: str = "adamw"
     """The optimizer (OPTIMIZERS): its state bytes per parameter, sharded by ZeRO >= 1."""
     qat: str = "none"
@@ -198,12 +220,19 @@ class Layout:
                              f"{self.optimizer!r}")
         if self.qat not in QAT_SCHEMES:
             raise ValueError(f"qat must be one of {', '.join(QAT_SCHEMES)}, got {self.qat!r}")
+        if self.attention_kernel not in ("auto", *ATTENTION_KERNELS):
+            raise ValueError(f"attention_kernel must be auto or one of "
+                             f"{', '.join(ATTENTION_KERNELS)}, got {self.attention_kernel!r}")
         if self.context_parallel not in CP_IMPLEMENTATIONS:
             raise ValueError(f"context_parallel must be one of {', '.join(CP_IMPLEMENTATIONS)}"
                              f", got {self.context_parallel!r}")
         if self.cp_offload and self.context_parallel != "chunked":
             raise ValueError(f"cp_offload with context_parallel={self.context_parallel}: only "
                              "chunked offloads key/value chunks; use context_parallel=chunked")
+        if self.cp_balanced and self.context_parallel not in CONTIGUOUS_CP:
+            raise ValueError(f"cp_balanced with context_parallel={self.context_parallel}: only "
+                             f"{' and '.join(CONTIGUOUS_CP)} slice the sequence contiguously "
+                             "(the others already split the work evenly); drop cp_balanced")
         if self.schedule in TAKES_VIRTUAL and self.virtual == 1:
             raise ValueError(f"schedule={self.schedule} with v=1 would run plain 1F1B: give "
                              "v=2 or more stages per rank, or schedule=1f1b")
@@ -285,6 +314,8 @@ class Layout:
             parts.append("sp=0")
         if not self.flash_attention:
             parts.append("flash_attention=0")
+        elif self.attention_kernel != "auto":
+            parts.append(f"attention_kernel={self.attention_kernel}")
         if self.shard_unit != "layer" and self.zero >= 2:
             parts.append(f"shard_unit={self.shard_unit}")
         if not self.overlap_grad_reduce:
@@ -303,6 +334,8 @@ class Layout:
             if self.context_parallel == "chunked":
                 parts.append(f"cp_chunks={self.cp_chunks}" + (" cp_offload=1"
                                                                if self.cp_offload else ""))
+            if self.cp_balanced:
+                parts.append("cp_balanced=1")
         parts += [f"{k}={getattr(self, k)}" for k, default in (("optimizer", "adamw"),
                                                                 ("qat", "none"))
                   if getattr(self, k) != default]

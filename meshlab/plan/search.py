@@ -26,7 +26,8 @@ SEARCHED = (*(a for a in AXES if a != "dp_shard"), "ep", "zero", "micro_batch", 
 # tried when pinned (schedule=zbv)
 SEARCHED_SCHEDULES = (DEFAULT_SCHEDULE, "interleaved_1f1b")
 KEPT = ("offload_params", "offload_activations", "replica_sync", "sync_every", "staleness",
-        "context_parallel", "cp_chunks", "cp_offload", "optimizer", "qat")
+        "context_parallel", "cp_chunks", "cp_offload", "cp_balanced", "attention_kernel",
+        "optimizer", "qat")
 """Options a search does not try on its own (offloading trades speed for memory; the
 replica modes change the training), kept for every candidate when a constraint names them
 (context_parallel pinned: the search tries that one, else each of context.SEARCHED_CP)."""

@@ -1,6 +1,7 @@
 """The planner's software facts (fused kernels, async TP, blocking pipeline sends, fp32
-gradient reduction, torchtitan's per-op checkpointing) counted by hand on TINY, and the search
-on today's hardware."""
+gradient reduction, torchtitan's per-op checkpointing, the attention kernel, fp8's reach,
+load-balanced context parallelism) counted by hand on TINY, and the search on today's
+hardware."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import dataclasses
 
 import pytest
 
-from meshlab.plan import HARDWARE, MODELS, Layout, estimate, search
-from meshlab.plan.compute import EAGER_RMSNORM_PASSES, LAYER_NORM_PASSES, memory_bound_bytes
+from meshlab.plan import HARDWARE, MODELS, Layout, estimate, gemm, search
+from meshlab.plan.compute import (
+    EAGER_RMSNORM_PASSES,
+    LAYER_NORM_PASSES,
+    attention_gemms,
+    attention_seconds,
+    memory_bound_bytes,
+    output_parts,
+)
 from meshlab.plan.estimate import term_differences
 from meshlab.plan.formulas import layer_activation_bytes, op_recomputed_params
+from meshlab.plan.hardware import GH100_ATTENTION, GH100_HELD_OVER_BURST, load, save
 from meshlab.plan.stage import Stage
 from tests.rank.test_plan import COMPUTE_BOUND, PIPE, TINY, TINY_PARAMS, TOY
 
@@ -113,3 +122,77 @@ def test_term_differences_name_what_separates_two_layouts() -> None:
     diffs = dict(term_differences(a, b, least=0.0))
     assert sum(diffs.values()) == pytest.approx(a.step_s - b.step_s, rel=1e-9)
     assert term_differences(a, a) == []
+
+
+H100 = HARDWARE["h100-sxm"]
+LLAMA8 = MODELS["llama3-8b"]
+
+
+def test_fused_attention_runs_at_its_kernels_measured_rate() -> None:
+    # pytorch/pytorch#142132 (H100 SXM, torch 2.6 nightly, Dec 2024): SDPA's flash backend
+    # 329.5 TFLOP/s, cuDNN's 631.3, in short runs; held at the power cap as the matmul is
+    assert GH100_HELD_OVER_BURST == 664 / 779
+    measured = {"flash2": 329.483 / 989.5 * 664 / 779, "cudnn": 631.338 / 989.5 * 664 / 779}
+    assert pytest.approx(measured) == GH100_ATTENTION
+    # one layer's forward, one sequence of 8,192: QK^T and PV, 2 x 2 s^2 d flops per head,
+    # half of the causal square skipped
+    flops = 2 * 2 * 8192 * 8192 * 128 * 32
+    for kernel, share in (("flash2", GH100_ATTENTION["flash2"]),
+                          ("cudnn", GH100_ATTENTION["cudnn"]),
+                          ("auto", GH100_ATTENTION["cudnn"])):  # torch's choice on Hopper
+        got = attention_seconds(Stage(LLAMA8, Layout(attention_kernel=kernel), H100))
+        assert got == pytest.approx(flops / 2 / (989.5e12 * share), rel=1e-12), kernel
+
+
+def test_a_profile_without_a_kernels_rate_costs_attention_as_two_gemms() -> None:
+    a100 = HARDWARE["a100-80gb"]
+    slow_memory = dataclasses.replace(a100, memory_bandwidth_gbs=500)
+    stage = Stage(LLAMA8, Layout(), slow_memory)
+    products = attention_gemms(stage)
+    # the scores never reach memory: only the arithmetic, at the GEMM model's rates, however
+    # slow the memory (a GEMM writing s x s scores would be bound by it)
+    by_hand = sum(gemm.compute_seconds(a100, g, "bf16") for g in products) / 2
+    assert attention_seconds(stage) == pytest.approx(by_hand, rel=1e-12)
+    assert by_hand < sum(gemm.seconds(slow_memory, g, "bf16", 2) for g in products) / 2
+    with pytest.raises(ValueError, match=r"no measured rate for it \(it has none\); use "
+                                         "attention_kernel=auto"):
+        estimate(LLAMA8, Layout(attention_kernel="cudnn", dp_shard=8), a100)
+    with pytest.raises(ValueError, match="attention_kernel must be auto or one of flash2, "
+                                         "cudnn, got 'fa3'"):
+        Layout.parse("attention_kernel=fa3")
+
+
+def test_a_profiles_attention_rates_save_and_load(tmp_path: pytest.TempPathFactory) -> None:
+    assert load(save(H100, tmp_path / "h100.toml")) == H100  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"attention_efficiency takes shares in \(0, 1\] for "
+                                         "flash2, cudnn"):
+        dataclasses.replace(H100, attention_efficiency={"fa3": 0.7})
+
+
+def test_fp8_training_leaves_attention_and_the_output_in_bf16() -> None:
+    # torchao's convert_to_float8_training swaps nn.Linear only; torchtitan skips "output"
+    bf16, fp8 = (Stage(LLAMA8, Layout(precision=p), H100) for p in ("bf16", "fp8"))
+    assert attention_seconds(fp8) == attention_seconds(bf16)
+    assert output_parts(fp8) == output_parts(bf16)
+    faster = estimate(LLAMA8, Layout(precision="fp8", dp_shard=8), H100)
+    slower = estimate(LLAMA8, Layout(dp_shard=8), H100)
+    assert faster.terms()["gemm"] < slower.terms()["gemm"]  # the blocks' Linears do speed up
+
+
+def test_load_balanced_context_parallelism_has_no_last_rank_skew() -> None:
+    # contiguous slices: the last of n ranks holds (n - 1/2)/n of its square, 2 - 1/n times
+    # the mean; torch's context_parallel() cuts 2n chunks head-tail (enable_load_balance)
+    long = dataclasses.replace(LLAMA8, seq_len=65536)
+    for impl in ("meshlab", "torch"):
+        flat, balanced = (attention_seconds(Stage(long, Layout.parse(
+            f"cp=4 cp_impl={impl}" + extra), H100)) for extra in ("", " cp_balanced=1"))
+        assert flat == pytest.approx((2 - 1 / 4) * balanced, rel=1e-12)
+    lay = Layout.parse("cp=4 dp=2 cp_impl=torch cp_balanced=1")
+    assert Layout.parse(lay.describe()) == lay and "cp_balanced=1" in lay.describe()
+    # a dry run runs meshlab's contiguous slices, and says so
+    from meshlab.dry_run_plan import plan_for
+    _, notes = plan_for(lay, seq=64)
+    assert any(n.startswith("cp_balanced: meshlab holds contiguous sequence slices") for n in notes)
+    with pytest.raises(ValueError, match="cp_balanced with context_parallel=ulysses: only "
+                                         "meshlab and torch slice the sequence contiguously"):
+        Layout.parse("cp=2 cp_impl=ulysses cp_balanced=1")

@@ -68,10 +68,17 @@ an assumption; 96 GB is 94 GiB as the device reports it less its reserve."""
 _TITAN_FACTS = ("gradients reduced in fp32 (reduce_fp32: torchtitan's only "
                 "--training.mixed_precision_reduce)",
                 "sequence 8,192 (not printed; the shipped train_configs at 9dec370)",
-                "SDPA's flash attention (not stated)", "FSDP reshards after the forward "
+                "attention_kernel=flash2: SDPA's flash backend (FlashAttention-2), the default "
+                "of December 2024's torch (cuDNN was opt-in: pytorch#138522); with CP "
+                "torchtitan pins FLASH_ATTENTION/EFFICIENT_ATTENTION (utils.get_train_context "
+                "@ 9dec370)", "FSDP reshards after the forward "
                 "(torchtitan's default: zero=3)", "Grand Teton peak taken midway between H100 "
                 "SXM and NVL (the table says it is between them)")
+_FA2 = "attention_kernel=flash2"
 _FP8 = "Float8 (torchao, dynamic tensorwise: torchtitan's default) on every Linear"
+_TORCH_CP = ("CP is torch's ring attention through context_parallel(), as torchtitan calls "
+             "it: head-tail load-balanced (cp_balanced; torch's _ContextParallelOptions."
+             "enable_load_balance defaults to True)")
 
 
 def _torchtitan() -> list[PublishedRun]:
@@ -99,19 +106,21 @@ def _torchtitan() -> list[PublishedRun]:
                       "126 layers in stages of 8 or 16 with the embedding and output counted")))
     for fsdp, cp, tps in ((8, 1, 3890), (4, 2, 2540), (2, 4, 1071), (1, 8, 548)):
         rows.append((f"Table 2 FSDP {fsdp}, CP {cp}", _with_seq(llama8, 32768 * cp),
-                     f"dp={fsdp} cp={cp} cp_impl=torch zero=3 mbs=1 ac=full fused=1 "
-                     "precision=fp8 reduce_fp32=1", fsdp, tps, (),
-                     (_FP8, "CP is torch's ring attention (torchtitan's)",
+                     f"dp={fsdp} cp={cp} cp_impl=torch cp_balanced=1 zero=3 mbs=1 ac=full "
+                     "fused=1 precision=fp8 reduce_fp32=1", fsdp, tps, (),
+                     (_FP8, _TORCH_CP,
                       "the global batch: local batch 1 on each FSDP rank")))
     for fsdp, cp, tps in ((8, 1, 76), (4, 2, 47), (2, 4, 31), (1, 8, 16)):
         rows.append((f"Table 6 FSDP {fsdp}, CP {cp}", _with_seq(llama405, 32768 * cp),
-                     f"pp=8 dp={fsdp} cp={cp} tp=8 cp_impl=torch zero=3 mbs=1 ac=full fused=1 "
-                     "precision=fp8 async_tp=1 reduce_fp32=1 schedule=1f1b", 8 * fsdp, tps, (),
-                     (_FP8, "CP is torch's ring attention (torchtitan's)",
+                     f"pp=8 dp={fsdp} cp={cp} tp=8 cp_impl=torch cp_balanced=1 zero=3 mbs=1 "
+                     "ac=full fused=1 precision=fp8 async_tp=1 reduce_fp32=1 schedule=1f1b",
+                     8 * fsdp, tps, (),
+                     (_FP8, _TORCH_CP,
                       "8 micro-batches of 1 (the default: as many as stages)",
                       "the global batch: local batch 8 on each FSDP rank")))
     runs = [PublishedRun(f"torchtitan {model.name} {what}", f"{_TITAN}, {what}", model,
-                         GRAND_TETON_H100, layout, batch, tps, TOKENS_PER_GPU, free=free,
+                         GRAND_TETON_H100, f"{layout} {_FA2}", batch, tps, TOKENS_PER_GPU,
+                         free=free,
                          assumed=(*_TITAN_FACTS, *assumed), family="torchtitan 2024",
                          layer_slots=2 if "pp=" in layout else 0)
             for what, model, layout, batch, tps, free, assumed in rows]
@@ -120,7 +129,7 @@ def _torchtitan() -> list[PublishedRun]:
             f"torchtitan llama3-70b bf16, {variant}",
             f"{_TITAN_ASYNC}, Table \"Llama3 70b on 256 H100s\", row None (bfloat16)",
             llama70, GRAND_TETON_H100,
-            f"dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 reduce_fp32=1{extra}",
+            f"dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 reduce_fp32=1{extra} {_FA2}",
             512, rate, TOKENS_PER_GPU, assumed=_TITAN_FACTS, family="torchtitan 2024"))
     return runs
 
@@ -150,12 +159,14 @@ def _megatron_core() -> list[PublishedRun]:
         free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
         runs.append(PublishedRun(
             f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
-            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 fused=1 reduce_fp32=1"
+            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 fused=1 reduce_fp32=1 "
+            "attention_kernel=cudnn"
             + (" async_tp=1" if tp > 1 else ""), batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
             assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
                      "the distributed optimizer (--overlap-param-gather needs it): zero=2",
                      "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
-                     "Transformer Engine's fused kernels and flash attention (not stated)",
+                     "Transformer Engine's fused kernels; attention cuDNN's fused kernel, TE's "
+                     "choice on Hopper (attention_kernel=cudnn; not stated)",
                      "a GPT with a 4h MLP, untied embeddings, no dropout (not stated; the "
                      "parameter counts fit)", "the logged FLOP count (not stated)"),
             family="Megatron-Core 2024"))
@@ -185,18 +196,24 @@ def _nemo() -> list[PublishedRun]:
     runs = []
     for model, gpus, batch, mbs, tp, pp, cp, vp, tps in _NEMO_TABLE:
         dp = gpus // (tp * pp * cp)
-        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 mbs={mbs} fused=1 precision=fp8"
-                  + (" async_tp=1" if tp > 1 else "") + (" cp_impl=torch" if cp > 1 else "")
+        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 mbs={mbs} fused=1 precision=fp8 "
+                  "attention_kernel=cudnn"
+                  + (" async_tp=1" if tp > 1 else "")
+                  + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
                   + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
         runs.append(PublishedRun(
             f"NeMo 24.07 {model.name}, {gpus} GPUs", f"{_NEMO}, Table (FP8), row {model.name}",
             model, "h100-sxm", layout, batch, tps, TOKENS_PER_GPU, free=("recompute",),
             assumed=("Megatron-Core with Transformer Engine: fused kernels, the distributed "
                      "optimizer (zero=2), overlapped data-parallel traffic",
+                     "attention in cuDNN's fused kernel, TE's choice on Hopper "
+                     "(attention_kernel=cudnn; not printed)",
                      "TP communication overlapped (NeMo's performance configs; not printed)",
                      "FP8 on every Linear at the float8 training rate measured with torchao "
                      "(Transformer Engine's own casts not measured)",
-                     "CP as ring attention (Transformer Engine's), recompute not printed"),
+                     "CP as ring attention (Transformer Engine's) over Megatron's 2 x cp "
+                     "head-tail chunks (get_batch_on_this_cp_rank: cp_balanced)",
+                     "recompute not printed"),
             family="NeMo 24.07"))
     return runs
 
