@@ -57,8 +57,8 @@ class Hardware:
     amax passes included (torchao's dynamic float8 Linear); 0: ``matmul_efficiency``."""
     attention_efficiency: dict[str, float] = field(default_factory=dict)
     """Share of the 16-bit peak a fused attention kernel reaches, by kernel
-    (``layout.ATTENTION_KERNELS``: flash2, cudnn), where measured; a kernel without a figure
-    is costed as attention's two products at the GEMM model's rates."""
+    (``ATTENTION_KERNELS``), where measured. Without a figure, attention_kernel=auto costs
+    attention's two products at the GEMM model's rates, and a kernel named is refused."""
     sms: int = 1
     """Streaming multiprocessors: tiles of a GEMM run in waves of this many (1: no waves)."""
     gemm_tile: tuple[int, int] = (1, 1)

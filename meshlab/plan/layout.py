@@ -128,8 +128,9 @@ class Layout:
     attention_kernel: str = "auto"
     """Which fused kernel runs attention (``hardware.ATTENTION_KERNELS``): its measured rate
     in the hardware profile costs it. auto: cudnn where the profile measured it (torch's
-    SDPA picks cuDNN on Hopper and later since 2.10), else flash2, else attention's two
-    products at the GEMM model's rates."""
+    SDPA picks cuDNN on Hopper and Blackwell once its cuDNN is past 9.15, from torch 2.11:
+    check_prefer_cudnn_attention), else flash2, else attention's two products at the GEMM
+    model's rates."""
     shard_unit: str = "layer"
     """What ZeRO-2/3 gathers and reduces at once: "layer" (FSDP2 per block, torchtitan) or
     "weight" (each weight matrix: DeepSpeed ZeRO-3, FSDP1 wrapping every Linear)."""
