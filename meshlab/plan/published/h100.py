@@ -75,7 +75,8 @@ _TITAN_FACTS = ("gradients reduced in fp32 (reduce_fp32: torchtitan's only "
                 "(torchtitan's default: zero=3)", "Grand Teton peak taken midway between H100 "
                 "SXM and NVL (the table says it is between them)")
 _FA2 = "attention_kernel=flash2"
-_FP8 = "Float8 (torchao, dynamic tensorwise: torchtitan's default) on every Linear"
+_FP8 = ("Float8 (torchao, dynamic tensorwise: torchtitan's default) on every Linear but the "
+        "output (float8.py @ 9dec370: fqn != \"output\"); attention in bf16")
 _TORCH_CP = ("CP is torch's ring attention through context_parallel(), as torchtitan calls "
              "it: head-tail load-balanced (cp_balanced; torch's _ContextParallelOptions."
              "enable_load_balance defaults to True)")
