@@ -6,9 +6,11 @@ hardware."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from meshlab.dry_run_plan import plan_for
 from meshlab.plan import HARDWARE, MODELS, Layout, estimate, gemm, search
 from meshlab.plan.compute import (
     EAGER_RMSNORM_PASSES,
@@ -162,8 +164,8 @@ def test_a_profile_without_a_kernels_rate_costs_attention_as_two_gemms() -> None
         Layout.parse("attention_kernel=fa3")
 
 
-def test_a_profiles_attention_rates_save_and_load(tmp_path: pytest.TempPathFactory) -> None:
-    assert load(save(H100, tmp_path / "h100.toml")) == H100  # type: ignore[operator]
+def test_a_profiles_attention_rates_save_and_load(tmp_path: Path) -> None:
+    assert load(save(H100, tmp_path / "h100.toml")) == H100
     with pytest.raises(ValueError, match=r"attention_efficiency takes shares in \(0, 1\] for "
                                          "flash2, cudnn"):
         dataclasses.replace(H100, attention_efficiency={"fa3": 0.7})
@@ -190,7 +192,6 @@ def test_load_balanced_context_parallelism_has_no_last_rank_skew() -> None:
     lay = Layout.parse("cp=4 dp=2 cp_impl=torch cp_balanced=1")
     assert Layout.parse(lay.describe()) == lay and "cp_balanced=1" in lay.describe()
     # a dry run runs meshlab's contiguous slices, and says so
-    from meshlab.dry_run_plan import plan_for
     _, notes = plan_for(lay, seq=64)
     assert any(n.startswith("cp_balanced: meshlab holds contiguous sequence slices") for n in notes)
     with pytest.raises(ValueError, match="cp_balanced with context_parallel=ulysses: only "
