@@ -14,7 +14,7 @@ import dataclasses
 import textwrap
 
 from meshlab.plan.context import cp_options
-from meshlab.plan.formulas import CP_IMPLEMENTATIONS, context_parallel_bytes
+from meshlab.plan.context_formulas import CP_IMPLEMENTATIONS, context_parallel_bytes
 from meshlab.plan.hardware import HARDWARE
 from meshlab.plan.layout import Layout
 from meshlab.plan.report import plan

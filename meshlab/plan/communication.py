@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlab.plan.compute import attention_backward, attention_seconds, layer_parts
-from meshlab.plan.formulas import collective_seconds, context_parallel_collectives
+from meshlab.plan.context_formulas import context_parallel_collectives
+from meshlab.plan.formulas import collective_seconds
 from meshlab.plan.memory import DDP_BUCKET_BYTES, cp_memory, layer_bytes, sharded_params
 from meshlab.plan.stage import Stage
 
@@ -118,7 +119,7 @@ class Communication:
 
     def context_parallel(self) -> tuple[float, float]:
         """Forward and backward seconds one micro-batch's CP collectives keep on the critical
-        path (formulas.context_parallel_collectives): the all-gathers, all-reduces and
+        path (context_formulas.context_parallel_collectives): the all-gathers, all-reduces and
         all-to-alls whole, ring hops what the attention they run behind leaves exposed."""
         s = self.stage
         lay, m = s.layout, s.model

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from meshlab.plan import gemm
-from meshlab.plan.formulas import CONTIGUOUS_CP, op_recomputed_params, training_flops_per_token
+from meshlab.plan.context_formulas import CONTIGUOUS_CP
+from meshlab.plan.formulas import op_recomputed_params, training_flops_per_token
 from meshlab.plan.hardware import Hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape

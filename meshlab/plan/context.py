@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshlab.plan.context_formulas import CONTIGUOUS_CP, context_parallel_bytes
 from meshlab.plan.estimate import Estimate, estimate
-from meshlab.plan.formulas import CONTIGUOUS_CP, context_parallel_bytes
 from meshlab.plan.hardware import GIB, Hardware
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlab.mesh import AXES
+from meshlab.plan.context_formulas import HEAD_SPLIT_CP
 from meshlab.plan.estimate import Estimate
-from meshlab.plan.formulas import HEAD_SPLIT_CP
 from meshlab.plan.layout import Layout
 from meshlab.plan.memory import DDP_BUCKET_BYTES, factored_state_bytes, optimizer_k
 from meshlab.plan.stage import Stage

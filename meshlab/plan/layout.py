@@ -15,15 +15,13 @@ from typing import Any
 
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
+from meshlab.plan.context_formulas import CONTIGUOUS_CP, CP_IMPLEMENTATIONS, cp_refusal
 from meshlab.plan.formulas import (
-    CONTIGUOUS_CP,
-    CP_IMPLEMENTATIONS,
     EVERY_H,
     OPTIMIZER_KINDS,
     PLANNED_RECOMPUTE,
     REPLICA_SYNC,
     ZERO_STAGES,
-    cp_refusal,
 )
 from meshlab.plan.hardware import ATTENTION_KERNELS
 from meshlab.plan.shapes import ModelShape
@@ -175,7 +173,7 @@ class Layout:
     staleness: int = 0
     """parameter_server: versions a worker's parameters may lag (0: it waits every step)."""
     context_parallel: str = "meshlab"
-    """With cp > 1, how attention crosses the sequence slices (formulas.CP_IMPLEMENTATIONS):
+    """With cp > 1, how attention crosses the sequence slices (context_formulas.CP_IMPLEMENTATIONS):
     meshlab (K/V all-gathered, gradients all-reduced), torch (ring, CUDA only), ulysses
     (all-to-all to heads), chunked (Ulysses, attention in cp_chunks chunks) or all_gather
     (Llama 3's: gradients reduce-scattered)."""

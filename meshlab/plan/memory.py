@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshlab.plan.context_formulas import context_parallel_memory
 from meshlab.plan.formulas import (
-    context_parallel_memory,
     layer_activation_bytes,
     optimizer_bytes_per_param,
     sharded_state_bytes,
@@ -80,7 +80,7 @@ def factored_state_bytes(stage: Stage) -> float:
 
 
 def cp_memory(stage: Stage) -> dict[str, float]:
-    """formulas.context_parallel_memory for one layer of this stage, one micro-batch."""
+    """context_formulas.context_parallel_memory for one layer of this stage, one micro-batch."""
     lay, m = stage.layout, stage.model
     return context_parallel_memory(
         lay.context_parallel, batch=lay.micro_batch, seq_len=m.seq_len,

@@ -1,4 +1,4 @@
-"""The planner's context-parallel model (meshlab.plan.formulas' CP block, meshlab.plan.context):
+"""The planner's context-parallel model (meshlab.plan.context_formulas, meshlab.plan.context):
 closed forms against a direct count, Ulysses' constant bytes, the search's choice and its
 reasons, and the optimizer / precision / QAT terms of the memory model. No engines."""
 
@@ -9,17 +9,15 @@ import dataclasses
 import pytest
 
 from meshlab.plan.context import best_cp, cp_options
-from meshlab.plan.estimate import estimate
-from meshlab.plan.formulas import (
+from meshlab.plan.context_formulas import (
     HEAD_SPLIT_CP,
-    bus_factor,
     context_parallel_bytes,
     context_parallel_collectives,
     context_parallel_memory,
     cp_refusal,
-    sharded_state_bytes,
-    zero_bytes,
 )
+from meshlab.plan.estimate import estimate
+from meshlab.plan.formulas import bus_factor, sharded_state_bytes, zero_bytes
 from meshlab.plan.hardware import HARDWARE
 from meshlab.plan.layout import Layout, check
 from meshlab.plan.report import plan
@@ -268,7 +266,7 @@ def test_only_the_ring_hides_its_hops_behind_attention() -> None:
 
 
 def context_parallel_seconds_of(impl: str, **kw: float) -> tuple[float, float]:
-    from meshlab.plan.formulas import context_parallel_seconds
+    from meshlab.plan.context_formulas import context_parallel_seconds
 
     return context_parallel_seconds(impl, **kw, **_shape(4))  # type: ignore[arg-type]
 
@@ -276,8 +274,8 @@ def context_parallel_seconds_of(impl: str, **kw: float) -> tuple[float, float]:
 def test_the_planner_speaks_the_rank_sides_vocabulary() -> None:
     """The planner (pure Python) names the options ParallelPlan and build_optimizer take."""
     from meshlab.parallel import context, optimizers, precision
-    from meshlab.plan import formulas, layout
+    from meshlab.plan import context_formulas, formulas, layout
 
     assert set(optimizers.OPTIMIZERS) == set(formulas.OPTIMIZER_KINDS)
     assert ("none", *precision.QAT_SCHEMES) == layout.QAT_SCHEMES
-    assert set(context.IMPLEMENTATIONS) - {"auto"} <= set(formulas.CP_IMPLEMENTATIONS)
+    assert set(context.IMPLEMENTATIONS) - {"auto"} <= set(context_formulas.CP_IMPLEMENTATIONS)
