@@ -8,7 +8,8 @@ hardware=...)`` ranks the layouts that fit. Models are ``ModelShape`` (presets i
 
 from meshlab.plan.estimate import Collective, Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware, Link, hardware, load, save
-from meshlab.plan.layout import PRECISIONS, Layout, Precision, check
+from meshlab.plan.layout import Layout, check
+from meshlab.plan.precision import PRECISIONS, Precision
 from meshlab.plan.search import search
 from meshlab.plan.shapes import MODELS, ModelShape, model_shape
 

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from meshlab.plan.hardware import HARDWARE
-from meshlab.plan.layout import PRECISIONS
+from meshlab.plan.precision import PRECISIONS
 from meshlab.plan.report import plan
 from meshlab.plan.shapes import MODELS, ModelShape, load_model, model_shape
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from meshlab.plan.hardware import Hardware
-from meshlab.plan.layout import Layout, Precision
+from meshlab.plan.layout import Layout
+from meshlab.plan.precision import Precision
 from meshlab.plan.shapes import ModelShape
 
 
