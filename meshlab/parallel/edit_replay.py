@@ -111,7 +111,7 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
     from meshlab.parallel import verify
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.parallel.training import one_process_optimizer
+    from meshlab.parallel.training import one_process_optimizer, replica_rows
 
     for axis in ("cp", "pp", "ep"):
         if axis_size(mesh, axis) > 1:
@@ -140,11 +140,8 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     sync: EDiTSync = opt.replica_sync  # type: ignore[attr-defined]
     history = history if history is not None else []
     history += sync.history
-    rows = batch // len(replicas)
-
     def batch_of(r: int, step: int) -> Batch:
-        inputs, targets = global_batch(step=step, batch=batch, **shape)
-        return inputs[r * rows:][:rows], targets[r * rows:][:rows]
+        return replica_rows(global_batch(step=step, batch=batch, **shape), r, len(replicas))
 
     optimizers = [one_process_optimizer(m, lr, optimizer, plan.max_grad_norm) for m in replicas]
     replayed = simulate(replicas, optimizers, batch_of, [s.steps for s in sync.history], plan,

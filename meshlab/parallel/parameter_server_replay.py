@@ -44,7 +44,7 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     from meshlab.parallel import verify
     from meshlab.parallel.blocks import clean_name
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.parallel.training import one_process_optimizer
+    from meshlab.parallel.training import one_process_optimizer, replica_rows
 
     if plan.mixed_precision:
         raise ValueError("mixed_precision=True with replica_sync='parameter_server': the "
@@ -89,12 +89,11 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     server_opt = one_process_optimizer(servers, lr, optimizer, None)
     replayed: dict[int, list[float]] = {w: [] for w in workers}
     for c in range(steps):
-        inputs, targets = global_batch(step=c, batch=batch, **shape)
-        rows, grads = batch // sync.replicas, []
+        whole, grads = global_batch(step=c, batch=batch, **shape), []
         for w in range(sync.replicas):
             _load(reference, history, workers[w][1][c], pieces)
             reference.zero_grad(set_to_none=True)
-            value = loss(reference, (inputs[w * rows:][:rows], targets[w * rows:][:rows]))
+            value = loss(reference, replica_rows(whole, w, sync.replicas))
             value.backward()
             if plan.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(reference.parameters(), plan.max_grad_norm)

@@ -12,7 +12,7 @@ import torch
 from meshlab.models import global_batch
 from meshlab.parallel.compose import ParallelPlan
 from meshlab.parallel.precision import LossScaledOptimizer
-from meshlab.parallel.training import LossFn, one_process_optimizer, train
+from meshlab.parallel.training import LossFn, one_process_optimizer, replica_rows, train
 
 
 @dataclass(slots=True)
@@ -108,9 +108,8 @@ def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dic
         from meshlab.parallel.edit_replay import simulate
 
         def batch_of(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            inputs, targets = global_batch(step=step, batch=sizes[step], **shape)
-            rows = inputs.shape[0] // len(models)
-            return inputs[r * rows:][:rows], targets[r * rows:][:rows]
+            return replica_rows(global_batch(step=step, batch=sizes[step], **shape), r,
+                                len(models))
 
         every, steps = plan.sync_every, len(sizes)
         rounds = [[every] * len(models)] * (steps // every) + (
@@ -124,10 +123,8 @@ def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dic
                             nesterov=plan.outer_momentum > 0)
     losses = []
     for step, size in enumerate(sizes):
-        inputs, targets = global_batch(step=step, batch=size, **shape)
-        rows = inputs.shape[0] // len(models)
-        per_replica = [train(m, o, [(inputs[r * rows:][:rows], targets[r * rows:][:rows])],
-                             loss=loss)[0]
+        whole = global_batch(step=step, batch=size, **shape)
+        per_replica = [train(m, o, [replica_rows(whole, r, len(models))], loss=loss)[0]
                        for r, (m, o) in enumerate(zip(models, optimizers, strict=True))]
         losses.append(sum(per_replica) / len(per_replica))
         if (step + 1) % plan.sync_every:

@@ -34,6 +34,15 @@ def logits_of(out: Any) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
+def replica_rows(batch: tuple[torch.Tensor, torch.Tensor], replica: int, replicas: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica ``replica``'s block of rows of a global batch: the rows its data ranks get
+    when ``replicas`` replicas share it (local SGD, DiLoCo, EDiT)."""
+    inputs, targets = batch
+    rows = inputs.shape[0] // replicas
+    return inputs[replica * rows:][:rows], targets[replica * rows:][:rows]
+
+
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
           average_over: Any | None = None,
           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
