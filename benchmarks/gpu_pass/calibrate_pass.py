@@ -84,7 +84,6 @@ def one_rank_profile(cluster: Cluster, quick: bool) -> Hardware:
 
     from meshlab.calibrate.result import summary
     from meshlab.notebook.calibrate import matmul_frame
-    from meshlab.plan.gemm import shape_factor
     from meshlab.plan.hardware import HARDWARE
 
     result = cluster.run("from meshlab.calibrate import calibrate as _cal\n"
@@ -92,18 +91,19 @@ def one_rank_profile(cluster: Cluster, quick: bool) -> Hardware:
     c = result.values[0]
     print(summary(c))
     print(matmul_frame(c).to_string(index=False))
-    largest = max(c.matmul, key=lambda p: p.m * p.n * p.k)
-    keeps = shape_factor(largest.m, largest.n, largest.k, sms=c.sms, tile=c.gemm_tile,
-                         k0=c.gemm_k0)
+    shares = c.attention_shares()
     hw = dataclasses.replace(
-        HARDWARE["h100-sxm"], name="gpu-pass (1 rank)",
-        tflops={d: t / keeps for d, t in c.tflops.items()}, matmul_efficiency=1.0, sms=c.sms,
+        HARDWARE["h100-sxm"], name="gpu-pass (1 rank)", tflops=c.peaks(),
+        attention_efficiency=shares,
+        attention_default=c.attention_default if c.attention_default in shares else "",
+        matmul_efficiency=1.0, sms=c.sms,
         gemm_tile=c.gemm_tile, gemm_k0=c.gemm_k0, memory_gib=c.memory_gib,
         reserved_gib=c.reserved_gib, memory_bandwidth_gbs=c.memory_bandwidth_gbs,
         asynchronous=c.device == "cuda")
     hw = c._with_host_costs(hw)
     print(f"profile (1 rank, datasheet links): TFLOP/s {hw.tflops}, copy "
-          f"{hw.memory_bandwidth_gbs:.0f} GB/s, {hw.layer_overhead_us:.0f} us host time/layer")
+          f"{hw.memory_bandwidth_gbs:.0f} GB/s, {hw.layer_overhead_us:.0f} us host time/layer, "
+          f"attention shares {hw.attention_efficiency} (auto: {hw.attention_default or '-'})")
     return hw
 
 

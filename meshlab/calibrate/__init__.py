@@ -1,13 +1,13 @@
 """Measure on the live ranks what the planner assumes, and write it as a hardware profile.
 
-Every rank calls ``calibrate(mesh)`` at once. Matmuls and a large copy run on all ranks
-together, so ranks that share cores or a memory bus slow each other as they do in training
-(``compute``). Then each collective is timed on every mesh axis (all of its groups at once)
-and on the whole world over a sweep of message sizes, and fitted to the planner's alpha-beta
-model (``collectives``); each all-reduce algorithm of ``meshlab.allreduce`` is timed on the
-world at the same sizes, and where it beats ring, measured and modelled (``algorithms``).
-``Calibration.profile(name)`` is the ``meshlab.plan.hardware.Hardware`` the planner reads
-(``result``). Plain torch, so it runs
+Every rank calls ``calibrate(mesh)`` at once. Matmuls, SDPA's fused attention kernels and a
+large copy run on all ranks together, so ranks that share cores or a memory bus slow each
+other as they do in training (``compute``, ``attention``). Then each collective is timed on
+every mesh axis (all of its groups at once) and on the whole world over a sweep of message
+sizes, and fitted to the planner's alpha-beta model (``collectives``); each all-reduce
+algorithm of ``meshlab.allreduce`` is timed on the world at the same sizes, and where it
+beats ring, measured and modelled (``algorithms``). ``Calibration.profile(name)`` is the
+``meshlab.plan.hardware.Hardware`` the planner reads (``result``). Plain torch, so it runs
 under torchrun:
 
 $ torchrun --standalone --nproc_per_node=4 -m meshlab.calibrate --mesh "dp=2 tp=2" -o cpu.toml
@@ -30,6 +30,7 @@ from meshlab.calibrate.algorithms import (
     links,
     time_allreduce_algorithms,
 )
+from meshlab.calibrate.attention import sdpa_default, time_attention
 from meshlab.calibrate.collectives import (
     BATCH,
     QUICK_SIZES,
@@ -98,6 +99,9 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
                          tile=tile) for d in tflops}
     # one depth for the profile: the training dtype's (bf16 where it runs)
     k0 = fits["bf16" if "bf16" in fits else next(iter(fits))][0]
+    # fused attention's kernels, in bf16 as the planner costs them (none timed without it)
+    attention = time_attention(device, reps) if "bf16" in dtypes else {}
+    default = sdpa_default(device) if attention else ""
     copy_bytes = COPY_BYTES[kind] // (4 if quick else 1)
     (copy_s,) = slowest([copy_seconds(copy_bytes, device, reps)], device)
     here = layer_seconds(device, reps)
@@ -120,6 +124,7 @@ def calibrate(mesh: DeviceMesh | None = None, *, sizes: Sequence[int] | None = N
         "cpu wall clock", memory_gib=memory, reserved_gib=reserved,
         memory_bandwidth_gbs=2 * copy_bytes / copy_s / 1e9, layer_seconds=per_layer,
         matmul=matmul, tflops=tflops, sms=sms, gemm_tile=tile, gemm_k0=k0,
+        attention=attention, attention_default=default,
         collectives=collectives, intra_axis=intra, inter_axis=inter,
         seconds=time.perf_counter() - started, notes=notes, allreduce=allreduce)
 

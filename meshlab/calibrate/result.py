@@ -52,6 +52,11 @@ class Calibration:
     """The GEMM model's multiprocessors and output tile on this device (``plan.gemm``)."""
     gemm_k0: float
     """The GEMM model's depth, fitted to every matmul measured (``plan.gemm.fit_depth``)."""
+    attention: dict[str, float]
+    """Achieved TFLOP/s of each fused attention kernel that runs here (bf16, causal, forward
+    and backward as the planner counts them: ``calibrate.attention``), by kernel."""
+    attention_default: str
+    """The kernel SDPA picks by itself here ("": one the planner has no name for)."""
     collectives: list[CollectiveFit]
     intra_axis: str | None
     """Axis whose fits became the profile's intra link and collectives."""
@@ -85,20 +90,19 @@ class Calibration:
         inter = self.fit(self.inter_axis or str(self.intra_axis), "all_reduce").link()
         intra_axis = self.intra_axis or str(self.inter_axis)
         collectives = {f.collective: f.link() for f in self.collectives if f.axis == intra_axis}
-        # the largest matmul's achieved rate, over what its shape keeps of the ceiling: the
-        # profile reproduces that matmul exactly and the smaller ones by the fitted curve
-        largest = max(self.matmul, key=lambda p: p.m * p.n * p.k)
-        keeps = shape_factor(largest.m, largest.n, largest.k, sms=self.sms,
-                             tile=self.gemm_tile, k0=self.gemm_k0)
+        peaks = self.peaks()
         # CPU ranks: the host is the device; a GPU keeps the class defaults (copies over
         # PCIe are not measured yet)
         host: dict[str, Any] = {} if self.device == "cuda" else {
             "host_memory_gib": self.memory_gib,
             "host_memory_bandwidth_gbs": self.memory_bandwidth_gbs,
             "pcie_gbs": self.memory_bandwidth_gbs}
-        hw = Hardware(name=name, tflops={d: t / keeps for d, t in self.tflops.items()},
-                      matmul_efficiency=1.0, sms=self.sms, gemm_tile=self.gemm_tile,
-                      gemm_k0=self.gemm_k0,
+        shares = self.attention_shares()
+        hw = Hardware(name=name, tflops=peaks, matmul_efficiency=1.0,
+                      attention_efficiency=shares,
+                      attention_default=self.attention_default
+                      if self.attention_default in shares else "",
+                      sms=self.sms, gemm_tile=self.gemm_tile, gemm_k0=self.gemm_k0,
                       memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
                       memory_bandwidth_gbs=self.memory_bandwidth_gbs,
                       **host,
@@ -110,6 +114,40 @@ class Calibration:
                       allreduce_crossover_bytes=self.allreduce.profile_crossovers()
                       if self.allreduce else {})
         return self._with_host_costs(hw)
+
+    def peaks(self) -> dict[str, float]:
+        """The profile's TFLOP/s per dtype: the largest matmul's achieved rate over what its
+        shape keeps of the ceiling, so the profile reproduces that matmul exactly and the
+        smaller ones by the fitted curve."""
+        largest = max(self.matmul, key=lambda p: p.m * p.n * p.k)
+        keeps = shape_factor(largest.m, largest.n, largest.k, sms=self.sms,
+                             tile=self.gemm_tile, k0=self.gemm_k0)
+        return {d: t / keeps for d, t in self.tflops.items()}
+
+    def attention_shares(self) -> dict[str, float]:
+        """Each kernel's rate as a share of the profile's bf16 peak (what the planner reads);
+        a kernel faster than that peak (a CPU whose matmuls lack bf16 units) is left out,
+        its rate in ``attention_notes``."""
+        peak = self.peaks().get("bf16")
+        if not peak:
+            return {}
+        return {k: t / peak for k, t in self.attention.items() if t / peak <= 1}
+
+    def attention_notes(self) -> list[str]:
+        """What the profile makes of attention, where it is not each kernel's measured rate."""
+        shares = self.attention_shares()
+        if not self.attention:
+            return ["no fused attention kernel was timed (none runs here, or no bf16): the "
+                    "profile costs attention as two GEMMs"]
+        notes = [f"attention: {k} ran at {t:.4g} TFLOP/s, above the bf16 matmul's peak: "
+                 "left out of the profile (a kernel without a rate is costed as two GEMMs)"
+                 for k, t in self.attention.items() if k not in shares]
+        if shares and not self.attention_default:
+            notes.append("SDPA picks a kernel the planner has no rate for here (math or "
+                         "memory-efficient): attention_kernel=auto costs "
+                         f"{'cudnn' if 'cudnn' in shares else 'flash2'}'s rate; name the "
+                         "kernel your model runs")
+        return notes
 
     def _with_host_costs(self, hw: Hardware) -> Hardware:
         """Each host cost is what the tiny model's measured time per layer leaves over once
@@ -145,7 +183,7 @@ def write_profile(calibration: Calibration, path: str | Path, name: str | None =
              f"{len(c.hosts)} host(s), {c.device_name} ({c.device}, {c.timer})",
              f"# mesh {c.mesh or '(none: world group only)'}; intra = {c.intra_axis}, "
              f"inter = {c.inter_axis or c.intra_axis}; tflops at the largest matmul"]
-    lines += [f"# note: {n}" for n in c.notes]
+    lines += [f"# note: {n}" for n in c.notes + c.attention_notes()]
     if c.allreduce is not None:
         lines += [f"# all-reduce on the world group: {line}" for line in c.allreduce.lines()]
         if hw.allreduce_crossover_bytes:
@@ -163,6 +201,9 @@ def summary(calibration: Calibration) -> str:
            f"{c.seconds:.1f} s",
            "matmul TFLOP/s (largest size): " + ", ".join(f"{d} {t:.4g}"
                                                          for d, t in c.tflops.items()),
+           "attention TFLOP/s (bf16, causal, forward + backward): " + (", ".join(
+               f"{k} {t:.4g}" + (" (SDPA's choice)" if k == c.attention_default else "")
+               for k, t in c.attention.items()) or "no fused kernel runs here"),
            f"memory {c.memory_gib:.1f} GiB/rank, copy {c.memory_bandwidth_gbs:.3g} GB/s, "
            "tiny layer, forward + backward: " + ", ".join(
                f"{w} {t * 1e6:.0f} us" for w, t in c.layer_seconds.items()),
@@ -172,7 +213,7 @@ def summary(calibration: Calibration) -> str:
             f"{f.bandwidth_gbs:>14.4g}{f.residual:>9.2f}" for f in c.collectives]
     if c.allreduce is not None:
         out += allreduce_table(c.allreduce)
-    return "\n".join(out + [f"note: {n}" for n in c.notes])
+    return "\n".join(out + [f"note: {n}" for n in c.notes + c.attention_notes()])
 
 
 def allreduce_table(sweep: AllreduceSweep) -> list[str]:

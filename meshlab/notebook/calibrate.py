@@ -45,7 +45,11 @@ class CalibrationReport:
                 f"{hw.gpus_per_node} ranks/node; all_reduce "
                 f"{hw.intra.latency_us:.1f} us + {hw.intra.bandwidth_gbs:.3g} GB/s bus"
                 + "".join(f"; {a} all-reduce below {size / 2**10:,.0f} KiB"
-                          for a, size in hw.allreduce_crossover_bytes.items()))
+                          for a, size in hw.allreduce_crossover_bytes.items())
+                + "; attention " + (", ".join(
+                    f"{k} {share * hw.tflops['bf16']:.3g} TFLOP/s"
+                    + (" (SDPA's choice)" if k == hw.attention_default else "")
+                    for k, share in hw.attention_efficiency.items()) or "as two GEMMs"))
 
 
 def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,

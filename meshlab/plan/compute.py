@@ -138,11 +138,14 @@ def attention_seconds(stage: Stage) -> float:
 
 
 def attention_kernel_share(layout: Layout, hw: Hardware) -> float | None:
-    """The share of peak ``layout``'s fused attention kernel reaches on ``hw``; None: the
-    profile measured none (auto), so attention is costed as two GEMMs. A kernel named but
-    not measured on ``hw`` is refused, naming the ones that are."""
+    """The share of peak ``layout``'s fused attention kernel reaches on ``hw``. ``auto``:
+    the kernel SDPA picks there (``hw.attention_default``, where calibrated), else cuDNN's,
+    else FlashAttention-2's; None: the profile measured none, so attention is costed as two
+    GEMMs. A kernel named but not measured on ``hw`` is refused, naming the ones that are."""
     rates = hw.attention_efficiency
     if layout.attention_kernel == "auto":
+        if hw.attention_default:
+            return rates[hw.attention_default]
         return rates.get("cudnn", rates.get("flash2"))
     if layout.attention_kernel not in rates:
         raise ValueError(f"attention_kernel={layout.attention_kernel}: the {hw.name} profile "

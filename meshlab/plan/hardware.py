@@ -59,6 +59,9 @@ class Hardware:
     """Share of the 16-bit peak a fused attention kernel reaches, by kernel
     (``ATTENTION_KERNELS``), where measured. Without a figure, attention_kernel=auto costs
     attention's two products at the GEMM model's rates, and a kernel named is refused."""
+    attention_default: str = ""
+    """The kernel SDPA picks by itself here, which attention_kernel=auto costs (``%mesh
+    calibrate`` asks SDPA); "": cudnn where the profile has its rate, else flash2."""
     sms: int = 1
     """Streaming multiprocessors: tiles of a GEMM run in waves of this many (1: no waves)."""
     gemm_tile: tuple[int, int] = (1, 1)
@@ -135,6 +138,10 @@ class Hardware:
         if set(shares) - set(ATTENTION_KERNELS) or not all(0 < v <= 1 for v in shares.values()):
             raise ValueError(f"{self.name}: attention_efficiency takes shares in (0, 1] for "
                              f"{', '.join(ATTENTION_KERNELS)}, got {shares}")
+        if self.attention_default and self.attention_default not in shares:
+            raise ValueError(f"{self.name}: attention_default={self.attention_default!r} has no "
+                             f"rate in attention_efficiency ({', '.join(shares) or 'none'}); "
+                             "give its rate or leave attention_default empty")
         if self.gemm_k0 < 0 or not 0 <= self.overlap_cost <= 1:
             raise ValueError(f"{self.name}: gemm_k0 must be >= 0 and overlap_cost in [0, 1]")
         unknown = set(self.collectives) - set(COLLECTIVES)

@@ -17,12 +17,23 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from meshlab import Cluster
-from meshlab.calibrate import choose_axes, fit_alpha_beta, fit_collective, parse_sizes
+from meshlab.calibrate import (
+    choose_axes,
+    fit_alpha_beta,
+    fit_collective,
+    parse_sizes,
+    summary,
+)
+from meshlab.calibrate.attention import SHAPES as ATTENTION_SHAPES
+from meshlab.calibrate.attention import attention_flops
 from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
 from meshlab.notebook.calibrate import CalibrationReport, calibrate_profile
 from meshlab.plan import Layout, estimate
+from meshlab.plan.compute import attention_seconds
 from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load
+from meshlab.plan.shapes import ModelShape
+from meshlab.plan.stage import Stage
 from meshlab.timing import interleaved_times, median_seconds, step_times
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,6 +195,33 @@ def test_every_mesh_axis_and_the_world_have_a_row_per_collective(
     assert len(points) == len(table) * 4  # quick: 4 message sizes
     assert (points["measured_us"] > 0).all() and (points["fitted_us"] > 0).all()
     assert report.matmul["used_in_profile"].sum() == 2  # one shape per dtype went into the profile
+
+
+def test_attention_flops_are_counted_as_the_planner_counts_them() -> None:
+    # one causal call of 1 x 4 heads x 512 positions x 64: QK^T and PV, 2 s^2 d flops each
+    # per head, half the square masked; the fused backward 2.5 times that
+    forward = 2 * (2 * 512 * 512 * 64) * 4 / 2
+    assert attention_flops(1, 4, 512, 64) == forward * 3.5
+
+
+@pytest.mark.cluster
+def test_sdpas_fused_kernel_is_timed_and_the_profile_costs_attention_at_its_rate(
+        report: CalibrationReport) -> None:
+    cal, hw = report.calibration, report.hardware
+    # a CPU has SDPA's flash backend only (cuDNN is a GPU's), and SDPA picks it itself
+    assert set(cal.attention) == {"flash2"} and cal.attention["flash2"] > 0
+    assert cal.attention_default == hw.attention_default == "flash2"
+    assert hw.attention_efficiency["flash2"] * hw.tflops["bf16"] == pytest.approx(
+        cal.attention["flash2"], rel=1e-12)
+    # the planner gives back the time of the call calibrate timed: one layer of the shape,
+    # forward and the fused backward
+    batch, heads, positions, head_dim = ATTENTION_SHAPES["cpu"]
+    timed = ModelShape(name="timed", layers=1, hidden=heads * head_dim, heads=heads,
+                       ffn=4 * heads * head_dim, vocab=256, seq_len=positions)
+    planned = attention_seconds(Stage(timed, Layout(micro_batch=batch), hw)) * (1 + 2.5)
+    measured = attention_flops(*ATTENTION_SHAPES["cpu"]) / (cal.attention["flash2"] * 1e12)
+    assert planned == pytest.approx(measured, rel=1e-9)
+    assert "flash2" in summary(cal) and "(SDPA's choice)" in summary(cal)
 
 
 @contextmanager

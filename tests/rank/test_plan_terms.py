@@ -171,6 +171,20 @@ def test_a_profiles_attention_rates_save_and_load(tmp_path: Path) -> None:
         dataclasses.replace(H100, attention_efficiency={"fa3": 0.7})
 
 
+def test_auto_costs_the_kernel_sdpa_picks_where_the_profile_names_it(tmp_path: Path) -> None:
+    # a calibrated profile says which kernel SDPA runs by itself (an older torch on Hopper
+    # ran FlashAttention-2 with cuDNN's measured beside it)
+    flash_first = dataclasses.replace(H100, attention_default="flash2")
+    auto, flash2 = (attention_seconds(Stage(LLAMA8, Layout(attention_kernel=k), hw))
+                    for k, hw in (("auto", flash_first), ("flash2", H100)))
+    assert auto == flash2 > attention_seconds(Stage(LLAMA8, Layout(), H100))
+    assert load(save(flash_first, tmp_path / "flash-first.toml")) == flash_first
+    with pytest.raises(ValueError, match="attention_default='cudnn' has no rate in "
+                                         "attention_efficiency \\(flash2\\)"):
+        dataclasses.replace(H100, attention_efficiency={"flash2": 0.3},
+                            attention_default="cudnn")
+
+
 def test_fp8_training_leaves_attention_and_the_output_in_bf16() -> None:
     # torchao's convert_to_float8_training swaps nn.Linear only; torchtitan skips "output"
     bf16, fp8 = (Stage(LLAMA8, Layout(precision=p), H100) for p in ("bf16", "fp8"))
