@@ -96,7 +96,10 @@ class Communication:
         tp_f = tp_b = 0.0  # async TP: hidden behind the GEMMs below
         n = s.layers * lay.microbatches
         for axis, what, kind, ranks, stride, nbytes, per_layer, backward in calls:
-            behind = axis == "tp" and lay.async_tp
+            # torch's micro-pipeline TP fuses a reduce-scatter only with the one matmul that
+            # feeds it: the backward's, of a sum of matmuls' input gradients, stays exposed
+            behind = axis == "tp" and lay.async_tp and not (
+                backward and kind == "reduce_scatter" and lay.async_tp_impl == "torch")
             seconds = self.add(axis, what, kind, ranks, stride, nbytes, per_layer * n,
                                overlapped=behind) / lay.microbatches
             again = 0.0

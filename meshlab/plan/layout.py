@@ -38,6 +38,8 @@ weights (4 or 8 bits) and, for 8da*, 8-bit dynamic activations in every Linear's
 SHARD_UNITS = ("layer", "weight")
 DEFAULT_SCHEDULE = "1f1b"
 """The schedule of a layout that names none: the only one a layout without a pipeline has."""
+ASYNC_TP_IMPLEMENTATIONS = ("torch", "te")
+"""Who runs async TP: torch.compile's micro-pipeline pass, or Transformer Engine."""
 ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "recompute",
            "sp": "sequence_parallel", "v": "virtual", "grad_accum": "microbatches",
            "cp_impl": "context_parallel"}
@@ -113,6 +115,13 @@ class Layout:
     """Tensor-parallel collectives run behind the GEMMs they feed (torchtitan's async TP,
     Megatron's --tp-comm-overlap): what the GEMMs cannot hide is exposed. Off: on the
     critical path."""
+    async_tp_impl: str = "torch"
+    """Which collectives ``async_tp`` hides (``ASYNC_TP_IMPLEMENTATIONS``). ``torch``:
+    torch.compile's micro-pipeline TP fuses an all-gather with the matmuls that read it and a
+    reduce-scatter with the one matmul that feeds it, so the backward's reduce-scatters of
+    the attention's and the MLP's input gradients (sums of the q, k, v or gate and up
+    matmuls, separate Linear layers in Llama-style models) stay exposed. ``te``: Transformer
+    Engine's userbuffers (Megatron's --tp-comm-overlap) hide all of them."""
     offload_params: bool = False
     """With zero 2 or 3: the shards of parameters, gradients and optimizer states in host
     memory, copied over PCIe for every gather and reduce-scatter, the optimizer stepping on
@@ -183,6 +192,9 @@ class Layout:
         if self.attention_kernel not in ("auto", *ATTENTION_KERNELS):
             raise ValueError(f"attention_kernel must be auto or one of "
                              f"{', '.join(ATTENTION_KERNELS)}, got {self.attention_kernel!r}")
+        if self.async_tp_impl not in ASYNC_TP_IMPLEMENTATIONS:
+            raise ValueError(f"async_tp_impl must be one of "
+                             f"{', '.join(ASYNC_TP_IMPLEMENTATIONS)}, got {self.async_tp_impl!r}")
         if self.context_parallel not in CP_IMPLEMENTATIONS:
             raise ValueError(f"context_parallel must be one of {', '.join(CP_IMPLEMENTATIONS)}"
                              f", got {self.context_parallel!r}")
@@ -287,7 +299,8 @@ class Layout:
         if self.reduce_fp32 and self.dp * self.cp > 1:
             parts.append("reduce_fp32=1")
         if self.tp > 1 and self.async_tp:
-            parts.append("async_tp=1")
+            parts.append("async_tp=1" + (f" async_tp_impl={self.async_tp_impl}"
+                                         if self.async_tp_impl != "torch" else ""))
         parts += [f"{k}=1" for k in ("offload_params", "offload_activations") if getattr(self, k)]
         if self.cp > 1:
             parts.append(f"cp_impl={self.context_parallel}")

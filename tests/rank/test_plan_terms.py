@@ -63,15 +63,33 @@ def test_a_transformers_models_norm_is_read_from_its_modules() -> None:
 
 def test_async_tp_exposes_only_what_the_gemms_cannot_hide() -> None:
     sync = estimate(TINY, Layout(tp=2, dp_shard=1), TOY)
-    overlapped = estimate(TINY, Layout(tp=2, dp_shard=1, async_tp=True), TOY)
+    te = estimate(TINY, Layout(tp=2, dp_shard=1, async_tp=True, async_tp_impl="te"), TOY)
     assert {c.overlapped for c in sync.collectives if c.axis == "tp"} == {False}
-    assert {c.overlapped for c in overlapped.collectives if c.axis == "tp"} == {True}
+    assert {c.overlapped for c in te.collectives if c.axis == "tp"} == {True}
     tp = sum(c.seconds for c in sync.collectives if c.axis == "tp")
     assert sync.exposed_by_axis["tp"] == pytest.approx(tp, rel=1e-12)
     # TOY's TP collectives take ~20 us a layer, its GEMMs far more: all hidden (no overlap
     # cost on TOY)
-    assert overlapped.exposed_by_axis.get("tp", 0.0) == 0.0
-    assert overlapped.step_s == pytest.approx(sync.step_s - tp, rel=1e-9)
+    assert te.exposed_by_axis.get("tp", 0.0) == 0.0
+    assert te.step_s == pytest.approx(sync.step_s - tp, rel=1e-9)
+
+
+def test_torchs_async_tp_leaves_the_backwards_summed_reduce_scatters_exposed() -> None:
+    # torch.compile's micro-pipeline TP fuses a reduce-scatter with the one matmul feeding
+    # it; the backward's of the attention's and the MLP's input gradients (q + k + v, gate +
+    # up) have several: those two of the layer's eight collectives stay on the critical path
+    lay = Layout(tp=2, dp_shard=1, async_tp=True)
+    assert lay.async_tp_impl == "torch" and "async_tp_impl" not in lay.describe()
+    torch_tp = estimate(TINY, lay, TOY)
+    exposed = [c for c in torch_tp.collectives if c.axis == "tp" and not c.overlapped]
+    assert {(c.collective, c.what) for c in exposed} == {
+        ("reduce_scatter", "TP reduce_scatter of activation gradients")}
+    assert exposed[0].calls == 2 * TINY.layers
+    assert torch_tp.exposed_by_axis["tp"] == pytest.approx(exposed[0].seconds, rel=1e-12)
+    assert Layout.parse("tp=2 async_tp=1 async_tp_impl=te").describe().endswith(
+        "async_tp=1 async_tp_impl=te")
+    with pytest.raises(ValueError, match="async_tp_impl must be one of torch, te, got 'nccl'"):
+        Layout(async_tp_impl="nccl")
 
 
 def test_blocking_pipeline_sends_stall_each_chunk_both_ways() -> None:

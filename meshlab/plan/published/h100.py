@@ -30,9 +30,12 @@ def _llama3() -> list[PublishedRun]:
     for row, model, layout, batch, tflops in rows:
         runs.append(PublishedRun(
             f"Llama 3 405B, row {row}", f"{_LLAMA3}, Table 4, row {row}", model, "h100-sxm",
-            f"{layout} zero=2", batch, tflops, MODEL_TFLOPS, layer_slots=2,
+            f"{layout} zero=2 attention_kernel=flash2", batch, tflops, MODEL_TFLOPS,
+            layer_slots=2,
             free=("micro_batch", "schedule", "virtual") + (("recompute",) if row == 3 else ()),
-            assumed=("FlashAttention-style attention (not stated)",
+            assumed=("FlashAttention-2 (attention_kernel=flash2; not stated): the fused "
+                     "kernel of the first half of 2024, when the model trained (torch's SDPA "
+                     "ran it on Hopper; FlashAttention-3 came out with the paper)",
                      "schedule free between 1F1B and interleaved: Llama 3's interleaved "
                      "schedule tunes the micro-batches per round to fit memory (section "
                      "3.3.2); the planner's is Megatron's, which keeps more in flight",
@@ -68,6 +71,10 @@ an assumption; 96 GB is 94 GiB as the device reports it less its reserve."""
 _TITAN_FACTS = ("gradients reduced in fp32 (reduce_fp32: torchtitan's only "
                 "--training.mixed_precision_reduce)",
                 "sequence 8,192 (not printed; the shipped train_configs at 9dec370)",
+                "async TP, where on, is torch.compile's micro-pipeline TP (async_tp_impl="
+                "torch): Llama's wq/wk/wv and w1/w3 are separate Linears, so the backward's "
+                "reduce-scatters of their summed input gradients are not fused "
+                "(torch/_inductor/fx_passes/micro_pipeline_tp.py: _find_producer_matmul)",
                 "attention_kernel=flash2: SDPA's flash backend (FlashAttention-2), the default "
                 "of December 2024's torch (cuDNN was opt-in: pytorch#138522); with CP "
                 "torchtitan pins FLASH_ATTENTION/EFFICIENT_ATTENTION (utils.get_train_context "
@@ -162,12 +169,15 @@ def _megatron_core() -> list[PublishedRun]:
             f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
             model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 fused=1 reduce_fp32=1 "
             "attention_kernel=cudnn"
-            + (" async_tp=1" if tp > 1 else ""), batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
+            + (" async_tp=1 async_tp_impl=te" if tp > 1 else ""), batch, tflops,
+            MEGATRON_CORE_TFLOPS, free=free,
             assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
                      "the distributed optimizer (--overlap-param-gather needs it): zero=2",
                      "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
                      "Transformer Engine's fused kernels; attention cuDNN's fused kernel, TE's "
                      "choice on Hopper (attention_kernel=cudnn; not stated)",
+                     "--tp-comm-overlap through Transformer Engine's userbuffers, which "
+                     "overlap every TP collective (async_tp_impl=te)",
                      "a GPT with a 4h MLP, untied embeddings, no dropout (not stated; the "
                      "parameter counts fit)", "the logged FLOP count (not stated)"),
             family="Megatron-Core 2024"))
@@ -199,7 +209,7 @@ def _nemo() -> list[PublishedRun]:
         dp = gpus // (tp * pp * cp)
         layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 mbs={mbs} fused=1 precision=fp8 "
                   "attention_kernel=cudnn"
-                  + (" async_tp=1" if tp > 1 else "")
+                  + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
                   + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
                   + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
         runs.append(PublishedRun(
@@ -209,7 +219,8 @@ def _nemo() -> list[PublishedRun]:
                      "optimizer (zero=2), overlapped data-parallel traffic",
                      "attention in cuDNN's fused kernel, TE's choice on Hopper "
                      "(attention_kernel=cudnn; not printed)",
-                     "TP communication overlapped (NeMo's performance configs; not printed)",
+                     "TP communication overlapped by Transformer Engine's userbuffers "
+                     "(NeMo's performance configs, async_tp_impl=te; not printed)",
                      "FP8 on every Linear at the float8 training rate measured with torchao "
                      "(Transformer Engine's own casts not measured)",
                      "CP as ring attention (Transformer Engine's) over Megatron's 2 x cp "
