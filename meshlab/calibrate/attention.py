@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshlab.plan.compute import attention_backward
+from meshlab.plan.layout import Layout
 from meshlab.timing import median_seconds, slowest, windowed_seconds
 
 KERNELS = {"flash2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -25,13 +27,12 @@ backend is FlashAttention-2 on a GPU (on a CPU, torch's own kernel of the same a
 # (batch, heads, positions, head_dim): a training shape on a GPU (the published rates' was
 # 1 x 24 x 4,608 x 128); a CPU's small enough to take a fraction of a second
 SHAPES = {"cpu": (1, 4, 512, 64), "cuda": (4, 16, 4096, 128)}
-BACKWARD_OVER_FORWARD = 2.5  # plan.compute.attention_backward for a fused kernel
 
 
 def attention_flops(batch: int, heads: int, positions: int, head_dim: int) -> float:
     """FLOPs of one causal forward and backward as the planner counts them."""
     forward = 2 * 2 * batch * heads * positions * positions * head_dim / 2
-    return forward * (1 + BACKWARD_OVER_FORWARD)
+    return forward * (1 + attention_backward(Layout(flash_attention=True)))
 
 
 def time_attention(device: torch.device, reps: int,
