@@ -60,7 +60,10 @@ def sdpa_default(device: torch.device, shape: tuple[int, int, int, int] | None =
     planner's name; "" when it picks one the planner has no name for (math, efficient)."""
     shape = shape or SHAPES[device.type if device.type in SHAPES else "cpu"]
     q = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+    try:  # SDPA's own dispatch, a private op: without it, say nothing rather than guess
+        choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+    except (AttributeError, RuntimeError):
+        return ""
     return next((name for name, backend in KERNELS.items() if backend.value == choice), "")
 
 

@@ -144,7 +144,7 @@ class Calibration:
                  for k, t in self.attention.items() if k not in shares]
         if shares and not self.attention_default:
             notes.append("SDPA picks a kernel the planner has no rate for here (math or "
-                         "memory-efficient): attention_kernel=auto costs "
+                         "memory-efficient), or could not be asked: attention_kernel=auto costs "
                          f"{'cudnn' if 'cudnn' in shares else 'flash2'}'s rate; name the "
                          "kernel your model runs")
         return notes
