@@ -30,7 +30,8 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     dry_run_step's). Not mapped:
     fp8 matmuls (run as bf16: the same bytes), shard_unit=weight (FSDP2 shards per block),
     flash_attention=0 (the model's own attention runs), cp_balanced (meshlab's slices are
-    contiguous: the same bytes), attention_kernel and overlap_grad_reduce (timing only)."""
+    contiguous: the same bytes), attention_kernel and overlap_grad_reduce (timing only),
+    reduce_once=0 (meshlab's accumulation reduces once)."""
     from meshlab.parallel import ParallelPlan
 
     notes = []
@@ -60,6 +61,9 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
         cp_impl = "meshlab"
     chunked: dict[str, Any] = ({"cp_chunks": layout.cp_chunks,
                                 "cp_offload": layout.cp_offload} if cp_impl == "chunked" else {})
+    if _accumulation_reduced_once(layout) and not layout.reduce_once:
+        notes.append("reduce_once=0: meshlab's gradient accumulation holds FSDP2's reduction "
+                     "back to the last micro-batch (reduce_once=1)")
     mixed: bool | str = "fp16" if layout.precision == "fp16" else layout.precision != "fp32"
     pipelined = layout.pp > 1
     plan = ParallelPlan(
@@ -85,7 +89,16 @@ def ran(layout: Layout) -> Layout:
         changes["zero"] = 0
     if layout.shard_unit == "weight":
         changes["shard_unit"] = "layer"
+    if _accumulation_reduced_once(layout) and not layout.reduce_once:
+        changes["reduce_once"] = True
     return dataclasses.replace(layout, **changes) if changes else layout
+
+
+def _accumulation_reduced_once(layout: Layout) -> bool:
+    """Whether meshlab runs ``layout``'s micro-batches as gradient accumulation under FSDP,
+    whose reduction it holds back to the last one (``parallel.accumulate``)."""
+    return (layout.zero >= 2 and layout.ep == 1 and layout.pp == 1 and layout.microbatches > 1
+            and layout.dp * layout.cp > 1)
 
 
 def describe(layout: Layout) -> str:

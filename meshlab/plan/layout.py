@@ -99,6 +99,13 @@ class Layout:
     """Gradients reduced during the backward, bucket by bucket (torch DDP, FSDP, Megatron's
     --overlap-grad-reduce); off: after it, and under ZeRO-2/3 the parameters gathered
     before the forward (Megatron-LM before 2023, without --overlap-param-gather)."""
+    reduce_once: bool = True
+    """With zero 2 or 3 and gradient accumulation (several micro-batches): gradients
+    accumulate unsharded and are reduce-scattered once, behind the last micro-batch's
+    backward (meshlab's own accumulation and Megatron's distributed optimizer; FSDP2 with
+    set_requires_gradient_sync(False) until the last micro-batch). Off: FSDP2's default,
+    every backward reduce-scatters its gradients. ZeRO-0/1 reduce once either way, and so
+    do ZeRO-2 and FSDP2's kept units under a pipeline."""
     overlap_p2p: bool = True
     """Pipeline sends and receives behind compute; off: each blocks its stage until the
     transfer is done (Megatron-LM before --overlap-p2p-communication, 2023; DeepSpeed's
@@ -292,6 +299,8 @@ class Layout:
             parts.append(f"shard_unit={self.shard_unit}")
         if not self.overlap_grad_reduce:
             parts.append("overlap_grad_reduce=0")
+        if self.zero >= 2 and not self.reduce_once:
+            parts.append("reduce_once=0")
         if self.pp > 1 and not self.overlap_p2p:
             parts.append("overlap_p2p=0")
         if self.fused:

@@ -174,6 +174,10 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
             states["params"] += sharded_params(stage)
     else:  # DDP buckets
         buffers = 2.0 * DDP_BUCKET_BYTES
+    if lay.reduce_once and lay.zero >= 2 and lay.microbatches > 1 and lay.pp == 1:
+        # the gradients accumulate unsharded, in the dtype they are reduced in (Megatron's
+        # fp32 grad buffer under bf16), until the step's one reduce-scatter
+        buffers += float((dense + expert) * stage.reduce_bytes)
     out = {"params": states["params"], "grads": states["grads"],
            "optimizer": states["optimizer"], "activations": activations,
            "buffers": buffers}

@@ -29,6 +29,7 @@ import pytest
 import torch.distributed as dist
 
 from meshlab.dry_run import DryRun, dryrun, plan_for, planner_beside, representative_ranks
+from meshlab.dry_run_plan import ran
 from meshlab.plan import HARDWARE, Layout, ModelShape
 
 # four blocks: FSDP's steady state needs a block between the first and the last; widths
@@ -195,6 +196,12 @@ def test_the_layout_maps_to_a_plan_and_names_what_it_cannot() -> None:
     assert any("fp8" in n for n in notes) and any("shard_unit" in n for n in notes)
     plan, notes = plan_for(Layout.parse("dp=4 ep=4"), seq=64)
     assert plan.data_parallel == "none" and any("ep=4" in n for n in notes)
+    # FSDP2's reduction every micro-batch is not meshlab's accumulation: it reduces once
+    per_microbatch = Layout.parse("dp=4 zero=2 m=4 reduce_once=0")
+    plan, notes = plan_for(per_microbatch, seq=64)
+    assert plan.grad_accum == 4 and any("reduce_once=0" in n for n in notes)
+    assert ran(per_microbatch).reduce_once and ran(Layout.parse("dp=4 m=4")) == Layout.parse(
+        "dp=4 m=4")
 
 
 def test_a_dry_run_travels_as_plain_data() -> None:

@@ -20,7 +20,7 @@ from meshlab.plan.compute import (
     memory_bound_bytes,
     output_parts,
 )
-from meshlab.plan.estimate import term_differences
+from meshlab.plan.estimate import Estimate, term_differences
 from meshlab.plan.formulas import layer_activation_bytes, op_recomputed_params
 from meshlab.plan.hardware import GH100_ATTENTION, GH100_HELD_OVER_BURST, load, save
 from meshlab.plan.stage import Stage
@@ -90,6 +90,30 @@ def test_torchs_async_tp_leaves_the_backwards_summed_reduce_scatters_exposed() -
         "async_tp=1 async_tp_impl=te")
     with pytest.raises(ValueError, match="async_tp_impl must be one of torch, te, got 'nccl'"):
         Layout(async_tp_impl="nccl")
+
+
+def test_reduce_once_reduce_scatters_accumulated_gradients_once_a_step() -> None:
+    # meshlab's accumulation and Megatron's distributed optimizer: gradients accumulate
+    # unsharded over the micro-batches and are reduce-scattered once (the default);
+    # FSDP2's own default reduces after every backward (reduce_once=0)
+    once = estimate(TINY, Layout(dp_shard=4, zero=2, microbatches=4, reduce_fp32=True), TOY)
+    every = estimate(TINY, dataclasses.replace(once.layout, reduce_once=False), TOY)
+
+    def scatters(e: Estimate) -> int:
+        return sum(c.calls for c in e.collectives
+                   if c.what == "FSDP reduce-scatter of gradients")
+
+    assert scatters(every) == 4 * scatters(once) == 4 * TINY.layers
+    # the unsharded gradients wait in a buffer, in the dtype they are reduced in (fp32 here)
+    assert once.memory["buffers"] - every.memory["buffers"] == pytest.approx(TINY_PARAMS * 4)
+    assert every.memory["grads"] == pytest.approx(TINY_PARAMS * 2 / 4)
+    assert "reduce_once" not in once.layout.describe()
+    assert "reduce_once=0" in every.layout.describe().split()
+    assert Layout.parse("dp=4 zero=2 reduce_once=0") == dataclasses.replace(
+        Layout(dp_shard=4, zero=2), reduce_once=False)
+    # one micro-batch: nothing accumulates, the gradients stay sharded
+    single = estimate(TINY, Layout(dp_shard=4, zero=2, reduce_fp32=True), TOY)
+    assert single.memory["grads"] == pytest.approx(TINY_PARAMS * 2 / 4)
 
 
 def test_blocking_pipeline_sends_stall_each_chunk_both_ways() -> None:
