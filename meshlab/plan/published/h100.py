@@ -167,12 +167,15 @@ def _megatron_core() -> list[PublishedRun]:
         free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
         runs.append(PublishedRun(
             f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
-            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 fused=1 reduce_fp32=1 "
+            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 reduce_once=1 fused=1 reduce_fp32=1 "
             "attention_kernel=cudnn"
             + (" async_tp=1 async_tp_impl=te" if tp > 1 else ""), batch, tflops,
             MEGATRON_CORE_TFLOPS, free=free,
             assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
-                     "the distributed optimizer (--overlap-param-gather needs it): zero=2",
+                     "the distributed optimizer (--overlap-param-gather needs it): zero=2 "
+                     "reduce_once=1, its fp32 gradients unsharded and reduce-scattered once a "
+                     "step (the README's \"Distributed Optimizer\": with bf16 parameters \"the "
+                     "grads in this case are not distributed\")",
                      "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
                      "Transformer Engine's fused kernels; attention cuDNN's fused kernel, TE's "
                      "choice on Hopper (attention_kernel=cudnn; not stated)",
@@ -195,11 +198,38 @@ _LLAMA2 = {"7b": ModelShape(name="llama2-7b", layers=32, hidden=4096, heads=32, 
                              vocab=32000, seq_len=4096),
            "70b": ModelShape(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
                              ffn=28672, vocab=32000, seq_len=4096)}
+
+# The table's GPT-3 and Nemotron rows, as NeMo's own model configs at the same commit define
+# them (nemo/collections/llm/gpt/model/base.py GPTConfig5B/20B/175B, nemotron.py
+# Nemotron3Config8B/22B, Nemotron4Config340B): GPT-3 with a 4h GELU MLP, LayerNorm, learned
+# positions, tied embeddings, Megatron's 0.1 dropout (none at 175B) and GPT-2's vocabulary
+# (50,257, padded); Nemotron with a squared-ReLU MLP, LayerNorm, RoPE and 256,000 tokens.
+def _gpt3(size: str, layers: int, hidden: int, heads: int, dropout: bool) -> ModelShape:
+    return ModelShape(name=f"nemo-gpt3-{size}", layers=layers, hidden=hidden, heads=heads,
+                      ffn=4 * hidden, vocab=50304, seq_len=2048, gated_ffn=False,
+                      layer_norm=True, tied_embeddings=True, learned_positions=True,
+                      dropout=dropout)
+
+
+def _nemotron(size: str, layers: int, hidden: int, heads: int, kv_heads: int | None,
+              ffn: int) -> ModelShape:
+    return ModelShape(name=f"nemotron-{size}", layers=layers, hidden=hidden, heads=heads,
+                      kv_heads=kv_heads, ffn=ffn, vocab=256000, seq_len=4096,
+                      gated_ffn=False, layer_norm=True)
+
+
 _NEMO_TABLE = [  # (model, GPUs, GBS, MBS, TP, PP, CP, VP, tokens/s per GPU)
     (_LLAMA2["7b"], 8, 128, 1, 1, 1, 1, 1, 16934), (_LLAMA2["13b"], 16, 128, 1, 1, 4, 1, 10, 8715),
     (_LLAMA2["70b"], 64, 128, 1, 4, 4, 1, 20, 1728),
     (MODELS["llama3-8b"], 8, 128, 1, 1, 1, 2, 1, 12273),
     (MODELS["llama3-70b"], 64, 128, 1, 4, 4, 2, 5, 1524),
+    (_gpt3("5b", 24, 4096, 32, True), 64, 2048, 4, 1, 1, 1, 1, 23406),
+    (_gpt3("20b", 44, 6144, 48, True), 64, 256, 2, 2, 1, 1, 1, 5851),
+    (_gpt3("175b", 96, 12288, 96, False), 128, 256, 1, 4, 8, 1, 6, 716),
+    (_gpt3("175b", 96, 12288, 96, False), 512, 2048, 2, 4, 8, 1, 6, 825),
+    (_nemotron("8b", 32, 4096, 32, None, 16384), 64, 256, 4, 2, 1, 1, 1, 12507),
+    (_nemotron("22b", 40, 6144, 48, None, 24576), 64, 256, 2, 2, 4, 1, 10, 4312),
+    (_nemotron("340b", 96, 18432, 96, 8, 73728), 128, 32, 1, 8, 8, 1, 12, 326),
 ]
 
 
@@ -207,8 +237,8 @@ def _nemo() -> list[PublishedRun]:
     runs = []
     for model, gpus, batch, mbs, tp, pp, cp, vp, tps in _NEMO_TABLE:
         dp = gpus // (tp * pp * cp)
-        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 mbs={mbs} fused=1 precision=fp8 "
-                  "attention_kernel=cudnn"
+        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 reduce_once=1 mbs={mbs} fused=1 "
+                  "precision=fp8 attention_kernel=cudnn"
                   + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
                   + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
                   + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
@@ -216,7 +246,9 @@ def _nemo() -> list[PublishedRun]:
             f"NeMo 24.07 {model.name}, {gpus} GPUs", f"{_NEMO}, Table (FP8), row {model.name}",
             model, "h100-sxm", layout, batch, tps, TOKENS_PER_GPU, free=("recompute",),
             assumed=("Megatron-Core with Transformer Engine: fused kernels, the distributed "
-                     "optimizer (zero=2), overlapped data-parallel traffic",
+                     "optimizer (zero=2 reduce_once=1: it shards the optimizer's states and "
+                     "reduce-scatters the accumulated gradients once a step), overlapped "
+                     "data-parallel traffic",
                      "attention in cuDNN's fused kernel, TE's choice on Hopper "
                      "(attention_kernel=cudnn; not printed)",
                      "TP communication overlapped by Transformer Engine's userbuffers "
