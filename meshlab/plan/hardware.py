@@ -267,7 +267,7 @@ HARDWARE: dict[str, Hardware] = {
     "b200": _gpu("b200", tflops={"fp32": 75, "tf32": 1100, "bf16": 2250, "fp8": 4500},
                  memory_gib=180, memory_tbs=8.0, nvlink_gbs=700, nic_gbs=45, efficiency=0.7,
                  sms=148, host_gib=465, host_gbs=90, pcie_gbs=50,
-                     fp8_efficiency=FP8_TRAINING_EFFICIENCY),
+                 fp8_efficiency=FP8_TRAINING_EFFICIENCY),
     # 4 gloo ranks on this project's 2-core CI machine, as `%mesh calibrate` measured them
     # (benchmarks/plan_vs_measured.py); calibrate your own machine rather than trust these.
     "cpu": Hardware(name="cpu", tflops={"fp32": 0.08, "bf16": 0.56}, matmul_efficiency=1.0,
