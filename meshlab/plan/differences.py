@@ -69,6 +69,10 @@ class Differences:
                 out.append(("FSDP2 keeps its root unit (embedding, output) gathered from the "
                             "forward to the backward: gathered once, not twice",
                             -self.root * dt.params * mb))
+            if lay.zero == 2 and lay.pp == 1 and mb > 1:
+                out.append(("FSDP2 reshards after every backward: ZeRO-2 gathers the "
+                            "parameters again in each micro-step's forward",
+                            (mb - 1) * self.params * dt.params))
             if deferred and not self.stage.fsdp_reduces_once and mb > 1:
                 out.append(("gradients reduce-scattered once, after the last micro-batch "
                             "(torch's pipeline stages, meshlab's accumulation)",

@@ -54,6 +54,8 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
     "zero1": (TINY, "dp_shard=64 zero=1 precision=fp32"),
     "zero2": (TINY, "dp_shard=64 zero=2 precision=fp32"),
     "zero3": (TINY, "dp_shard=128 precision=fp32"),
+    # gradient accumulation: one reduce-scatter a step, the parameters gathered every micro-step
+    "zero2_accum": (TINY, "dp_shard=64 zero=2 m=4 precision=fp32"),
     "hsdp": (TINY, "dp_replicate=4 dp_shard=32 precision=fp32"),
     "tp_sp": (TINY, "dp_shard=32 tp=4 precision=fp32"),
     "tp_no_sp": (TINY, "dp_shard=32 tp=4 sp=0 precision=fp32"),
