@@ -97,8 +97,7 @@ def ran(layout: Layout) -> Layout:
 def _accumulation_reduced_once(layout: Layout) -> bool:
     """Whether meshlab runs ``layout``'s micro-batches as gradient accumulation under FSDP,
     whose reduction it holds back to the last one (``parallel.accumulate``)."""
-    return (layout.zero >= 2 and layout.ep == 1 and layout.pp == 1 and layout.microbatches > 1
-            and layout.dp * layout.cp > 1)
+    return layout.fsdp_accumulation and layout.ep == 1 and layout.dp * layout.cp > 1
 
 
 def describe(layout: Layout) -> str:

@@ -91,12 +91,9 @@ def one_rank_profile(cluster: Cluster, quick: bool) -> Hardware:
     c = result.values[0]
     print(summary(c))
     print(matmul_frame(c).to_string(index=False))
-    shares = c.attention_shares()
     hw = dataclasses.replace(
         HARDWARE["h100-sxm"], name="gpu-pass (1 rank)", tflops=c.peaks(),
-        attention_efficiency=shares,
-        attention_default=c.attention_default if c.attention_default in shares else "",
-        matmul_efficiency=1.0, sms=c.sms,
+        **c.attention_fields(), matmul_efficiency=1.0, sms=c.sms,
         gemm_tile=c.gemm_tile, gemm_k0=c.gemm_k0, memory_gib=c.memory_gib,
         reserved_gib=c.reserved_gib, memory_bandwidth_gbs=c.memory_bandwidth_gbs,
         asynchronous=c.device == "cuda")

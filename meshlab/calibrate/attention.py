@@ -39,7 +39,7 @@ def time_attention(device: torch.device, reps: int,
                    shape: tuple[int, int, int, int] | None = None) -> dict[str, float]:
     """Achieved TFLOP/s of each fused kernel that runs on ``device`` (the slowest rank's),
     by the planner's name; a kernel that does not run here is left out."""
-    shape = shape or SHAPES[device.type if device.type in SHAPES else "cpu"]
+    shape = shape or _shape(device)
     runs = [name for name, backend in KERNELS.items() if _runs(backend, shape, device)]
     if not runs:
         return {}
@@ -58,13 +58,17 @@ def sdpa_default(device: torch.device, shape: tuple[int, int, int, int] | None =
                  ) -> str:
     """The kernel SDPA picks by itself for a causal bf16 call of ``shape`` here, by the
     planner's name; "" when it picks one the planner has no name for (math, efficient)."""
-    shape = shape or SHAPES[device.type if device.type in SHAPES else "cpu"]
+    shape = shape or _shape(device)
     q = torch.empty(shape, dtype=torch.bfloat16, device=device)
     try:  # SDPA's own dispatch, a private op: without it, say nothing rather than guess
         choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
     except (AttributeError, RuntimeError):
         return ""
     return next((name for name, backend in KERNELS.items() if backend.value == choice), "")
+
+
+def _shape(device: torch.device) -> tuple[int, int, int, int]:
+    return SHAPES["cuda" if device.type == "cuda" else "cpu"]
 
 
 def _runs(backend: SDPBackend, shape: tuple[int, int, int, int], device: torch.device

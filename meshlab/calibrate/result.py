@@ -97,12 +97,9 @@ class Calibration:
             "host_memory_gib": self.memory_gib,
             "host_memory_bandwidth_gbs": self.memory_bandwidth_gbs,
             "pcie_gbs": self.memory_bandwidth_gbs}
-        shares = self.attention_shares()
         hw = Hardware(name=name, tflops=peaks, matmul_efficiency=1.0,
-                      attention_efficiency=shares,
-                      attention_default=self.attention_default
-                      if self.attention_default in shares else "",
-                      sms=self.sms, gemm_tile=self.gemm_tile, gemm_k0=self.gemm_k0,
+                      **self.attention_fields(), sms=self.sms, gemm_tile=self.gemm_tile,
+                      gemm_k0=self.gemm_k0,
                       memory_gib=self.memory_gib, reserved_gib=self.reserved_gib,
                       memory_bandwidth_gbs=self.memory_bandwidth_gbs,
                       **host,
@@ -132,6 +129,13 @@ class Calibration:
         if not peak:
             return {}
         return {k: t / peak for k, t in self.attention.items() if t / peak <= 1}
+
+    def attention_fields(self) -> dict[str, Any]:
+        """The profile's ``attention_efficiency`` and ``attention_default`` (SDPA's choice,
+        where its rate is kept)."""
+        shares = self.attention_shares()
+        default = self.attention_default if self.attention_default in shares else ""
+        return {"attention_efficiency": shares, "attention_default": default}
 
     def attention_notes(self) -> list[str]:
         """What the profile makes of attention, where it is not each kernel's measured rate."""

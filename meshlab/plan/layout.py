@@ -260,6 +260,12 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def fsdp_accumulation(self) -> bool:
+        """ZeRO-2/3 with several micro-batches and no pipeline: gradient accumulation, whose
+        reduction ``reduce_once`` holds back to the last micro-batch."""
+        return self.zero >= 2 and self.pp == 1 and self.microbatches > 1
+
+    @property
     def global_batch(self) -> int:
         """Sequences per optimizer step."""
         return self.micro_batch * self.microbatches * self.dp

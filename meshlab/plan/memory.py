@@ -174,7 +174,7 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
             states["params"] += sharded_params(stage)
     else:  # DDP buckets
         buffers = 2.0 * DDP_BUCKET_BYTES
-    if lay.reduce_once and lay.zero >= 2 and lay.microbatches > 1 and lay.pp == 1:
+    if lay.reduce_once and lay.fsdp_accumulation:
         # the gradients accumulate unsharded, in the dtype they are reduced in (Megatron's
         # fp32 grad buffer under bf16), until the step's one reduce-scatter
         buffers += float((dense + expert) * stage.reduce_bytes)
