@@ -7,7 +7,8 @@ time through the paper's own FLOP count, so Megatron's hardware FLOP/s (recomput
 and MFU compare like for like; the predicted run's model and hardware TFLOP/s, MFU and HFU
 are printed beside. The runs are split once, by a hash of each name, into a development part
 and a held-out part (``published.held_out``); both are printed, per family, then each run's
-step time by term (``Estimate.terms``). No GPU needed.
+step time by term (``Estimate.terms``), and how the error moves along Megatron-Core's
+strong scaling. No GPU needed.
 
 $ python benchmarks/plan_vs_published.py            # every run, the parts, families, terms
 $ python benchmarks/plan_vs_published.py --rank     # also where each published layout
@@ -30,6 +31,7 @@ from meshlab.plan.published import (
     by_family,
     predict,
 )
+from meshlab.plan.published.h100 import MCORE_STRONG_SCALING
 
 
 def table(runs: list[PublishedRun], title: str, rank: bool
@@ -155,6 +157,24 @@ def searches() -> None:
             f"{term} {diff:+.2f} s" for term, diff in why) or "within 2% on every term"))
 
 
+def scaling() -> None:
+    """Megatron-Core's strong scaling (its README's plot, not in the error tables): whether
+    the planner's error moves as the same job spreads from 96 to 4,608 GPUs."""
+    print("\nMegatron-Core's 177B at one batch (1,152) from 96 to 4,608 H100s, read off its "
+          "README's plot: per-GPU throughput against the first dot's")
+    print(f"{'GPUs':>6} {'published':>9} {'predicted':>9} {'error':>7}   per GPU: published "
+          "predicted")
+    first: tuple[float, float] | None = None
+    for run in MCORE_STRONG_SCALING:
+        e, published = predict(run), run.published_step_s()
+        assert e is not None, run.name
+        per_gpu = (1 / (published * run.gpus), 1 / (e.step_s * run.gpus))
+        first = first or per_gpu
+        print(f"{run.gpus:>6,} {published:>8.2f}s {e.step_s:>8.2f}s "
+              f"{e.step_s / published - 1:>+7.1%}   {per_gpu[0] / first[0]:>18.1%} "
+              f"{per_gpu[1] / first[1]:>9.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rank", action="store_true",
@@ -168,6 +188,7 @@ def main() -> None:
                              args.rank)
     families({**dev, **held})
     terms({**dev_found, **held_found})
+    scaling()
     searches()
 
 

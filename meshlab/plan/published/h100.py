@@ -157,34 +157,60 @@ _MCORE_TABLE = [  # (name, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s p
 ]
 
 
+def _mcore_run(name: str, source: str, model: ModelShape, tp: int, pp: int, dp: int,
+               batch: int, tflops: float) -> PublishedRun:
+    free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
+    return PublishedRun(
+        name, source, model, "h100-sxm",
+        f"tp={tp} pp={pp} dp={dp} zero=2 reduce_once=1 fused=1 reduce_fp32=1 "
+        "attention_kernel=cudnn" + (" async_tp=1 async_tp_impl=te" if tp > 1 else ""),
+        batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
+        assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
+                 "the distributed optimizer (--overlap-param-gather needs it): zero=2 "
+                 "reduce_once=1, its fp32 gradients unsharded and reduce-scattered once a "
+                 "step (the README's \"Distributed Optimizer\": with bf16 parameters \"the "
+                 "grads in this case are not distributed\")",
+                 "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
+                 "Transformer Engine's fused kernels; attention cuDNN's fused kernel, TE's "
+                 "choice on Hopper (attention_kernel=cudnn; not stated)",
+                 "--tp-comm-overlap through Transformer Engine's userbuffers, which "
+                 "overlap every TP collective (async_tp_impl=te)",
+                 "a GPT with a 4h MLP, untied embeddings, no dropout (not stated; the "
+                 "parameter counts fit)", "the logged FLOP count (not stated)"),
+        family="Megatron-Core 2024")
+
+
+def _mcore_gpt(size: str, heads: int, hidden: int, layers: int) -> ModelShape:
+    return ModelShape(name=f"mcore-gpt-{size.lower()}", layers=layers, hidden=hidden,
+                      heads=heads, ffn=4 * hidden, vocab=131072, seq_len=4096,
+                      gated_ffn=False, layer_norm=True)
+
+
 def _megatron_core() -> list[PublishedRun]:
-    runs = []
-    for row, (size, heads, hidden, layers, tp, pp, gpus, batch, tflops) in enumerate(
-            _MCORE_TABLE, 1):
-        model = ModelShape(name=f"mcore-gpt-{size.lower()}", layers=layers, hidden=hidden,
-                           heads=heads, ffn=4 * hidden, vocab=131072, seq_len=4096,
-                           gated_ffn=False, layer_norm=True)
-        free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
-        runs.append(PublishedRun(
-            f"Megatron-Core GPT {size}, {gpus:,} GPUs", f"{_MCORE}, Table, row {row} ({size})",
-            model, "h100-sxm", f"tp={tp} pp={pp} dp=48 zero=2 reduce_once=1 fused=1 reduce_fp32=1 "
-            "attention_kernel=cudnn"
-            + (" async_tp=1 async_tp_impl=te" if tp > 1 else ""), batch, tflops,
-            MEGATRON_CORE_TFLOPS, free=free,
-            assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
-                     "the distributed optimizer (--overlap-param-gather needs it): zero=2 "
-                     "reduce_once=1, its fp32 gradients unsharded and reduce-scattered once a "
-                     "step (the README's \"Distributed Optimizer\": with bf16 parameters \"the "
-                     "grads in this case are not distributed\")",
-                     "gradients reduced in fp32 (Megatron's arguments.py forces it with bf16)",
-                     "Transformer Engine's fused kernels; attention cuDNN's fused kernel, TE's "
-                     "choice on Hopper (attention_kernel=cudnn; not stated)",
-                     "--tp-comm-overlap through Transformer Engine's userbuffers, which "
-                     "overlap every TP collective (async_tp_impl=te)",
-                     "a GPT with a 4h MLP, untied embeddings, no dropout (not stated; the "
-                     "parameter counts fit)", "the logged FLOP count (not stated)"),
-            family="Megatron-Core 2024"))
-    return runs
+    return [_mcore_run(f"Megatron-Core GPT {size}, {gpus:,} GPUs",
+                       f"{_MCORE}, Table, row {row} ({size})",
+                       _mcore_gpt(size, heads, hidden, layers), tp, pp, gpus // (tp * pp),
+                       batch, tflops)
+            for row, (size, heads, hidden, layers, tp, pp, gpus, batch, tflops)
+            in enumerate(_MCORE_TABLE, 1)]
+
+
+# The same README's strong scaling of its 177B GPT (images/strong_scaling.png @ f2e5db40:
+# "from 96 H100 GPUs to 4608 GPUs, using the same batch size of 1152 sequences"; MFU 47% ->
+# 42%). The plot prints no figures: each dot's centre is read against the log-log gridlines
+# (fitted to 0.5%), aggregate petaFLOP/s over its GPUs; the 2,304-GPU dot reads 434.6 TFLOP/s
+# a GPU where the table's 177B row prints 432.8. The plot names no layout: the table's tp 8 x
+# pp 6 is assumed (every count is 48 x dp). Not in RUNS: a check of how the optimism moves
+# with scale, not another row of the table.
+_MCORE_STRONG = [(96, 461.5), (144, 461.1), (288, 458.7), (576, 455.7), (1152, 448.2),
+                 (2304, 434.6), (3072, 424.7), (4608, 413.5)]  # (GPUs, TFLOP/s per GPU)
+MCORE_STRONG_SCALING: list[PublishedRun] = [
+    _mcore_run(f"Megatron-Core GPT 177B strong scaling, {gpus:,} GPUs",
+               f"NVIDIA/Megatron-LM README.md images/strong_scaling.png @ f2e5db40, dot at "
+               f"{gpus:,} GPUs (read off the plot)", _mcore_gpt("177B", 96, 12288, 96),
+               8, 6, gpus // 48, 1152, tflops)
+    for gpus, tflops in _MCORE_STRONG]
+"""Megatron-Core's 177B from 96 to 4,608 H100s at one batch, as its README plots it."""
 
 
 # NeMo 24.07's DGX-H100 FP8 table: NVIDIA/NeMo docs/source/performance/performance_summary.md
