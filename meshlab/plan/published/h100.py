@@ -1,4 +1,5 @@
-"""Published H100-era runs (2024-): Llama 3, torchtitan's tables, Megatron-Core's H100 table."""
+"""Published H100-era runs (2024-): Llama 3, torchtitan's tables, Megatron-Core's H100 table,
+NeMo's and Megatron-Bridge's DGX-H100 tables."""
 
 from __future__ import annotations
 
@@ -288,4 +289,53 @@ def _nemo() -> list[PublishedRun]:
     return runs
 
 
-RUNS: list[PublishedRun] = [*_llama3(), *_torchtitan(), *_megatron_core(), *_nemo()]
+# Megatron-Bridge's DGX-H100 Llama rows (NeMo containers 25.09 and 26.04/26.04.01), from its
+# performance summary archive; each run's settings are its perf recipe's
+# (scripts/performance/... at the release branches' cherry-picks r0.1.0 @ a2884419 and
+# r0.4.0 @ 2b82f6f1): FP8 current scaling on every layer (first_last_layers_bf16 = False),
+# no recompute, the distributed optimizer with overlapped gradient reduce and parameter
+# gather, gradients reduced in bf16 (grad_reduce_in_fp32 = False), Transformer Engine's TP
+# overlap (userbuffers) with sequence parallelism, TE's fused cross-entropy, no CUDA graphs;
+# the 8B in Megatron-FSDP ("optim_grads_params": zero=3, reducing every micro-step). The
+# 26.04.01 70B row (1,664 tokens/s, 731 TFLOP/s) disagrees with itself under the recipe's
+# own FLOP count (1,664 gives ~747): 26.04's row (1,633 and 734, which agree) stands for it.
+_BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ "
+           "067f987df03b8355b03192d88d70f1709fedf51a")
+_BRIDGE_TABLE = [  # (container, model, GPUs, GBS, TP, PP, CP, VP, FSDP, tokens/s per GPU)
+    ("25.09", "llama3-8b", 8, 128, 1, 1, 1, 1, True, 14079),
+    ("25.09", "llama3-70b", 64, 128, 4, 8, 1, 5, False, 1619),
+    ("25.09", "llama3-405b", 1024, 512, 8, 8, 2, 8, False, 302),
+    ("26.04", "llama3-70b", 64, 256, 4, 8, 1, 5, False, 1633),
+    ("26.04.01", "llama3-405b", 1024, 1536, 8, 8, 2, 8, False, 328),
+]
+
+
+def _megatron_bridge() -> list[PublishedRun]:
+    runs = []
+    for container, name, gpus, batch, tp, pp, cp, vp, fsdp, tps in _BRIDGE_TABLE:
+        dp = gpus // (tp * pp * cp)
+        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} mbs=1 ac=none fused=1 precision=fp8 "
+                  "attention_kernel=cudnn "
+                  + ("zero=3 reduce_once=0" if fsdp else "zero=2 reduce_once=1")
+                  + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
+                  + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
+                  + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
+        slots = 2 if "405b" in name else 0
+        runs.append(PublishedRun(
+            f"Megatron-Bridge {container} {name}, {gpus:,} GPUs",
+            f"{_BRIDGE}, Table \"{container} NeMo Container\", row {name} DGX-H100",
+            MODELS[name], "h100-sxm", layout, batch, tps, TOKENS_PER_GPU, layer_slots=slots,
+            assumed=("DGX H100 nodes at their default clocks (vboost not recorded)",
+                     "FP8 at the float8 training rate measured with torchao (Transformer "
+                     "Engine's own casts not measured)",
+                     "attention in cuDNN's fused kernel (25.09 enables it, 26.04 leaves TE "
+                     "its choice)",
+                     "CP as ring attention over Megatron's head-tail chunks (cp_balanced)")
+            + (("126 layers on 64 virtual stages with the embedding and the loss counted "
+                "as a layer each (the only even split)",) if slots else ()),
+            family="Megatron-Bridge 2025-26"))
+    return runs
+
+
+RUNS: list[PublishedRun] = [*_llama3(), *_torchtitan(), *_megatron_core(), *_nemo(),
+                            *_megatron_bridge()]
