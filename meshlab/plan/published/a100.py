@@ -190,14 +190,18 @@ def _others() -> list[PublishedRun]:
     glm = [PublishedRun(
         f"GLM-130B, 768 GPUs, batch {batch}", f"THUDM/GLM-130B @ 212215c, logs/main-log-en.md, "
         f"Table \"Speed Testing\", row batch {batch}", GLM_130B, A100_40GB,
-        "tp=4 pp=8 dp=24 zero=1 sp=0 flash_attention=0 fused=1 overlap_p2p=0 "
-        "overlap_grad_reduce=0 precision=fp16", batch, seconds, STEP,
-        free=("micro_batch", "recompute"), layer_slots=2,
-        assumed=("DGX-A100 40 GB nodes with their 8 x 200 Gb/s NICs (the datasheet)",
-                 "ZeRO-1 and DeepSpeed's 1F1B pipeline (DeepSpeed 0.6.1; not stated)",
-                 "the prefix-bidirectional attention costed as causal",
-                 "70 layers on 8 stages with the embedding and output counted as layers "
-                 "(not stated; BLOOM's DeepSpeed partition did so)"),
+        "tp=4 pp=8 dp=24 zero=1 mbs=1 ac=full sp=0 flash_attention=0 fused=1 overlap_p2p=0 "
+        "overlap_grad_reduce=0 precision=fp16", batch, seconds, STEP, layer_slots=2,
+        assumed=("DGX-A100 40 GB nodes with their 8 x 200 Gb/s NICs (the datasheet; the "
+                 "paper says \"96 DGX-A100 GPU (8x40G) servers\")",
+                 "as the paper states them (Zeng et al. 2022, arXiv 2210.02414, section 2.3 "
+                 "and Table 11): micro-batch 1 (176 a step at batch 4,224), every layer "
+                 "checkpointed, ZeRO-1, DeepSpeed's PipeDream-Flush (1F1B), FP16, 9 x 8 - 2 = "
+                 "70 layers with the embedding and output a slot each",
+                 "masked-softmax and bias-dropout fusion, apex's fused LayerNorm (Table 11) "
+                 "as fused=1; its fp32 softmax, GeGLU without a fused kernel and DeepSpeed's "
+                 "partitioned activation checkpoints are not costed",
+                 "the prefix-bidirectional attention costed as causal"),
         family="BLOOM, GLM 2022") for batch, seconds in ((4224, 88.5), (6144, 122.5))]
     return [bloom, *glm]
 
