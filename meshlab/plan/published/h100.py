@@ -158,14 +158,24 @@ _MCORE_TABLE = [  # (name, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s p
 ]
 
 
+def _megatron(tp: int, pp: int, cp: int, dp: int, vp: int = 1,
+              optimizer: str = "zero=2 reduce_once=1") -> str:
+    """A Megatron-Core run with Transformer Engine, as the planner reads it: its distributed
+    optimizer (sharded states, accumulated gradients reduce-scattered once a step), TE's
+    fused kernels and cuDNN attention, TP overlapped by TE's userbuffers, CP as ring
+    attention over head-tail chunks, interleaving when there are virtual stages."""
+    return (f"tp={tp} pp={pp} cp={cp} dp={dp} {optimizer} fused=1 attention_kernel=cudnn"
+            + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
+            + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
+            + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
+
+
 def _mcore_run(name: str, source: str, model: ModelShape, tp: int, pp: int, dp: int,
                batch: int, tflops: float) -> PublishedRun:
     free = ("micro_batch", "recompute") + (("schedule", "virtual") if pp > 1 else ())
     return PublishedRun(
         name, source, model, "h100-sxm",
-        f"tp={tp} pp={pp} dp={dp} zero=2 reduce_once=1 fused=1 reduce_fp32=1 "
-        "attention_kernel=cudnn" + (" async_tp=1 async_tp_impl=te" if tp > 1 else ""),
-        batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
+        f"{_megatron(tp, pp, 1, dp)} reduce_fp32=1", batch, tflops, MEGATRON_CORE_TFLOPS, free=free,
         assumed=("bf16 (MFU divides by the bf16 peak)", "DGX H100 nodes (not stated)",
                  "the distributed optimizer (--overlap-param-gather needs it): zero=2 "
                  "reduce_once=1, its fp32 gradients unsharded and reduce-scattered once a "
@@ -264,14 +274,10 @@ def _nemo() -> list[PublishedRun]:
     runs = []
     for model, gpus, batch, mbs, tp, pp, cp, vp, tps in _NEMO_TABLE:
         dp = gpus // (tp * pp * cp)
-        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} zero=2 reduce_once=1 mbs={mbs} fused=1 "
-                  "precision=fp8 attention_kernel=cudnn"
-                  + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
-                  + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
-                  + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
         runs.append(PublishedRun(
             f"NeMo 24.07 {model.name}, {gpus} GPUs", f"{_NEMO}, Table (FP8), row {model.name}",
-            model, "h100-sxm", layout, batch, tps, TOKENS_PER_GPU, free=("recompute",),
+            model, "h100-sxm", f"{_megatron(tp, pp, cp, dp, vp)} mbs={mbs} precision=fp8",
+            batch, tps, TOKENS_PER_GPU, free=("recompute",),
             assumed=("Megatron-Core with Transformer Engine: fused kernels, the distributed "
                      "optimizer (zero=2 reduce_once=1: it shards the optimizer's states and "
                      "reduce-scatters the accumulated gradients once a step), overlapped "
@@ -314,12 +320,8 @@ def _megatron_bridge() -> list[PublishedRun]:
     runs = []
     for container, name, gpus, batch, tp, pp, cp, vp, fsdp, tps in _BRIDGE_TABLE:
         dp = gpus // (tp * pp * cp)
-        layout = (f"tp={tp} pp={pp} cp={cp} dp={dp} mbs=1 ac=none fused=1 precision=fp8 "
-                  "attention_kernel=cudnn "
-                  + ("zero=3 reduce_once=0" if fsdp else "zero=2 reduce_once=1")
-                  + (" async_tp=1 async_tp_impl=te" if tp > 1 else "")
-                  + (" cp_impl=torch cp_balanced=1" if cp > 1 else "")
-                  + (f" schedule=interleaved_1f1b v={vp}" if vp > 1 else ""))
+        optimizer = "zero=3 reduce_once=0" if fsdp else "zero=2 reduce_once=1"
+        layout = f"{_megatron(tp, pp, cp, dp, vp, optimizer)} mbs=1 ac=none precision=fp8"
         slots = 2 if "405b" in name else 0
         runs.append(PublishedRun(
             f"Megatron-Bridge {container} {name}, {gpus:,} GPUs",
