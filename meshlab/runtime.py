@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
-import ipaddress
 import os
 import random
 import shutil
@@ -24,6 +23,13 @@ import torch
 import torch.distributed as dist
 
 from meshlab import import_noise
+from meshlab.network import (
+    bind_address,
+    ephemeral_port_floor,
+    host_info,
+    is_loopback,
+    listen_socket,
+)
 from meshlab.private_files import STORE_PREFIX, open_private, private_dir
 
 
@@ -70,15 +76,6 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def ephemeral_port_floor() -> int:
-    """Lowest port the kernel hands out on its own; ports we pick stay below it."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def private_store(timeout: float = 60.0) -> str:
@@ -139,7 +136,7 @@ def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
     for _ in range(50):
         port = random.randrange(max(1024, floor - 12000), floor)
         try:
-            fd = None if address is None else _listen_socket(address, port)
+            fd = None if address is None else listen_socket(address, port)
             _store = dist.TCPStore(
                 host, port, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=timeout), master_listen_fd=fd,
@@ -148,37 +145,6 @@ def serve_store(host: str = "127.0.0.1", timeout: float = 60.0) -> int:
         except (RuntimeError, OSError) as e:  # DistNetworkError: port taken, try another
             last_error = e
     raise RuntimeError(f"could not bind a rendezvous store on {host}: {last_error}")
-
-
-def bind_address(host: str) -> str | None:
-    """The address the store listens on for ``host``; None (all interfaces) for a host name,
-    which may resolve to another address here than on the peers (Debian's 127.0.1.1)."""
-    if host == "localhost":
-        return "127.0.0.1"
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        return None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback (then every rank runs here)."""
-    address = bind_address(host)
-    return address is not None and ipaddress.ip_address(address).is_loopback
-
-
-def _listen_socket(address: str, port: int) -> int:
-    """A listening socket on ``address:port``, as a file descriptor the store takes over."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((address, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock.detach()
 
 
 def pin_device(local_rank: int) -> torch.device:
@@ -373,37 +339,3 @@ def namespace() -> dict[str, Any]:
     st = state()
     return {"rank": st.rank, "world_size": st.world_size, "device": st.device,
             "torch": torch, "dist": dist}
-
-
-def host_info(reach: str = "127.0.0.1") -> dict[str, Any]:
-    """Where this process runs: its host, and the address and interface it reaches ``reach``
-    (the controller) from, which is the network its peers share with it."""
-    address = route_to(reach)
-    return {
-        "host": socket.gethostname(),
-        "addr": address,
-        "iface": interface_of(address),
-        "pid": os.getpid(),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-        else os.cpu_count() or 1,
-    }
-
-
-def route_to(host: str) -> str:
-    """This machine's address on the route to ``host`` (the kernel picks it; nothing is
-    sent: connecting a UDP socket only looks the route up)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return str(probe.getsockname()[0])
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds ``address``, or None."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == address for a in addresses):
-            return name
-    return None

@@ -20,7 +20,7 @@ import ipyparallel as ipp
 
 import meshlab.comms
 import meshlab.profiling
-from meshlab import runtime
+from meshlab import network, runtime
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import launch, on_ranks, profiles
 from meshlab.notebook.cell import CellRun
@@ -181,7 +181,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
 
     def _bootstrap(self, loopback: bool) -> None:
         reach = self.profile.controller_ip
-        hosts = self._apply_each(runtime.host_info, lambda r: {"reach": reach})
+        hosts = self._apply_each(network.host_info, lambda r: {"reach": reach})
         order = host_by_host([hosts[r]["host"] for r in range(self.world_size)],
                              self.profile.hosts)
         self._engines = [self._engines[r] for r in order]
