@@ -46,10 +46,12 @@ class OfflineChart:
                                          if k in spec), "layered")
         kind = {"layer": "layered", "facet": "faceted", "hconcat": "panelled",
                 "vconcat": "panelled"}.get(mark, mark) if isinstance(mark, str) else mark["type"]
-        bundle: dict[str, Any] = {
-            "image/svg+xml": self.svg(),
-            "text/plain": f"<{kind} chart: "
-                          f"{title.get('text', '') if isinstance(title, dict) else title}>"}
+        text = f"<{kind} chart: {title.get('text', '') if isinstance(title, dict) else title}>"
+        try:
+            bundle: dict[str, Any] = {"image/svg+xml": self.svg(), "text/plain": text}
+        except ImportError:  # a broken install: say so beside the chart, not as a traceback
+            bundle = {"text/plain": f"{text} (no SVG drawn: vl-convert-python is not "
+                                    "installed; pip install vl-convert-python)"}
         if not interactive:
             return bundle, {}
         bundle[VEGALITE] = self.spec()

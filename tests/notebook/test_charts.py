@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any
 
 import pandas as pd
@@ -152,6 +153,15 @@ def test_without_interactive_charts_the_bundle_is_the_svg_alone(
     monkeypatch.setattr(charts, "interactive", False)
     data, metadata = _every_kind_of_chart()[0]._repr_mimebundle_()
     assert VEGALITE not in data and data["image/svg+xml"].startswith("<svg") and not metadata
+
+
+def test_without_vl_convert_a_chart_keeps_its_spec_and_names_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # found on a GPU machine whose carried wheels lacked vl-convert: a traceback per chart
+    monkeypatch.setitem(sys.modules, "vl_convert", None)  # import raises ImportError
+    data, _ = _every_kind_of_chart()[0]._repr_mimebundle_()
+    assert "image/svg+xml" not in data and VEGALITE in data
+    assert "pip install vl-convert-python" in data["text/plain"]
 
 
 def test_identical_ranks_share_one_row_of_the_comms_table() -> None:
