@@ -315,14 +315,16 @@ def _align(rows: dict[int, Row], stages: int) -> dict[int, Row]:
 
 
 def _ready(a: Action, done: set[Action], stages: int) -> bool:
-    s, k = a.stage, a.microbatch
-    if a.kind == "F":
-        return s == 0 or Action(s - 1, "F", k) in done
-    if a.kind == "W":
-        return Action(s, "I", k) in done
+    # plain tuples: an Action is a NamedTuple, equal to (and hashed as) its fields, and the
+    # planner's search asks this about a million times
+    s, kind, k = a
+    if kind == "F":
+        return s == 0 or (s - 1, "F", k) in done
+    if kind == "W":
+        return (s, "I", k) in done
     if s == stages - 1:
-        return Action(s, "F", k) in done
-    return Action(s + 1, "B", k) in done or Action(s + 1, "I", k) in done
+        return (s, "F", k) in done
+    return (s + 1, "B", k) in done or (s + 1, "I", k) in done
 
 
 def _check(ranks: int, microbatches: int) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from meshlab.schedules.actions import Action, Schedule, ScheduleError
@@ -189,9 +190,9 @@ def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False,
         while position[rank] < len(row):
             index, a = row[position[rank]]
             deps = dependencies(a, schedule, split)
-            missing = next((dep for dep in deps if dep not in done), None)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
+            missing = [dep for dep in deps if dep not in done]
+            if missing:
+                waiting.setdefault(missing[0], []).append(rank)
                 break
             slot, ready = max(index, clock[rank]), free[rank]
             for dep in deps:
@@ -213,5 +214,5 @@ def simulate(schedule: Schedule, costs: Costs, *, validated: bool = False,
             runnable += waiting.pop(a, ())
     if any(position[r] < len(row) for r, row in enumerate(rows)):
         slots(schedule)  # a deadlock the caller vouched against: raises, naming it
-    timed.sort(key=lambda t: (t.slot, t.rank))
+    timed.sort(key=itemgetter(0, 1))  # by slot, then rank
     return Timeline(schedule, costs, timed)
