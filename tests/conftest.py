@@ -39,6 +39,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
+# The shared cluster stops after the last test that uses it, not at the session's end: an
+# idle rank still costs CPU (gloo's loop wakes every 10 ms for each group the tests made,
+# ~10% of a core per rank by then), which the tests after it (the tour) would share.
+SHARED: list[Cluster] = []
+LAST_SHARED_USER: list[str] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items
+             if "_shared_cluster" in getattr(item, "fixturenames", ())]
+    LAST_SHARED_USER[:] = users[-1:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if SHARED and [item.nodeid] == LAST_SHARED_USER:
+        SHARED.pop().stop()
+
+
 @pytest.fixture(autouse=True)
 def _engines_need_the_cluster_mark(request: pytest.FixtureRequest,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,7 +96,9 @@ def test_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def _shared_cluster(test_profile: Path) -> Iterator[Cluster]:
     with Cluster(4, profile=test_profile) as c:
+        SHARED[:] = [c]
         yield c
+    SHARED.clear()
 
 
 def healthy(cluster: Cluster) -> Cluster:
