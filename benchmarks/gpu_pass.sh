@@ -96,8 +96,8 @@ part() {  # part NAME LIMIT_S COMMAND...: run under timeout, log to $OUT/NAME.lo
 
 H=benchmarks/gpu_pass
 # estimates on an H100 (limits): device 15 s (40), notebook 45 s (90), calibrate 60 s (100),
-# tests_gpu 60 s (100), tests_rank 45 s (80), kernels 200 s on an H200 (220); the parts' limits shrink to
-# what is left of BUDGET, so the pass ends by ~BUDGET + 15 s whatever hangs
+# tests_gpu 60 s (100), tests_rank 45 s (80), kernels 200 s on an H200 (220); the parts'
+# limits shrink to what is left of BUDGET, so the pass ends by ~BUDGET + 15 s whatever hangs
 part device 40 "$PY" $H/device.py
 part notebook 90 "$PY" $H/notebook_pass.py --backend "$BACKEND" ${RANKS:+--ranks $RANKS} \
     --executed "$GPU_PASS_RESULTS/gpu_pass_executed.ipynb"

@@ -166,7 +166,8 @@ def test_widget_draws_the_uneven_blocks_and_the_module_table(cluster, layouts) -
     assert cube.tensor["dims"] == [1, 2]  # the sharded dims are drawn first
     cube.dims = [0, 2]
     assert cube.tensor["dims"] == [0, 2] and len(cube.tensor["blocks"]) == 2
-    net = ShardingView(cluster.inspect("net"))
+    cluster.run("net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))")
+    net = ShardingView(cluster.inspect("net"))  # its own net: the test runs alone too
     assert [r["name"] for r in net.rows] == ["0.weight", "0.bias", "1.weight", "1.bias"]
     net.selected = 2
     assert net.tensor["name"] == "1.weight"

@@ -71,6 +71,7 @@ class Runs:
 
 @pytest.fixture(scope="session")
 def executed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Executed]:
+    """``executed(name)``: the notebook run once this session, and its saved copy's path."""
     runs = Runs(tmp_path_factory)
     yield runs
     runs.close()
