@@ -9,7 +9,7 @@ two, each leaving a core idle a good part of the time). A test waits only for it
 
 from __future__ import annotations
 
-import threading
+import inspect
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +25,11 @@ AHEAD: list[str] = []
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:  # after -k, -m and the like have deselected theirs
-        if "executed" not in getattr(item, "fixturenames", ()) or not hasattr(item, "callspec"):
+        # the test's own arguments: every tour test requests `executed` through the autouse
+        # fixture below, and a test that reads no notebook must not queue its parameters
+        function = getattr(item, "function", None)
+        if function is None or not hasattr(item, "callspec") \
+                or "executed" not in inspect.signature(function).parameters:
             continue
         for value in item.callspec.params.values():
             name = Path(str(value)).name
@@ -42,7 +46,6 @@ class Runs:
         self.tmp = tmp
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tour-notebooks")
         self.runs: dict[str, Future[tuple[nbformat.NotebookNode, Path]]] = {}
-        self.lock = threading.Lock()
 
     def _run(self, name: str) -> tuple[nbformat.NotebookNode, Path]:
         nb = execute(name, self.tmp.mktemp("cwd"))
@@ -51,10 +54,9 @@ class Runs:
         return nb, path
 
     def _queue(self, name: str) -> Future[tuple[nbformat.NotebookNode, Path]]:
-        with self.lock:
-            if name not in self.runs:
-                self.runs[name] = self.pool.submit(self._run, name)
-            return self.runs[name]
+        if name not in self.runs:  # only the tests' thread queues
+            self.runs[name] = self.pool.submit(self._run, name)
+        return self.runs[name]
 
     def ahead(self) -> None:
         for name in AHEAD:
@@ -64,9 +66,8 @@ class Runs:
         return self._queue(name).result()
 
     def close(self) -> None:
-        for run in self.runs.values():
-            run.cancel()  # a run under way finishes (its kernel and ranks shut down)
-        self.pool.shutdown(wait=True)
+        # the queued runs are dropped; one under way finishes (its kernel and ranks shut down)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
