@@ -9,6 +9,7 @@ ports attributed to the cluster under test count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,6 +37,17 @@ def _alive(proc: psutil.Process) -> bool:
 
 def _descendants(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True) if _alive(p)]
+
+
+def _ours() -> list[psutil.Process]:
+    """This process's descendants, less the Jupyter kernels' trees: the tour runs its
+    notebooks in kernels beside the tests (tests/tour/conftest.py), clusters and all."""
+    theirs: set[int] = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any("ipykernel" in part for part in child.cmdline()):
+                theirs |= {child.pid, *(p.pid for p in _descendants(child.pid))}
+    return [p for p in _descendants(os.getpid()) if p.pid not in theirs]
 
 
 def _listening() -> dict[int, int | None]:
@@ -143,10 +155,10 @@ def test_watchdog_stops_its_processes_and_their_children_when_its_parent_is_kill
 
 @pytest.mark.cluster
 def test_mesh_stop_leaves_no_process_or_port(test_profile: Path) -> None:
-    before = {p.pid for p in _descendants(os.getpid())}
+    before = {p.pid for p in _ours()}
     baseline = _listening()
     cluster = Cluster(2, profile=test_profile).start(progress=False)
-    procs = [p for p in _descendants(os.getpid()) if p.pid not in before]
+    procs = [p for p in _ours() if p.pid not in before]
     try:
         ports = _ports_of(procs)
         assert _has_a_whole_cluster(procs), _describe(procs)

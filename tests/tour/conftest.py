@@ -2,15 +2,20 @@
 test opens the same executed copy in JupyterLab (notebook 11 took 27 s in nbclient and 43 s
 again in the browser's Run All).
 
-The runs go ahead of the tests: from the first tour test on, one background thread executes
-every notebook this session's parametrized tests name, in the order they will ask, so a
-kernel runs the next notebook while the browser drives JupyterLab (about 7 minutes of the
-two, each leaving a core idle a good part of the time). A test waits only for its own."""
+The runs go ahead of the tests: from the session's first test on, one background thread
+executes every notebook this session's parametrized tests name, in the order they will ask,
+at a low CPU priority (nice 10, which its kernels and their ranks inherit). The tests before
+the tour leave a core idle about a third of the time (waiting out timeouts, links pulled,
+kernels killed); the notebooks' 7 minutes of runs fill it rather than the tour's own. A test
+waits only for its own notebook."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,8 +30,8 @@ AHEAD: list[str] = []
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:  # after -k, -m and the like have deselected theirs
-        # the test's own arguments: every tour test requests `executed` through the autouse
-        # fixture below, and a test that reads no notebook must not queue its parameters
+        # the test's own arguments: a test that reads notebooks only through a fixture (the
+        # docs site reads them all) must not queue its parameters
         function = getattr(item, "function", None)
         if function is None or not hasattr(item, "callspec") \
                 or "executed" not in inspect.signature(function).parameters:
@@ -42,14 +47,16 @@ class Runs:
     """``runs(name)``: the notebook run once this session and the path of its saved executed
     copy (outputs and widget state as nbclient stored them); ``ahead()`` queues the rest."""
 
-    def __init__(self, tmp: pytest.TempPathFactory) -> None:
-        self.tmp = tmp
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tour-notebooks")
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="meshlab-tour-"))
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tour-notebooks",
+                                       initializer=os.nice, initargs=(NICE,))
         self.runs: dict[str, Future[tuple[nbformat.NotebookNode, Path]]] = {}
 
     def _run(self, name: str) -> tuple[nbformat.NotebookNode, Path]:
-        nb = execute(name, self.tmp.mktemp("cwd"))
-        path = self.tmp.mktemp("executed") / name
+        cwd = Path(tempfile.mkdtemp(prefix="cwd-", dir=self.folder))
+        nb = execute(name, cwd)
+        path = Path(tempfile.mkdtemp(prefix="executed-", dir=self.folder)) / name
         nbformat.write(nb, path)
         return nb, path
 
@@ -68,16 +75,32 @@ class Runs:
     def close(self) -> None:
         # the queued runs are dropped; one under way finishes (its kernel and ranks shut down)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+NICE = 10
+"""The runs' CPU priority, added to the tests' (Linux keeps it per thread; what the thread
+starts inherits it). Low enough that a test beside them keeps its pace; not 19, where a
+notebook's 4 ranks importing torch beside the model matrix's could miss the 120 s start
+limit."""
+RUNS: list[Runs] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    if AHEAD and not session.config.option.collectonly:
+        RUNS[:] = [Runs()]
+        RUNS[0].ahead()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    while RUNS:
+        RUNS.pop().close()
 
 
 @pytest.fixture(scope="session")
-def executed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Executed]:
+def executed() -> Executed:
     """``executed(name)``: the notebook run once this session, and its saved copy's path."""
-    runs = Runs(tmp_path_factory)
-    yield runs
-    runs.close()
-
-
-@pytest.fixture(autouse=True)
-def _tour_notebooks_run_ahead(executed: Runs) -> None:
-    executed.ahead()
+    if not RUNS:  # a test reading notebooks only through another fixture: nothing went ahead
+        RUNS[:] = [Runs()]
+    return RUNS[0]
