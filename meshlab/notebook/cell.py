@@ -2,7 +2,7 @@
 what became of every rank.
 
 Notebook side. It reads what the ranks send over the cell channel and changes no cluster
-state: the cluster reads ``stuck`` and ``dist_failed`` afterwards.
+state: the cluster reads ``stuck`` and ``group_failed`` afterwards.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class CellRun:
         self.places: dict[int, str] = {}  # rank still running -> its innermost frame
         self.deaf: set[int] = set()  # still running after meshlab's stop signal too
         self._stopped: dict[int, str] = {}  # rank ended by the stop signal -> why, as shown
-        self.dist_failed = False  # a rank raised from torch.distributed: re-form the group
+        self.group_failed: set[int] = set()  # ranks that left the group past use: re-form it
+        self._in_collective: set[int] = set()  # stopped while in torch.distributed
         self.max_lines = getattr(cluster, "max_output_lines", 5000)
         self.max_bytes = getattr(cluster, "max_output_bytes", 2**20)
         self.number = next(_CELLS)
@@ -211,6 +212,7 @@ class CellRun:
                 self.cluster.cell_channel.wait(self.sent, GRACE)
                 # one that was not in the cell yet may since have caught this SIGINT
                 late = [r for r in again if not self._done(r) and _state(found, r) == "no cell"]
+        self._in_collective = {r for r in running if _state(found, r) == "collective"}
         stuck = [r for r in running if not self._done(r)]
         if why == "interrupted" and stuck:
             stacks = self.cluster.stacks(stuck)
@@ -249,6 +251,10 @@ class CellRun:
             if out.status in ("timeout", "interrupted", "died"):
                 if reply is None and out.status != "died":  # a dead rank waits for nothing
                     self.stuck[r] = self.sent.id
+                elif reply is not None and r in self._in_collective:
+                    # its collective returned while meshlab stopped the cell: raised at the
+                    # process-group timeout, or its peers went on without it
+                    self.group_failed.add(r)
             elif reply is None or reply.get("ename") == "RankDied":  # its engine went away
                 out.status = "died"
                 out.error = RankError("RankDied", self.cluster.dead().get(r, "died"))
@@ -261,7 +267,8 @@ class CellRun:
                 out.error = RankError(reply.get("ename", "Error"),
                                       self._stopped.get(r, reply.get("evalue", "")),
                                       list(reply.get("traceback") or []))
-                self.dist_failed |= out.error.from_backend()  # any class gloo/NCCL raise
+                if out.error.from_backend():  # any class gloo/NCCL raise
+                    self.group_failed.add(r)
 
 
 def _state(found: dict[int, dict[str, Any]], r: int) -> str | None:

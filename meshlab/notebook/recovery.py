@@ -67,7 +67,7 @@ class GroupRecovery:
         found = time.monotonic()
         self._stuck.update({r: Stuck(found, cell.places.get(r, ""), r in cell.deaf)
                             for r in cell.stuck})
-        self._needs_regroup |= cell.dist_failed or bool(self._busy)
+        self._needs_regroup |= bool(cell.group_failed or self._busy)
         result.notes += self._recovered
         self._recovered = []
         deaf = sorted(cell.deaf & set(cell.stuck))
@@ -102,11 +102,10 @@ class GroupRecovery:
                 "the process group cannot survive a dead rank: `%mesh restart` starts fresh "
                 "engines and replays this session's successful %%mesh cells (or `%mesh restart "
                 "--from-checkpoint DIR` from a saved checkpoint).")
-        elif cell.dist_failed and not self._busy:
-            failed = [r for r, o in result.outputs.items() if o.error and o.error.from_backend()]
+        elif cell.group_failed and not self._busy:
             result.notes.append(
-                f"the process group failed on {label(failed)[1:-1]} in this cell: meshlab "
-                "re-forms it before the next cell (and rebuilds the mesh).")
+                f"the process group failed on {label(sorted(cell.group_failed))[1:-1]} in this "
+                "cell: meshlab re-forms it before the next cell (and rebuilds the mesh).")
         elif not self._busy and GROUP_CALLS.search(code):
             result.notes += self._check_groups()
 
