@@ -2,7 +2,7 @@
 what became of every rank.
 
 Notebook side. It reads what the ranks send over the cell channel and changes no cluster
-state: the cluster reads ``stuck`` and ``group_failed`` afterwards.
+state: the cluster reads ``stuck``, ``group_failed`` and ``left_collective`` afterwards.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class CellRun:
         self.places: dict[int, str] = {}  # rank still running -> its innermost frame
         self.deaf: set[int] = set()  # still running after meshlab's stop signal too
         self._stopped: dict[int, str] = {}  # rank ended by the stop signal -> why, as shown
-        self.group_failed: set[int] = set()  # ranks that left the group past use: re-form it
-        self._in_collective: set[int] = set()  # stopped while in torch.distributed
+        self.group_failed: set[int] = set()  # raised from torch.distributed: re-form the group
+        self.left_collective: set[int] = set()  # returned from one only as the cell was stopped
+        self._in_collective: set[int] = set()  # found in torch.distributed while stopping
         self.max_lines = getattr(cluster, "max_output_lines", 5000)
         self.max_bytes = getattr(cluster, "max_output_bytes", 2**20)
         self.number = next(_CELLS)
@@ -251,10 +252,12 @@ class CellRun:
             if out.status in ("timeout", "interrupted", "died"):
                 if reply is None and out.status != "died":  # a dead rank waits for nothing
                     self.stuck[r] = self.sent.id
-                elif reply is not None and r in self._in_collective:
-                    # its collective returned while meshlab stopped the cell: raised at the
-                    # process-group timeout, or its peers went on without it
-                    self.group_failed.add(r)
+                elif reply is not None and (r in self._in_collective or (
+                        reply["status"] == "error" and _error(reply).from_backend())):
+                    # a collective that returned only as meshlab stopped the cell (at the
+                    # process-group timeout, most likely): the ranks may no longer agree on
+                    # the group's collectives, so it is re-formed all the same
+                    self.left_collective.add(r)
             elif reply is None or reply.get("ename") == "RankDied":  # its engine went away
                 out.status = "died"
                 out.error = RankError("RankDied", self.cluster.dead().get(r, "died"))
@@ -264,11 +267,15 @@ class CellRun:
                 out.optimizer_steps = reply.get("optimizer_steps")
             else:
                 out.status = "error"
-                out.error = RankError(reply.get("ename", "Error"),
-                                      self._stopped.get(r, reply.get("evalue", "")),
-                                      list(reply.get("traceback") or []))
+                out.error = _error(reply, self._stopped.get(r))
                 if out.error.from_backend():  # any class gloo/NCCL raise
                     self.group_failed.add(r)
+
+
+def _error(reply: dict[str, Any], shown: str | None = None) -> RankError:
+    """The error a rank's reply carries (``shown``: the text to show instead of its own)."""
+    return RankError(reply.get("ename", "Error"), shown or reply.get("evalue", ""),
+                     list(reply.get("traceback") or []))
 
 
 def _state(found: dict[int, dict[str, Any]], r: int) -> str | None:

@@ -67,7 +67,7 @@ class GroupRecovery:
         found = time.monotonic()
         self._stuck.update({r: Stuck(found, cell.places.get(r, ""), r in cell.deaf)
                             for r in cell.stuck})
-        self._needs_regroup |= bool(cell.group_failed or self._busy)
+        self._needs_regroup |= bool(cell.group_failed or cell.left_collective or self._busy)
         result.notes += self._recovered
         self._recovered = []
         deaf = sorted(cell.deaf & set(cell.stuck))
@@ -106,6 +106,12 @@ class GroupRecovery:
             result.notes.append(
                 f"the process group failed on {label(sorted(cell.group_failed))[1:-1]} in this "
                 "cell: meshlab re-forms it before the next cell (and rebuilds the mesh).")
+        elif cell.left_collective and not self._busy:
+            result.notes.append(
+                f"meshlab stopped {label(sorted(cell.left_collective))[1:-1]} inside a "
+                "collective that returned only as the cell ended (at the process-group "
+                "timeout, most likely): it re-forms the process group before the next cell (and "
+                "rebuilds the mesh).")
         elif not self._busy and GROUP_CALLS.search(code):
             result.notes += self._check_groups()
 

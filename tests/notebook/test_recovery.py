@@ -64,6 +64,22 @@ def test_a_destroyed_default_group_is_re_formed_before_the_next_cell(cluster: Cl
     assert cluster.run(ALL_REDUCE).results() == "Out[ranks 0-3]: 4.0"
 
 
+@pytest.mark.cluster
+def test_a_collective_that_times_out_while_the_cell_is_stopped_still_re_forms_the_group(
+        test_profile: Path, tmp_path: Path) -> None:
+    # the collective raises 2.5 s in, while meshlab stops the cell its 1 s limit ended (the
+    # ladder's first SIGINT waits 2 s): the next cell used to run on the broken group
+    profile = tmp_path / "short.toml"
+    profile.write_text(test_profile.read_text().replace("pg_timeout = 10", "pg_timeout = 2.5"))
+    with Cluster(2, profile=profile) as pair:
+        with pytest.raises(MeshError) as info:
+            pair.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=1)
+        notes = info.value.result.notes
+        assert any("meshlab stopped rank 1 inside a collective that returned only as the "
+                   "cell ended" in n for n in notes), notes
+        assert pair.run(ALL_REDUCE).results() == "Out[ranks 0-1]: 2.0"
+
+
 def test_restart_replay_leaves_out_destroying_the_default_group_and_says_so() -> None:
     journal = Journal(4)
     journal.record_cell("x = 1", 1)
