@@ -4,10 +4,10 @@ again in the browser's Run All).
 
 The runs go ahead of the tests: from the session's first test on, one background thread
 executes every notebook this session's parametrized tests name, in the order they will ask,
-at a low CPU priority (nice 10, which its kernels and their ranks inherit). The tests before
-the tour leave a core idle about a third of the time (waiting out timeouts, links pulled,
-kernels killed); the notebooks' 7 minutes of runs fill it rather than the tour's own. A test
-waits only for its own notebook."""
+at a low CPU priority (NICE, which its kernels and their ranks inherit). The tests before the
+tour leave a core idle about a third of the time (waiting out timeouts, links pulled, kernels
+killed): the notebooks' 7 minutes of runs fill it instead of holding up the tour. A test waits
+only for its own notebook."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             name = name if name.endswith(".ipynb") else f"{name}.ipynb"
             if (NOTEBOOKS / name).exists() and name not in AHEAD:
                 AHEAD.append(name)
+
+
+NICE = 10
+"""The runs' CPU priority, added to the tests' (Linux keeps it per thread; what the thread
+starts inherits it). Low enough that a test beside them keeps its pace; not 19, where a
+notebook's 4 ranks importing torch beside the model matrix's could miss the 120 s start
+limit."""
 
 
 class Runs:
@@ -78,11 +85,6 @@ class Runs:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-NICE = 10
-"""The runs' CPU priority, added to the tests' (Linux keeps it per thread; what the thread
-starts inherits it). Low enough that a test beside them keeps its pace; not 19, where a
-notebook's 4 ranks importing torch beside the model matrix's could miss the 120 s start
-limit."""
 RUNS: list[Runs] = []
 
 
