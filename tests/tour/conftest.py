@@ -86,13 +86,19 @@ class Runs:
 
 
 RUNS: list[Runs] = []
+"""The session's runs, made when first needed."""
+
+
+def session_runs() -> Runs:
+    if not RUNS:
+        RUNS.append(Runs())
+    return RUNS[0]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
     if AHEAD and not session.config.option.collectonly:
-        RUNS[:] = [Runs()]
-        RUNS[0].ahead()
+        session_runs().ahead()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -103,6 +109,4 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture(scope="session")
 def executed() -> Executed:
     """``executed(name)``: the notebook run once this session, and its saved copy's path."""
-    if not RUNS:  # a test reading notebooks only through another fixture: nothing went ahead
-        RUNS[:] = [Runs()]
-    return RUNS[0]
+    return session_runs()
