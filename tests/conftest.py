@@ -3,8 +3,12 @@ honest: a test that starts engines is marked `cluster`, so `-m "not cluster"` st
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import subprocess
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,76 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
+# What the system tests need from the machine, by their marker. The README's command 2 brings
+# it up (tests/machine/up.sh); where it could not (no root), those tests skip, the run's last
+# line says so, and MESHLAB_REQUIRE_MACHINE=1 (CI) turns each such skip into a failure.
+MACHINE_UP = "tests/machine/up.sh"
+HOSTS_STATE = Path("/var/lib/meshlab-hosts")
+
+
+def _answers(*cmd: str) -> str | None:
+    """What ``cmd`` printed, or None when it is not installed, fails or hangs."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+@cache
+def machine_missing(marker: str) -> str | None:
+    """Why the machine cannot run the tests marked ``marker`` (None: it can)."""
+    if marker == "browser":
+        from meshlab.notebook import lab_settings
+
+        if not shutil.which("chromium"):
+            return "Debian's Chromium is not installed"
+        if not (lab_settings.overrides_folder() / lab_settings.FILE_NAME).exists():
+            return ("JupyterLab does not save widget state here: run `meshlab lab-settings` "
+                    "(the README's command 1 does)")
+        return None
+    up = {"idle", "mixed", "allocated", "completing"}
+    if marker == "slurm":
+        states = _answers("sinfo", "-h", "-p", "debug", "-o", "%T")
+        return None if states and up & set(states.split()) else "Slurm is not up"
+    if marker == "hosts":
+        nodes = _answers("sinfo", "-h", "-p", "hosts", "-o", "%n %T") or ""
+        ready = {line.split()[0] for line in nodes.splitlines() if line.split()[-1] in up}
+        ssh = HOSTS_STATE / "ssh_config"
+        if ssh.exists() and {"node1", "node2"} <= ready and all(
+                (_answers("ssh", "-F", str(ssh), host, "hostname") or "").strip() == host
+                for host in ["node1", "node2"]):
+            return None
+        return "the test hosts node1, node2 are not up"
+    return None
+
+
+MACHINE_SKIPPED: dict[str, int] = {}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker in ("browser", "slurm", "hosts"):
+        if item.get_closest_marker(marker) and (why := machine_missing(marker)):
+            message = why if "run `" in why else f"{why}: run {MACHINE_UP} (as root)"
+            if os.environ.get("MESHLAB_REQUIRE_MACHINE") == "1":
+                pytest.fail(f"{message}; MESHLAB_REQUIRE_MACHINE=1 refuses to skip it")
+            MACHINE_SKIPPED[why] = MACHINE_SKIPPED.get(why, 0) + 1
+            pytest.skip(message)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's last line, after pytest's own summary, when machine pieces were missing."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if MACHINE_SKIPPED and reporter is not None:
+        reasons = "; ".join(f"{why} ({n})" for why, n in MACHINE_SKIPPED.items())
+        n = sum(MACHINE_SKIPPED.values())
+        reporter.write_line(f"{n} test{'s' * (n != 1)} skipped: {reasons}; "
+                            f"see the README's set-up ({MACHINE_UP}, as root, brings up the "
+                            "machine), then run the tests again", yellow=True, bold=True)
+
+
 # The shared cluster stops after the last test that uses it, not at the session's end: an
 # idle rank still costs CPU (gloo's loop wakes every 10 ms for each group the tests made,
 # ~10% of a core per rank by then), which the tests after it (the tour) would share.
@@ -47,9 +121,12 @@ LAST_SHARED_USER: list[str] = []
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    users = [item.nodeid for item in session.items
+    users = [item for item in session.items
              if "_shared_cluster" in getattr(item, "fixturenames", ())]
-    LAST_SHARED_USER[:] = users[-1:]
+    if users:  # the end of its module: a module-scoped fixture may still use it in teardown
+        module = users[-1].nodeid.split("::")[0]
+        LAST_SHARED_USER[:] = [next(item.nodeid for item in reversed(session.items)
+                                    if item.nodeid.split("::")[0] == module)]
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,4 +1,5 @@
-"""The ``meshlab`` console command: ``meshlab export`` and ``meshlab plan``."""
+"""The ``meshlab`` console command: ``meshlab export``, ``meshlab plan`` and
+``meshlab lab-settings``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import os
 import sys
 
+from meshlab.notebook import lab_settings
 from meshlab.notebook.export import notebook
 from meshlab.plan import cli as plan_cli
 
@@ -15,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     notebook.add_command(commands)
     plan_cli.add_command(commands)
+    lab_settings.add_command(commands)
     args = parser.parse_args(argv)
     try:
         code = int(args.run(args, parser))

@@ -1,12 +1,11 @@
 """Real Slurm: the exported job.sbatch reproduces the session, and a cluster on Slurm engines.
 
-They need the single-node Slurm that `.ci/slurm-up.sh` installs and starts (CI runs it). When
-Slurm is not there the tests fail and say so: they do not skip.
+They need the single-node Slurm that `tests/machine/up.sh` installs and starts (the README's
+command 2 runs it); without it they skip, naming it (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -19,23 +18,9 @@ from meshlab.notebook.export import Journal
 
 pytestmark = pytest.mark.slurm
 
-@pytest.fixture(scope="module")
-def slurm() -> str:
-    """The node's state; fails with the reason when there is no working Slurm."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        pytest.fail("Slurm is not installed: run .ci/slurm-up.sh (as root), which installs "
-                    "Debian's slurmctld, slurmd and munge and starts a single-node Slurm")
-    done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    states = done.stdout.split()
-    if done.returncode or not set(states) & {"idle", "mixed", "allocated", "completing"}:
-        pytest.fail(f"Slurm is not up (sinfo: {done.stdout.strip() or done.stderr.strip()}): "
-                    "run .ci/slurm-up.sh")
-    return states[0]
-
-
 @pytest.mark.cluster
 def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
-        slurm: str, shell: Any, tmp_path: Path) -> None:
+        shell: Any, tmp_path: Path) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session
     session.journal = Journal(4, session.cluster.backend)
     for cell in ["%mesh init dp=4", TRAIN, f"%mesh export {tmp_path / 'train.py'} --sbatch"]:
@@ -48,7 +33,7 @@ def test_the_exported_sbatch_job_reproduces_the_sessions_losses(
 
 
 @pytest.mark.cluster
-def test_mesh_start_with_the_slurm_profile_runs_a_collective(slurm: str, shell: Any) -> None:
+def test_mesh_start_with_the_slurm_profile_runs_a_collective(shell: Any) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session
     shared, journal = session.cluster, session.journal
     session.cluster = None  # the session's local cluster steps aside, untouched

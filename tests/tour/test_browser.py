@@ -28,12 +28,9 @@ NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 TOURED = ("01-quickstart", "02-mesh-and-sharding", "05-pipeline-schedules")  # Run All here
 # every other notebook is opened as nbclient's test ran and saved it: pictures, not a rerun
 OPENED = tuple(p.stem for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.stem not in TOURED)
-OVERRIDES = Path(__file__).parents[2] / "jupyter-config" / "meshlab.json"
 ARTIFACTS = Path(os.environ.get("MESHLAB_ARTIFACTS", Path(__file__).parents[2] / "artifacts"))
 
-pytestmark = [pytest.mark.browser, pytest.mark.skipif(
-    not Path(CHROMIUM).exists() and not os.environ.get("CI"),
-    reason="needs Debian's chromium (apt-get install chromium); CI installs it")]
+pytestmark = pytest.mark.browser  # without Chromium: skipped, naming tests/machine/up.sh
 
 
 def free_port() -> int:
@@ -63,12 +60,10 @@ def jupyterlab(tmp_path_factory: pytest.TempPathFactory, lab_root: Path) -> Iter
     """A JupyterLab server on loopback serving ``lab_root``; yields its URL."""
     root = lab_root
     port, token = free_port(), secrets.token_hex(16)
+    # the user's settings start empty; the default-setting overrides are this environment's
+    # JupyterLab's, as the README's set-up left them (`meshlab lab-settings` saves widget
+    # state with the notebook; tests/conftest.py skips these tests without it)
     settings = tmp_path_factory.mktemp("lab-settings")
-    # meshlab's default-settings override (widget state saved with the notebook), where the
-    # wheel installs it under sys.prefix (tests/test_wheel.py); an editable install has none
-    app_settings = tmp_path_factory.mktemp("lab-app-settings")
-    (app_settings / "overrides.d").mkdir()
-    shutil.copy(OVERRIDES, app_settings / "overrides.d" / "meshlab.json")
     for plugin, value in {
         # draw every cell, not only those on screen, so outputs can be found in the DOM
         "notebook-extension/tracker": '{"windowingMode": "none"}',
@@ -82,7 +77,6 @@ def jupyterlab(tmp_path_factory: pytest.TempPathFactory, lab_root: Path) -> Iter
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
          "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.token={token}",
          f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         f"--LabApp.app_settings_dir={app_settings}",
          "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})

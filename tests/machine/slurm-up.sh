@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Bring up a real single-node Slurm cluster on this machine (loopback only), idempotently.
 #
-#   .ci/slurm-up.sh          # install if needed, (re)write config, start munged/slurmctld/slurmd
-#   .ci/slurm-up.sh --down   # stop slurmd (every one), slurmctld and munged
+#   tests/machine/slurm-up.sh          # install if needed, (re)write config, start munged/slurmctld/slurmd
+#   tests/machine/slurm-up.sh --down   # stop slurmd (every one), slurmctld and munged
 #
 # Safe to run twice: when the daemons are already running with the same config it only
 # checks `sinfo` and exits. No systemd needed; works in containers without cgroups
@@ -11,7 +11,7 @@
 # Env knobs: SLURM_UP_CPUS (CPUs declared for the node; default max(nproc, 8) so small
 # CI machines can run e.g. 4 single-CPU tasks on 2 cores), SLURM_UP_TIMEOUT (s, default 60).
 #
-# Multi-host (.ci/hosts-up.sh sets these; unset, the cluster is exactly the single-node one):
+# Multi-host (tests/machine/hosts-up.sh sets these; unset, the cluster is exactly the single-node one):
 #   SLURM_UP_NODES="node1=10.231.0.11 node2=10.231.0.12"   more nodes, in a non-default
 #       partition `hosts` (`debug` with this machine's node stays the default). Their slurmd
 #       are not started here: hosts-up.sh starts each inside its host (`slurmd -N node1`).
@@ -44,10 +44,10 @@ if [ -n "$EXTRA_NODES" ]; then
   SLURMD_LOG=$LOG_DIR/slurmd-${NODE}.log
 fi
 
-# shellcheck source=.ci/pidfiles.sh
+# shellcheck source=tests/machine/pidfiles.sh
 source "$(dirname "$0")/pidfiles.sh"
 
-stop_slurmds() {  # this machine's slurmd, and those of the test hosts (.ci/hosts-up.sh), if any
+stop_slurmds() {  # this machine's slurmd, and those of the test hosts (tests/machine/hosts-up.sh), if any
   local f
   for f in /run/slurmd.pid /run/slurmd-*.pid; do stop_pidfile "$f"; done
 }
@@ -102,7 +102,7 @@ install -d -m 0755 "$CONF_DIR" "$LOG_DIR" "$CTLD_SPOOL" "$SLURMD_SPOOL"
 HEADER="single-node test cluster on loopback"
 EXTRA_NODE_LINES="" EXTRA_PARTITION=""
 if [ -n "$EXTRA_NODES" ]; then
-  HEADER="this machine's node plus the test hosts' (.ci/hosts-up.sh)"
+  HEADER="this machine's node plus the test hosts' (tests/machine/hosts-up.sh)"
   names=""
   for entry in $EXTRA_NODES; do
     name=${entry%%=*} addr=${entry#*=}
@@ -120,7 +120,7 @@ fi
 NEW_CONF=$(mktemp)
 trap 'rm -f "$NEW_CONF"' EXIT
 cat >"$NEW_CONF" <<EOF
-# Written by .ci/slurm-up.sh: ${HEADER}. Do not edit by hand.
+# Written by tests/machine/slurm-up.sh: ${HEADER}. Do not edit by hand.
 ClusterName=meshlab
 SlurmctldHost=${NODE}(${CTLD_ADDR})
 SlurmUser=root
@@ -198,7 +198,7 @@ while :; do
 done
 
 if [ -n "$EXTRA_NODES" ]; then
-  echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}; partition hosts: ${names} (their slurmd: .ci/hosts-up.sh); slurmctld at ${CTLD_ADDR}"
+  echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}; partition hosts: ${names} (their slurmd: tests/machine/hosts-up.sh); slurmctld at ${CTLD_ADDR}"
 else
   echo "slurm up: node ${NODE}, ${CPUS} cpus (${NPROC} real), partition debug, state ${state}"
 fi

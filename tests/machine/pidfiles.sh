@@ -1,4 +1,4 @@
-# Daemons by their pid files, for .ci/slurm-up.sh and .ci/hosts-up.sh (sourced, not run).
+# Daemons by their pid files, for tests/machine/slurm-up.sh and tests/machine/hosts-up.sh (sourced, not run).
 
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 

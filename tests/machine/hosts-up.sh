@@ -2,9 +2,9 @@
 # Make real test hosts node1..nodeN on this one machine for the multi-host tests (ssh, mpi
 # and slurm profiles: tests/clusters/test_hosts.py), idempotently.
 #
-#   .ci/hosts-up.sh          # install if needed, make the hosts, start sshd and slurmd in each
-#   .ci/hosts-up.sh --check  # verify: ssh (also host to host), mpirun, srun and sbatch across hosts
-#   .ci/hosts-up.sh --down   # stop what it started, remove the hosts, Slurm back to single-node
+#   tests/machine/hosts-up.sh          # install if needed, make the hosts, start sshd and slurmd in each
+#   tests/machine/hosts-up.sh --check  # verify: ssh (also host to host), mpirun, srun and sbatch across hosts
+#   tests/machine/hosts-up.sh --down   # stop what it started, remove the hosts, Slurm back to single-node
 #
 # A host is a network namespace `nodeI` (eth0 = 10.231.0.(10+I)/24) plus its own hostname and
 # mount namespace, held by one `sleep` whose pid is in /run/meshlab-hosts/nodeI.pid; every
@@ -18,7 +18,7 @@
 #   id_ed25519       client key; authorized_keys, known_hosts, nodeI/ (host key, sshd_config)
 #   mpi.env          Open MPI settings as OMPI_MCA_* (source it), mpi_args.toml the same as
 #                    mpirun arguments (a TOML list)
-# Slurm: .ci/slurm-up.sh with SLURM_UP_NODES/SLURM_UP_CTLD_ADDR adds the nodes in partition
+# Slurm: tests/machine/slurm-up.sh with SLURM_UP_NODES/SLURM_UP_CTLD_ADDR adds the nodes in partition
 # `hosts` (the default partition `debug` keeps this machine's node); their slurmd run here.
 #
 # Env knobs: MESHLAB_HOSTS (how many hosts, default 2), HOSTS_UP_TIMEOUT (s, default 60).
@@ -51,7 +51,7 @@ if [ "$N" -lt 1 ] || [ "$N" -gt 200 ]; then
   echo "hosts-up: MESHLAB_HOSTS must be 1..200, got $N" >&2; exit 1
 fi
 
-# shellcheck source=.ci/pidfiles.sh
+# shellcheck source=tests/machine/pidfiles.sh
 source "$HERE/pidfiles.sh"
 
 addr() { echo "$NET.$((10 + $1))"; }
@@ -183,7 +183,7 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 hosts_file=$TMP/hosts
 {
-  echo "# Written by .ci/hosts-up.sh: names on the test hosts' network. Do not edit by hand."
+  echo "# Written by tests/machine/hosts-up.sh: names on the test hosts' network. Do not edit by hand."
   echo "127.0.0.1 localhost"
   echo "::1 localhost ip6-localhost ip6-loopback"
   # this machine by its own name too: what the controller and Slurm may call it
@@ -245,7 +245,7 @@ cp "$STATE/id_ed25519.pub" "$new"
 cmp -s "$new" "$STATE/authorized_keys" || install -m 0600 "$new" "$STATE/authorized_keys"
 
 {
-  echo "# Written by .ci/hosts-up.sh: the test hosts' ssh client settings. Do not edit by hand."
+  echo "# Written by tests/machine/hosts-up.sh: the test hosts' ssh client settings. Do not edit by hand."
   for i in $(seq "$N"); do printf 'Host node%s\n    HostName %s\n' "$i" "$(addr "$i")"; done
   cat <<EOF
 Host node* $NET.*
@@ -276,7 +276,7 @@ for i in $(seq "$N"); do
   [ -s "$dir/ssh_host_ed25519_key" ] || ssh-keygen -q -t ed25519 -N '' -C "$ns" -f "$dir/ssh_host_ed25519_key"
   echo "$ns,$(addr "$i") $(cut -d' ' -f1,2 "$dir/ssh_host_ed25519_key.pub")" >>"$known"
   cat >"$new" <<EOF
-# Written by .ci/hosts-up.sh: sshd of test host $ns. Do not edit by hand.
+# Written by tests/machine/hosts-up.sh: sshd of test host $ns. Do not edit by hand.
 ListenAddress $(addr "$i")
 Port 22
 HostKey $dir/ssh_host_ed25519_key
@@ -318,7 +318,7 @@ done
 
 # --- 5. MPI: the options, for callers -------------------------------------------------------
 {
-  echo "# Written by .ci/hosts-up.sh: Open MPI on the test hosts (source it, export OMPI_*)."
+  echo "# Written by tests/machine/hosts-up.sh: Open MPI on the test hosts (source it, export OMPI_*)."
   echo "OMPI_MCA_plm_rsh_agent='ssh -F $SSH_CONFIG'"
   echo "OMPI_MCA_oob_tcp_if_include=$NET.0/24"
   echo "OMPI_MCA_btl_tcp_if_include=$NET.0/24"
