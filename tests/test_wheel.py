@@ -112,15 +112,21 @@ def test_the_wheel_holds_every_package_and_data_file(built: tuple[Path, Path]) -
 def venv(built: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
          ) -> Iterator[tuple[Path, dict[str, str]]]:
     """A fresh venv holding the wheel's meshlab, and the environment to run it in. The heavy
-    dependencies (torch, jupyter, ipyparallel) come from this environment through
-    --system-site-packages; meshlab itself is the wheel's (--force-reinstall into the venv)."""
+    dependencies (torch, jupyter, ipyparallel) come from *this* environment's site-packages,
+    listed in a .pth file: ``--system-site-packages`` would give the base interpreter's instead,
+    which in a user's venv has none of them. meshlab itself is the wheel's (installed into the
+    venv, whose site-packages come first); the .pth adds folders only, so this environment's
+    editable finder (a .pth of its own there) is never run."""
     _, wheel = built
     root = tmp_path_factory.mktemp("venv") / "venv"
     # --without-pip: pip (and setuptools) come from this environment, not ensurepip's older
     # copies, and the venv is ready in a fraction of a second
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)],
-         timeout=120)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], timeout=120)
     python = root / "bin" / "python"
+    ours = [p for p in sys.path if Path(p).name in {"site-packages", "dist-packages"}]
+    site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                timeout=60).stdout.strip()
+    Path(site, "this-environment.pth").write_text("".join(f"{p}\n" for p in ours))
     env = {k: v for k, v in os.environ.items()
            if k not in {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "JUPYTER_PATH"}}
     env["PATH"] = f"{root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
