@@ -69,6 +69,7 @@ class Throttle(TorchDispatchMode):
         self.factor = check_factor(factor)
         self.owed_s = 0.0  # sleep owed but not yet paid (under MIN_SLEEP_S)
         self.slept_s = 0.0  # all it has slept: what it added to this rank's time
+        self.computed_s = 0.0  # the compute ops' own time, which the sleeps multiply
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -95,6 +96,7 @@ class Throttle(TorchDispatchMode):
         elapsed = time.perf_counter() - started
         if not leaves and any(_computes_nothing(t) for t in _tensors(out)):
             return out  # a factory on the meta device
+        self.computed_s += elapsed
         self.owed_s += (self.factor - 1) * elapsed
         if self.owed_s >= MIN_SLEEP_S:
             self.pay()

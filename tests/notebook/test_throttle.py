@@ -1,11 +1,13 @@
 """A straggler you can make: `%mesh throttle` on the shared 4-rank gloo cluster, seen by
 `%%mesh --profile`; restart replays it and export leaves it out.
 
-Timing is compared between ranks of one profiled cell, with wide margins; never against a
-wall-clock figure (the test machine is shared)."""
+The tests check the mechanism (what the throttle slept, where the profile counted it, who
+arrived last), never a ratio of timings: benchmarks/straggler.py measures what a straggler
+costs sync DP beside local SGD."""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Iterator
 from typing import Any
@@ -42,10 +44,7 @@ def train(steps, rotate=0):
 """
 STEPS = 8
 THROTTLED = 2
-
-
-def waited_per_step(profile: Any) -> float:
-    return float(profile.summary()["waited for others"].sum()) / STEPS
+SLEPT = "import meshlab.throttle\nmeshlab.throttle.slept()"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +58,7 @@ def runs(shell: Any) -> Iterator[dict[str, Any]]:
         session.run(SETUP + "prepare('every_step')")
         out["said"] = session.throttle(str(THROTTLED), 3)
         out["steady"] = session.run(f"train({STEPS})", profile=True).profile
+        out["slept"] = session.run(SLEPT, keep_values=True).values
         out["status"] = session.status()
         out["later"] = session.run("import meshlab.throttle\nmeshlab.throttle.current_factor()",
                                    keep_values=True).values
@@ -69,6 +69,7 @@ def runs(shell: Any) -> Iterator[dict[str, Any]]:
         out["off"] = session.throttle(None)
         out["status_off"] = session.status()
         out["after_off"] = session.run(f"train({STEPS})", profile=True).profile
+        out["slept_off"] = session.run(SLEPT, keep_values=True).values
         for sync in ("every_step", "local_sgd"):
             session.run(f"prepare('{sync}')")
             out[sync] = session.run(f"train({STEPS}, rotate=4)", profile=True).profile
@@ -78,10 +79,12 @@ def runs(shell: Any) -> Iterator[dict[str, Any]]:
 
 
 @pytest.mark.cluster
-def test_the_throttled_rank_computes_longer_than_the_others(runs: dict[str, Any]) -> None:
-    compute = runs["steady"].summary()["compute"]
-    others = statistics.median(compute.drop(THROTTLED))
-    assert compute[THROTTLED] > 1.4 * others, compute.to_dict()
+def test_the_throttled_rank_sleeps_inside_its_compute(runs: dict[str, Any]) -> None:
+    slept = runs["slept"]
+    assert slept[THROTTLED] > 0 and all(slept[r] == 0 for r in slept if r != THROTTLED), slept
+    # the sleeps happen inside compute ops, so the profile counts them as compute
+    compute_ms = runs["steady"].summary()["compute"]
+    assert compute_ms[THROTTLED] >= 1e3 * slept[THROTTLED], (compute_ms.to_dict(), slept)
     assert "rank 2 x3" in runs["said"]
 
 
@@ -115,18 +118,29 @@ def test_it_coexists_with_comms_tracing(runs: dict[str, Any]) -> None:
 @pytest.mark.cluster
 def test_off_restores_full_speed(runs: dict[str, Any]) -> None:
     assert runs["off"] == "every rank computes at full speed"
-    compute = runs["after_off"].summary()["compute"]
-    assert compute[THROTTLED] < 1.4 * statistics.median(compute.drop(THROTTLED)), \
-        compute.to_dict()
+    assert runs["slept_off"] == {r: 0.0 for r in range(4)}  # no op slept after it
 
 
 @pytest.mark.cluster
-def test_local_sgd_waits_far_less_than_sync_dp_for_a_moving_straggler(
+def test_local_sgd_meets_a_moving_straggler_at_every_4th_step_only(
         runs: dict[str, Any]) -> None:
-    # A straggler that moves from rank to rank: sync DP waits for the slowest rank at every
-    # step; local SGD only at every 4th, where the ranks' lags have evened out
-    sync, local = waited_per_step(runs["every_step"]), waited_per_step(runs["local_sgd"])
-    assert local < 0.5 * sync, (local, sync)
+    # sync DP waits for the slowest rank at each step's all-reduce; local SGD has no
+    # collective between its syncs (every 4th step), where the ranks' lags have evened out
+    # (what that saves: benchmarks/straggler.py)
+    def steps_that_met(profile: Any) -> set[tuple[int, ...]]:
+        """Per rank, the steps (from 0) in which it issued a collective: a step ends with
+        its optimizer's step (local SGD syncs in a hook inside it)."""
+        met = set()
+        for p in profile.ranks.values():
+            ends = sorted(m.end_ns for m in p.marks if m.name.startswith("Optimizer.step"))
+            assert len(ends) == STEPS, [m.name for m in p.marks]
+            met.add(tuple(sorted({bisect.bisect_left(ends, c.issued_ns)
+                                  for c in p.collectives})))
+        return met
+
+    assert steps_that_met(runs["every_step"]) == {tuple(range(STEPS))}
+    # the warm step in prepare() counts: syncs on the 4th and 8th steps since then
+    assert steps_that_met(runs["local_sgd"]) == {(2, 6)}
 
 
 @pytest.mark.cluster

@@ -3,7 +3,6 @@ it in any order, and stays out of fake tensors and compiled code's way."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ import torch.utils._python_dispatch as dispatch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshlab import comms
-from meshlab.throttle import Throttle, current_factor, off, slept, throttle
+from meshlab.throttle import MIN_SLEEP_S, Throttle, current_factor, off, slept, throttle
 
 A = torch.randn(128, 128)
 
@@ -29,14 +28,11 @@ def flags() -> tuple[bool, bool, bool]:
 
 
 def matmuls(n: int = 40) -> float:
-    """Seconds for ``n`` matmuls, the best of three tries (this machine is shared)."""
-    best = math.inf
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(n):
-            A @ A
-        best = min(best, time.perf_counter() - started)
-    return best
+    """Seconds ``n`` matmuls took, by the wall clock."""
+    started = time.perf_counter()
+    for _ in range(n):
+        A @ A
+    return time.perf_counter() - started
 
 
 @pytest.fixture(autouse=True)
@@ -48,21 +44,27 @@ def _full_speed() -> Iterator[None]:
     assert stack() == [] and flags() == (False, False, False)
 
 
-def test_throttle_slows_compute_about_factor_times() -> None:
-    matmuls()  # warm
-    base = matmuls()
+# The mechanism, not a speed: what the throttle measured and slept (a loaded machine makes
+# every op slower, throttled or not, so a ratio of two timings says little; benchmarks/
+# straggler.py measures what a throttled rank does to its peers).
+def test_throttle_sleeps_factor_minus_one_times_each_ops_own_time() -> None:
     throttle(3)
-    slow = matmuls()
-    assert slow > 1.5 * base, (slow, base)
-    assert slept() > 0
+    mode = dispatch._get_current_dispatch_mode()
+    assert isinstance(mode, Throttle)
+    took = matmuls()
+    assert mode.computed_s > 0 and slept() > 0
+    # every op's time is owed twice over: paid (slept, overshoot included) or still owed
+    assert slept() + mode.owed_s == pytest.approx(2 * mode.computed_s, rel=1e-9)
+    assert mode.owed_s < MIN_SLEEP_S
+    assert took >= slept() + mode.computed_s  # the sleeps happened inside the loop
 
 
 def test_off_restores_full_speed_and_an_empty_mode_stack() -> None:
     throttle(3)
     off()
     assert current_factor() == 1.0 and stack() == [] and slept() == 0.0
-    base = matmuls()
-    assert matmuls() < 1.5 * base
+    matmuls()
+    assert slept() == 0.0 and dispatch._get_current_dispatch_mode() is None
 
 
 @pytest.mark.parametrize("bad", [0.5, 0, -2, float("nan"), float("inf"), "fast"])
