@@ -38,9 +38,33 @@ def micro_batches(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int
             yield chunk
 
 
+class GradientSync:
+    """Whether a strategy's own gradient hooks reduce in this backward (expert parallel's
+    averaging): held back, as DDP's and FSDP's are, in every micro-step but the last. Kept on
+    the model as ``GRADIENT_SYNC``; the hooks read ``now``."""
+
+    def __init__(self) -> None:
+        self.now = True
+
+
+GRADIENT_SYNC = "_meshlab_gradient_sync"
+
+
+def gradient_sync(model: nn.Module) -> GradientSync:
+    """The model's GradientSync, made on first use (a strategy's hooks read it)."""
+    state = getattr(model, GRADIENT_SYNC, None)
+    if state is None:
+        state = GradientSync()
+        object.__setattr__(model, GRADIENT_SYNC, state)  # not a submodule, not state_dict
+    return state
+
+
 @contextlib.contextmanager
 def synchronised(model: nn.Module, sync: bool) -> Iterator[None]:
     """Inside, backward reduces gradients over the data-parallel ranks only when ``sync``."""
+    own: GradientSync | None = getattr(model, GRADIENT_SYNC, None)
+    if own is not None:
+        own.now = sync  # left as the last micro-step sets it: True
     set_sync: Any = getattr(model, "set_requires_gradient_sync", None)  # FSDP2
     if set_sync is not None:
         set_sync(sync)

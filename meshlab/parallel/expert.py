@@ -35,6 +35,7 @@ from torch import nn
 
 from meshlab.mesh import axis_size
 from meshlab.models.moe import MoE
+from meshlab.parallel.accumulate import gradient_sync
 from meshlab.parallel.materialize import mark_slice
 
 if TYPE_CHECKING:
@@ -194,6 +195,10 @@ def _average_gradients(model: nn.Module, mesh: DeviceMesh, experts: set[int]) ->
     dp_group = mesh["dp_cp"].get_group() if data > 1 else None
     replicas = axis_size(mesh, "dp_shard_mod_ep") * axis_size(mesh, "dp_replicate")
     replica_group = _expert_replica_group(mesh) if replicas > 1 else None
+    # gradient accumulation holds the reduction back to the last micro-step: the hook sees
+    # the accumulated .grad, so reducing it every micro-step would scale the earlier ones
+    # by 1/data again and again
+    sync = gradient_sync(model)
 
     for p in model.parameters():
         if not p.requires_grad:
@@ -202,6 +207,8 @@ def _average_gradients(model: nn.Module, mesh: DeviceMesh, experts: set[int]) ->
 
         def hook(param: torch.Tensor, group: Any = group) -> None:
             assert param.grad is not None
+            if not sync.now:
+                return
             if group is not None:
                 dist.all_reduce(param.grad, group=group)
             param.grad.div_(data)

@@ -92,6 +92,13 @@ def test_expert_parallel_matches_one_process(cluster: Cluster, spec: str, dtype:
 
 
 @pytest.mark.cluster
+def test_expert_parallel_with_gradient_accumulation_matches_one_process(cluster: Cluster
+                                                                        ) -> None:
+    # its own gradient hooks see the accumulated .grad: they reduce in the last micro-step only
+    check(cluster, "dp=4 ep=2", "data_parallel='none', grad_accum=2", "float64", model=MOE)
+
+
+@pytest.mark.cluster
 def test_expert_parallel_counts_the_tokens_each_rank_received(cluster: Cluster) -> None:
     cluster.init_mesh("dp=4 ep=4")
     result = cluster.run(
