@@ -68,7 +68,33 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     if named:
         apply_named(model, tp_mesh, named)
     retie(model, tied)
+    for module in model.modules():
+        if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            module.register_forward_hook(_writable_output)
     return model
+
+
+class _Writable(torch.autograd.Function):
+    """The same values as a tensor autograd lets the caller change in place; backward passes
+    the gradient through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()  # a new tensor on the same memory, not a view of ``x``
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _writable_output(_: nn.Module, __: Any, output: Any) -> Any:
+    """A TP style hands its output back as a view (DTensor.to_local), which a model's own code
+    may not change in place (Llama4's MoE adds its experts into its shared expert's row-
+    parallel output: "a view ... is being modified inplace"): the same memory, writable."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor) and (
+            type(output.grad_fn).__name__ == "_ToTorchTensorBackward"):
+        return _Writable.apply(output)
+    return output
 
 
 def _refuse_linear_styles_on_conv1d(model: nn.Module, styles: Mapping[str, Any]) -> None:
