@@ -70,6 +70,20 @@ def gather_sequence(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
     return cast(torch.Tensor, _GatherSequence.apply(x, group, dim))
 
 
+class SliceOfSequence:
+    """Where this cp rank's slice starts in the current forward: ``rank * length`` of the
+    slice the forward got, so a batch of any length cp divides keeps its positions (the
+    plan's seq_len is not assumed). The slices must be equal, as ``sequence_slice`` makes
+    them: it refuses a length cp does not divide, on every rank alike."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.offset = 0
+
+    def set(self, length: int) -> None:
+        self.offset = self.rank * length
+
+
 # the models apply_cp splits (compose refuses others before any rank builds anything)
 TAKES = ("meshlab's Transformer and transformers' causal LMs (model.embed_tokens, model.layers, "
          "model.norm, lm_head; attention through "
@@ -141,13 +155,18 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh, *, seq_len: int, axis: str = "c
         raise ValueError(f"impl='torch': torch's context parallel attention has no "
                          f"{cp.device_type} sharding strategy in torch {torch.__version__}; "
                          "use impl='meshlab' (or 'auto')")
-    chunk = seq_len // size
-    offset = rank * chunk
     transformer: Any = model  # a meshlab Transformer
-    transformer.seq_offset = offset  # RoPE positions start where our slice does
+    where = SliceOfSequence(rank)
+
+    def locate(_: nn.Module, args: tuple[Any, ...]) -> None:
+        where.set(args[0].shape[1])
+        transformer.seq_offset = where.offset  # RoPE positions start where our slice does
+
+    model.register_forward_pre_hook(locate)
 
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = gather_sequence(k, group, 2), gather_sequence(v, group, 2)  # (B,H,T,D)
+        offset = where.offset
         query_pos = torch.arange(offset, offset + q.shape[2], device=q.device)[:, None]
         keys_pos = torch.arange(keys.shape[2], device=q.device)[None, :]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=keys_pos <= query_pos)
@@ -177,12 +196,15 @@ def _sdpa_whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 def causal_mask(query_pos: torch.Tensor, keys_pos: torch.Tensor, *, window: int | None,
-                additive: torch.dtype | None) -> torch.Tensor:
-    """(Tq, Tk) mask of the keys each query sees (causal, within a sliding ``window``): bool,
-    or with ``additive`` a dtype, 0 / -inf-like scores for eager attention to add."""
+                additive: torch.dtype | None, chunk: int | None = None) -> torch.Tensor:
+    """(Tq, Tk) mask of the keys each query sees (causal, within a sliding ``window``, or
+    within its ``chunk``-token block): bool, or with ``additive`` a dtype, 0 / -inf-like
+    scores for eager attention to add."""
     mask = keys_pos[None, :] <= query_pos[:, None]
     if window is not None:  # as transformers' sliding_window_overlay
         mask = mask & (keys_pos[None, :] > query_pos[:, None] - window)
+    if chunk is not None:  # as transformers' chunked_overlay (Llama4's local layers)
+        mask = mask & (keys_pos[None, :] // chunk == query_pos[:, None] // chunk)
     if additive is not None:
         return torch.zeros(mask.shape, dtype=additive, device=mask.device
                            ).masked_fill(~mask, torch.finfo(additive).min)
@@ -214,8 +236,8 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
                          f"{kind} uses {wrapped!r}: build it with attn_implementation='sdpa' "
                          "(or 'eager'), or build the mesh without cp")
     size, rank, group = cp.size(), cp.get_local_rank(), cp.get_group()
-    chunk = seq_len // size
-    offset = rank * chunk
+    _refuse_local_positions(decoder.config, kind)
+    where = SliceOfSequence(rank)
     split = _head_split(decoder, kind, group, size, impl=impl, tp=tp, chunks=chunks,
                         offload=offload)
 
@@ -237,6 +259,7 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
         own = (ALL_ATTENTION_FUNCTIONS[wrapped] if wrapped != "eager" else
                sys.modules[type(module).__module__].eager_attention_forward)
         window = kwargs.get("sliding_window")
+        block = _attention_chunk(module)
         additive = query.dtype if wrapped == "eager" else None  # eager adds it to the scores
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
@@ -245,16 +268,18 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
             keys from 0: (B, h, c, D) out (transformers returns (B, c, h, D))."""
             query_pos = torch.arange(start, start + q.shape[2], device=q.device)
             keys_pos = torch.arange(k.shape[2], device=q.device)
-            mask = causal_mask(query_pos, keys_pos, window=window, additive=additive)
+            mask = causal_mask(query_pos, keys_pos, window=window, additive=additive,
+                               chunk=block)
             return cast(torch.Tensor, own(module, q, k, v, mask[None, None], **kwargs)[0]
                         ).transpose(1, 2)
 
         if split is not None:  # weights of a head slice are no model's output
             return split(query, key, value, run).transpose(1, 2).contiguous(), None
         keys, values = gather_sequence(key, group, 2), gather_sequence(value, group, 2)
-        query_pos = torch.arange(offset, offset + query.shape[2], device=query.device)
+        query_pos = torch.arange(where.offset, where.offset + query.shape[2],
+                                 device=query.device)
         mask = causal_mask(query_pos, torch.arange(keys.shape[2], device=query.device),
-                           window=window, additive=additive)
+                           window=window, additive=additive, chunk=block)
         return cast(tuple[torch.Tensor, Any],
                     own(module, query, keys, values, mask[None, None], **kwargs))
 
@@ -266,9 +291,39 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
         raise ValueError(f"context parallel could not set {kind}'s attention implementation "
                          f"(it stayed {decoder.config._attn_implementation!r}): build the mesh "
                          "without cp")
-    decoder.register_forward_pre_hook(_slice_inputs_hook(decoder, offset, chunk, seq_len, size),
-                                      with_kwargs=True)
+    decoder.register_forward_pre_hook(_slice_inputs_hook(decoder, where), with_kwargs=True)
     return model
+
+
+# how transformers names the attention of a layer (config.layer_types): those CP masks itself
+LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def _refuse_local_positions(config: Any, kind: str) -> None:
+    """Refuse what would read positions from this rank's slice, or mask in a way meshlab does
+    not rebuild, before any rank trains (a silent difference from one process otherwise)."""
+    kinds = set(getattr(config, "layer_types", None) or ()) - set(LAYER_KINDS)
+    if kinds:
+        raise ValueError(f"context parallel rebuilds the attention masks of "
+                         f"{', '.join(LAYER_KINDS)} layers, and {kind} also has "
+                         f"{', '.join(sorted(kinds))} layers: build the mesh without cp")
+    nope = [i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or ()) if not rope]
+    if getattr(config, "attn_temperature_tuning", False) and nope:
+        raise ValueError(f"context parallel: {kind}'s attention temperature on its layers "
+                         f"without RoPE ({nope[:4]}...) counts positions from 0 in each "
+                         "rank's slice (torch.arange over the local tokens), so every cp "
+                         "rank but the first would scale its queries as if its slice began "
+                         "the sequence: build the mesh without cp, or the model with "
+                         "attn_temperature_tuning=False")
+
+
+def _attention_chunk(module: nn.Module) -> int | None:
+    """The block length of a chunked-attention layer (Llama4's local layers), else None."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds and isinstance(index, int) and kinds[index] == "chunked_attention":
+        return int(cast(Any, config).attention_chunk_size)
+    return None
 
 
 def _head_split(decoder: Any, kind: str, group: Any, size: int, *, impl: str, tp: int,
@@ -296,10 +351,9 @@ def _head_split(decoder: Any, kind: str, group: Any, size: int, *, impl: str, tp
     return split
 
 
-def _slice_inputs_hook(decoder: nn.Module, offset: int, chunk: int, seq_len: int, size: int
-                       ) -> Any:
+def _slice_inputs_hook(decoder: nn.Module, where: SliceOfSequence) -> Any:
     """A forward pre-hook giving the decoder this rank's positions, and refusing what the
-    all-gather attention cannot do (padding, a KV cache, a slice of the wrong length)."""
+    all-gather attention cannot do (padding, a KV cache)."""
     positional = [p.name for p in inspect.signature(decoder.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
@@ -309,12 +363,8 @@ def _slice_inputs_hook(decoder: nn.Module, offset: int, chunk: int, seq_len: int
         args = args[len(positional):]
         inputs = kwargs.get("input_ids")
         inputs = kwargs.get("inputs_embeds") if inputs is None else inputs
-        if inputs is not None and inputs.shape[1] != chunk:
-            raise ValueError(f"context parallel: this rank's slice has {inputs.shape[1]} "
-                             f"tokens; expected seq_len/cp = {seq_len}/{size} = {chunk}: feed "
-                             "each cp rank sequence_slice(tokens, mesh) of a "
-                             f"{seq_len}-token batch (or set the plan's seq_len to the "
-                             "batches' length)")
+        if inputs is not None:
+            where.set(inputs.shape[1])
         mask = kwargs.get("attention_mask")
         if mask is not None:
             if mask.dim() != 2 or not bool(mask.all()):
@@ -324,13 +374,15 @@ def _slice_inputs_hook(decoder: nn.Module, offset: int, chunk: int, seq_len: int
                                  "unpadded sequences): pack sequences without padding and "
                                  "pass attention_mask=None")
             kwargs["attention_mask"] = None  # all ones: nothing to mask
-        if kwargs.get("past_key_values") is not None:
-            raise ValueError("context parallel got a KV cache (past_key_values); expected "
-                             "None (each rank holds only its slice of the keys): pass "
-                             "past_key_values=None, or build the mesh without cp to generate")
+        for cache in ("past_key_values", "cache"):
+            if kwargs.get(cache) is not None:
+                raise ValueError(f"context parallel got a KV cache ({cache}); expected None "
+                                 f"(each rank holds only its slice of the keys): pass "
+                                 f"{cache}=None, or build the mesh without cp to generate")
         kwargs["use_cache"] = False  # a cache would hold only this rank's keys
         if kwargs.get("position_ids") is None and inputs is not None:
-            positions = torch.arange(offset, offset + chunk, device=inputs.device)
+            positions = torch.arange(where.offset, where.offset + inputs.shape[1],
+                                     device=inputs.device)
             kwargs["position_ids"] = positions.unsqueeze(0)  # rotary angles of our slice
         return args, kwargs
 
@@ -361,6 +413,10 @@ def _torch_ring_attention(cp: DeviceMesh) -> Any:
 
 
 def sequence_slice(tokens: torch.Tensor, mesh: DeviceMesh, *, axis: str = "cp") -> torch.Tensor:
-    """This cp rank's slice of (B, T) tokens or targets."""
+    """This cp rank's slice of (B, T) tokens or targets (T a multiple of cp)."""
     cp = mesh[axis]
+    if tokens.shape[1] % cp.size():
+        raise ValueError(f"sequence_slice: {tokens.shape[1]} tokens do not split evenly over "
+                         f"cp={cp.size()}; expected a multiple of {cp.size()}: trim or pack the "
+                         f"sequences to a multiple of {cp.size()} tokens")
     return tokens.chunk(cp.size(), dim=1)[cp.get_local_rank()].contiguous()

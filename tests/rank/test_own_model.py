@@ -230,7 +230,7 @@ def test_context_parallel_refuses_what_its_attention_cannot_do(cluster: Cluster)
         "padded = torch.ones_like(x)\n"
         "padded[0, 0] = 0\n"
         f"other = {LLAMA.replace('LlamaForCausalLM', 'LlamaModel')}\n"
-        "for call in (lambda: m(x, attention_mask=padded), lambda: m(x[:, :2]),\n"
+        "for call in (lambda: m(x, attention_mask=padded),\n"
         f"             lambda: parallelize({LLAMA}, mesh,\n"
         "                                 ParallelPlan(context_parallel='torch')),\n"
         "             lambda: parallelize(other, mesh, ParallelPlan())):\n"
@@ -243,8 +243,7 @@ def test_context_parallel_refuses_what_its_attention_cannot_do(cluster: Cluster)
     verdict = result.outputs[0].result or ""
     assert verdict.startswith("(True,"), verdict
     for message in ("got an attention_mask of shape (2, 4) that masks some tokens; expected None "
-                    "or all ones", "this rank's slice has 2 tokens; expected seq_len/cp = "
-                    "16/4 = 4", "impl='torch': torch's ring attention is attached to meshlab's "
+                    "or all ones", "impl='torch': torch's ring attention is attached to meshlab's "
                     "Transformer only, not yet to LlamaModel; use impl='meshlab'",
                     "context parallel (cp=4) is applied to meshlab's Transformer and "
                     "transformers' causal LMs"):
