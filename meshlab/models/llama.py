@@ -71,9 +71,16 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
+        wide = x.to(at_least_fp32(x.dtype))  # bf16/fp16 in fp32; float64 stays float64
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) \
             * self.weight
+
+
+def at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model's precision-sensitive parts compute in: fp32 for half types, the
+    given dtype otherwise (a float64 model computes everything in float64, so a float64
+    comparison is exact to float64, not to a float32 norm)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -86,7 +93,7 @@ def rope_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Ten
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotate pairs of channels of x (B, T, H, D) by the first T rows of freqs."""
     freqs = freqs[: x.shape[1]]  # (T, D/2, 2)
-    pairs = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    pairs = x.to(at_least_fp32(x.dtype)).unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
     cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)

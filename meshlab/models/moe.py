@@ -47,7 +47,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, dim) tokens -> top-k expert ids (N, k) and their weights (N, k)."""
-        scores = self.router(x).float()
+        scores = self.router(x).to(torch.promote_types(x.dtype, torch.float32))
         weights, experts = scores.topk(self.top_k, dim=-1)
         weights = F.softmax(weights, dim=-1).type_as(x)
         self.tokens_per_expert += torch.bincount(experts.flatten(),
