@@ -1,0 +1,44 @@
+"""meshlab's own models compute in the dtype they are given: a float64 model is float64
+throughout (its norms, rotary angles and router too), so a float64 comparison against one
+process is exact to float64; half types widen to float32 where precision matters."""
+
+from __future__ import annotations
+
+import torch
+
+from meshlab.models import ModelConfig, Transformer
+from meshlab.models.llama import RMSNorm, apply_rope, rope_frequencies
+
+
+def test_rmsnorm_in_float64_is_float64_math() -> None:
+    x = torch.randn(4, 16, dtype=torch.float64) * 1e3 + 1 / 3
+    norm = RMSNorm(16, eps=1e-6).to(torch.float64)
+    exact = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (norm(x) - exact).abs().max().item() < 1e-13  # float32 inside: ~1e-7
+
+
+def test_rope_in_float64_rotates_in_float64() -> None:
+    x = torch.randn(1, 8, 2, 8, dtype=torch.float64) * 1e3 + 1 / 3
+    freqs = rope_frequencies(8, 8, 10000.0).to(torch.float64)  # the table as the model holds it
+    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
+    real, imag = x[..., 0::2], x[..., 1::2]
+    exact = torch.stack([real * cos - imag * sin, real * sin + imag * cos], -1).flatten(-2)
+    rotated = apply_rope(x, freqs)
+    assert rotated.dtype == torch.float64
+    assert (rotated - exact).abs().max().item() < 1e-12  # float32 inside: ~1e-4 at 1e3
+
+
+def test_half_types_still_norm_in_float32() -> None:
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    out = RMSNorm(16, eps=1e-6).to(torch.bfloat16)(x)
+    wide = x.float() / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide.to(torch.bfloat16))
+
+
+def test_a_float64_moe_routes_in_float64() -> None:
+    model = Transformer(ModelConfig(n_experts=4, top_k=2)).to(torch.float64)
+    moe = model.layers["0"].feed_forward
+    tokens = torch.randn(5, model.cfg.dim, dtype=torch.float64)
+    _, weights = moe.route(tokens)
+    top = moe.router(tokens).topk(2, dim=-1).values.softmax(-1)
+    assert weights.dtype == torch.float64 and torch.equal(weights, top)
