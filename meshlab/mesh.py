@@ -125,6 +125,17 @@ class MeshSpec:
                 views[name] = present
         return views
 
+    def size_of(self, name: str) -> int:
+        """The degree of axis or view ``name`` (1 where the mesh has none), as ``axis_size``
+        reads it off a built mesh: arithmetic only, for checking a plan without ranks."""
+        if name not in AXES and name not in VIEWS:
+            raise ValueError(f"unknown mesh axis {name!r}: ask for one of "
+                             f"{', '.join(AXES + VIEWS)}")
+        dims, views = self.mesh_axes(), self.views()
+        if name in dims:
+            return dims[name]
+        return math.prod(dims[d] for d in views[name]) if name in views else 1
+
     def groups(self) -> dict[str, list[list[int]]]:
         """Every axis and view with its process groups as rank lists (pure arithmetic)."""
         dims = self.mesh_axes()

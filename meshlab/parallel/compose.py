@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from meshlab.mesh import axis_size
-from meshlab.parallel import precision
+from meshlab.parallel import combinations, precision
 from meshlab.parallel.activation_checkpoint import MODES, apply_ac
 from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.context import IMPLEMENTATIONS
@@ -231,48 +231,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     shards and fills them as ``materialize`` fills the whole model in one process: the
     model's own init (or ``init(module)``), seeded by ``seed`` and each module's name
     (meshlab.parallel.materialize)."""
-    tp, dp = axis_size(mesh, "tp"), axis_size(mesh, "dp")
-    if tp > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
-        raise ValueError(f"{plan.data_parallel} with tp={tp}: DDP does not take tensor-parallel "
-                         "(DTensor) parameters; use data_parallel='zero2' or 'zero3' (FSDP2)")
-    if axis_size(mesh, "pp") > 1 and plan.data_parallel in ("ddp", "zero1") and dp > 1:
-        raise ValueError(f"{plan.data_parallel} with pp: DDP's per-micro-batch gradient "
-                         "all-reduce deadlocks against the pipeline's sends; use "
-                         "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
-    if plan.replica_sync != "every_step" and axis_size(mesh, "dp_replicate") < 2:
-        raise ValueError(f"replica_sync={plan.replica_sync!r} synchronises the replicas of a "
-                         "dp_replicate axis, and this mesh has none: build one, e.g. "
-                         "%mesh init dp_replicate=2 dp=2")
-    if plan.replica_sync != "every_step" and (axis_size(mesh, "pp") > 1
-                                              or axis_size(mesh, "ep") > 1):
-        raise ValueError(f"replica_sync={plan.replica_sync!r} with pp or ep is not verified "
-                         "yet: build the mesh without them (dp_replicate x dp_shard x tp x cp)")
-    if axis_size(mesh, "pp") > 1 and plan.grad_accum > 1:
-        raise ValueError(f"grad_accum={plan.grad_accum} with pp={axis_size(mesh, 'pp')}: the "
-                         "pipeline already accumulates over its micro-batches; raise "
-                         f"microbatches instead (microbatches={plan.microbatches * plan.grad_accum}"
-                         ", grad_accum=1)")
-    # local SGD and DiLoCo sync the replicas themselves; the ranks inside one must not drift
-    summed = axis_size(mesh, "dp" if plan.replica_sync == "every_step" else "dp_shard")
-    if summed > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
-        raise ValueError(f"data_parallel='none' with dp={dp}: each dp rank trains on its own "
-                         "rows and nothing sums their gradients, so the replicas drift apart: "
-                         "use data_parallel='ddp', 'zero2' or 'zero3', or build the mesh "
-                         "without dp")
-    if axis_size(mesh, "cp") > 1 and axis_size(mesh, "ep") == 1 and plan.data_parallel == "none":
-        raise ValueError(f"data_parallel='none' with cp={axis_size(mesh, 'cp')}: each cp rank "
-                         "computes gradients from its slice of the sequence, and they must be "
-                         "summed: use data_parallel='ddp', 'zero2' or 'zero3'")
-    if axis_size(mesh, "ep") > 1 and plan.data_parallel != "none":
-        raise ValueError("with ep, expert parallelism averages gradients over the data ranks "
-                         "itself: use data_parallel='none'")
-    if plan.offload_params and data_parallel_ranks(mesh, plan) < 2:
-        raise ValueError("offload_params=True offloads FSDP2's shards, and this mesh has no "
-                         "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
-                         "%mesh init dp=2 tp=2")
+    combinations.check(plan, partial(axis_size, mesh))
     _check_model_supports(model, mesh, plan)
     axes = {a: axis_size(mesh, a) for a in ("tp", "cp", "ep")}
-    precision.check_fp16(plan, axes)
     precision.check_qat(plan, axes, model)
     if plan.qat is not None:  # before the strategies: they shard the fake-quantized Linears
         model = precision.apply_qat(model, plan.qat)
@@ -384,8 +345,7 @@ def apply_autocast(model: nn.Module, device_type: str,
 def data_parallel_ranks(mesh: DeviceMesh, plan: ParallelPlan) -> int:
     """Ranks the data-parallel wrapper reduces gradients over: dp and cp, or with local SGD
     or DiLoCo only those inside a replica."""
-    within = "dp_shard_cp" if axis_size(mesh, "cp") > 1 else "dp_shard"
-    return axis_size(mesh, within if plan.replica_sync != "every_step" else "dp_cp")
+    return combinations.data_parallel_ranks(partial(axis_size, mesh), plan)
 
 
 def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, lr: float = 1e-2,

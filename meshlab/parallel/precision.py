@@ -207,6 +207,14 @@ def check_qat(plan: Any, axes: dict[str, int], model: nn.Module) -> None:
     """Refuse QAT where it is not verified equal to one process, naming the fix."""
     if plan.qat is None:
         return
+    check_qat_axes(plan, axes)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"qat={plan.qat!r} on a model on the meta device: not verified yet; "
+                         "build it on a device (or meshlab.parallel.materialize it) first")
+
+
+def check_qat_axes(plan: Any, axes: dict[str, int]) -> None:
+    """QAT's refusals that depend on the plan and the mesh alone."""
     if axes.get("tp", 1) > 1:
         raise ValueError(f"qat={plan.qat!r} with tp={axes['tp']}: torch's Colwise/RowwiseParallel "
                          "do not take torchao's FakeQuantizedLinear, and a row-wise layer's "
@@ -220,9 +228,6 @@ def check_qat(plan: Any, axes: dict[str, int], model: nn.Module) -> None:
     if plan.replica_sync != "every_step":
         raise ValueError(f"qat={plan.qat!r} with replica_sync={plan.replica_sync!r} is not "
                          "verified equal to one process yet: use replica_sync='every_step'")
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"qat={plan.qat!r} on a model on the meta device: not verified yet; "
-                         "build it on a device (or meshlab.parallel.materialize it) first")
 
 
 def apply_qat(model: nn.Module, scheme: str) -> nn.Module:

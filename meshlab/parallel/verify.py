@@ -141,6 +141,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     ``on_meta``: both models are built on the meta device; the reference is materialized
     whole in one process, the parallel one sharded by parallelize, and their initial
     parameters must be equal exactly (a note says where not)."""
+    check_comparable(plan, optimizer)
     if plan.replica_sync in REPLAYED:
         # which versions and how many local steps an asynchronous run took is known only
         # after it: its reference replays the run's own log, in one process
@@ -181,14 +182,6 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     shape = {"seq": seq, "vocab": vocab, "seed": seed}
     precision, notes = dtype, []
     if plan.mixed_precision:
-        if optimizer == "adamw":
-            raise ValueError(f"mixed_precision={plan.mixed_precision!r} compared with "
-                             "optimizer='adamw': AdamW "
-                             "scales each element's step by its own gradient, so bf16's "
-                             "rounding where a gradient nearly cancels moves parameters far "
-                             "(in one process alone, bf16 against fp32 differs by 0.45 of the "
-                             "parameters' size after 3 steps): pass optimizer='sgd', where "
-                             "bf16 stays within 2e-4 (2e-2 on Gemma)")
         precision, notes = torch.bfloat16, [f"bf16 compute against one process in {dtype}: "
                                             "held to bf16's tolerances"]
         if plan.mixed_precision == "fp16":  # the reference: the same fp16 recipe, one process
@@ -197,12 +190,6 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
                                                "recipe in one process (autocast fp16, "
                                                "GradScaler): held to fp16's tolerances"]
     if plan.qat is not None:
-        if optimizer == "adamw":
-            raise ValueError(f"qat={plan.qat!r} compared with optimizer='adamw': a reordered sum "
-                             "that moves a value across a rounding boundary of the fake "
-                             "quantization moves it a whole step, and AdamW's per-element steps "
-                             "amplify that (in one process alone, 2 accumulated halves move the "
-                             "parameters by 0.18 after 3 steps): pass optimizer='sgd' (1e-3)")
         notes.append(f"qat={plan.qat!r} in both runs: a reordered sum can cross a rounding "
                      "boundary of the fake quantization, so the tolerance is the floor below")
     sizes = [batch_schedule(s) if batch_schedule else batch for s in range(steps)]
@@ -269,6 +256,24 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     if not result.ok:
         result.notes += _suspects(reference, worst)
     return result
+
+
+def check_comparable(plan: ParallelPlan, optimizer: str) -> None:
+    """Refuse a comparison no tolerance can hold, naming the pair and the fix."""
+    if plan.mixed_precision and optimizer == "adamw":
+        raise ValueError(f"mixed_precision={plan.mixed_precision!r} compared with "
+                         "optimizer='adamw': AdamW "
+                         "scales each element's step by its own gradient, so bf16's "
+                         "rounding where a gradient nearly cancels moves parameters far "
+                         "(in one process alone, bf16 against fp32 differs by 0.45 of the "
+                         "parameters' size after 3 steps): pass optimizer='sgd', where "
+                         "bf16 stays within 2e-4 (2e-2 on Gemma)")
+    if plan.qat is not None and optimizer == "adamw":
+        raise ValueError(f"qat={plan.qat!r} compared with optimizer='adamw': a reordered sum "
+                         "that moves a value across a rounding boundary of the fake "
+                         "quantization moves it a whole step, and AdamW's per-element steps "
+                         "amplify that (in one process alone, 2 accumulated halves move the "
+                         "parameters by 0.18 after 3 steps): pass optimizer='sgd' (1e-3)")
 
 
 def _mine(value: torch.Tensor, ref: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
