@@ -212,6 +212,7 @@ def causal_mask(query_pos: torch.Tensor, keys_pos: torch.Tensor, *, window: int 
 
 
 _NAMES = itertools.count()  # transformers' attention registry is global: one name per apply
+_WRAPS: dict[str, str] = {}  # meshlab's implementation -> the model's own one it wraps
 
 
 def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, impl: str,
@@ -230,7 +231,9 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
         raise ValueError(f"context parallel needs {kind} to call its attention through "
                          "transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS), which "
                          "it does not: build the mesh without cp")
-    wrapped = decoder.config._attn_implementation
+    # a rank holding two stages of one model (interleaved schedules) shares their config: the
+    # second stage finds the first's implementation set, and wraps what that one wraps
+    wrapped = _WRAPS.get(decoder.config._attn_implementation, decoder.config._attn_implementation)
     if wrapped not in ("eager", "sdpa"):
         raise ValueError(f"context parallel wraps the model's eager or sdpa attention, and "
                          f"{kind} uses {wrapped!r}: build it with attn_implementation='sdpa' "
@@ -285,6 +288,7 @@ def _apply_cp_transformers(model: nn.Module, cp: DeviceMesh, *, seq_len: int, im
 
     name = f"meshlab_cp_{next(_NAMES)}"
     AttentionInterface.register(name, attention)
+    _WRAPS[name] = wrapped
     # an implementation create_causal_mask does not know: it passes the caller's mask through
     decoder.set_attn_implementation(name)
     if decoder.config._attn_implementation != name:
