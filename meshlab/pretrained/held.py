@@ -46,11 +46,17 @@ def held_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[list[s
 
 def model_class(inner: nn.Module) -> str:
     """The model's own class name (FSDP2 puts a subclass ``FSDP<name>`` over it)."""
+    return model_class_of(inner).__name__
+
+
+def model_class_of(module: nn.Module) -> type[nn.Module]:
+    """A module's own class, under the subclass FSDP2 puts over it."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
-        return type(inner).__name__
-    return next(c for c in type(inner).__mro__ if not issubclass(c, FSDPModule)).__name__
+        return type(module)
+    return next(c for c in type(module).__mro__
+                if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
 
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

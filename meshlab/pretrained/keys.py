@@ -4,9 +4,10 @@ the keys another pipeline stage holds."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from meshlab.parallel.blocks import clean_name
+from meshlab.pretrained.held import model_class_of
 
 Read = Callable[[tuple[slice, ...]], torch.Tensor]
 """Reads a box of one file tensor: its slices -> the tensor there."""
@@ -50,9 +52,28 @@ def _conversions(inner: nn.Module) -> tuple[list[Any], list[Any]]:
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:
         return [], []
-    transforms = get_model_conversion_mapping(inner)  # type: ignore[arg-type]
+    with _own_classes(inner):
+        transforms = get_model_conversion_mapping(inner)  # type: ignore[arg-type]
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+@contextlib.contextmanager
+def _own_classes(model: nn.Module) -> Iterator[None]:
+    """Inside, every module FSDP2 wrapped has its own class again: transformers looks its key
+    renamings up by class name, and FSDP2's ``FSDPGPTNeoXForCausalLM`` has none (a ZeRO-2/3
+    GPT-NeoX refused its own checkpoint: "has no place for: embed_out.weight")."""
+    swapped = []
+    for module in model.modules():
+        own = model_class_of(module)
+        if own is not type(module):
+            swapped.append((module, type(module)))
+            module.__class__ = own
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def map_keys(inner: nn.Module, handles: dict[str, Any], names: dict[str, torch.Tensor]
