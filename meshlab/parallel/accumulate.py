@@ -16,7 +16,7 @@ A batch-size warm-up (``warmup``) is then a number of micro-steps that grows wit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,10 +41,17 @@ def micro_batches(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int
 class GradientSync:
     """Whether a strategy's own gradient hooks reduce in this backward (expert parallel's
     averaging): held back, as DDP's and FSDP's are, in every micro-step but the last. Kept on
-    the model as ``GRADIENT_SYNC``; the hooks read ``now``."""
+    the model as ``GRADIENT_SYNC``; the hooks read ``now``. A pipeline, whose stages run a
+    backward per micro-batch, holds them back for the whole step and calls ``flush`` after
+    the last, which runs each reduction the strategy registered in ``flushes`` once."""
 
     def __init__(self) -> None:
         self.now = True
+        self.flushes: list[Callable[[], None]] = []
+
+    def flush(self) -> None:
+        for reduce in self.flushes:
+            reduce()
 
 
 GRADIENT_SYNC = "_meshlab_gradient_sync"

@@ -37,11 +37,12 @@ def grad_norm(model: nn.Module) -> torch.Tensor:
             if any(pl.is_partial() for pl in g.placements):
                 g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl
                                                for pl in g.placements])
-            key: Any = (id(g.device_mesh), tuple(g.placements))
+            parts = getattr(p, PARTS, None)  # experts split over tp too (EP x TP)
+            key: Any = (id(g.device_mesh), tuple(g.placements), id(parts))
             # every split placement sums (transformers' packed weights are _StridedShard,
             # which is not is_shard())
             groups[key] = [g.device_mesh.get_group(d) for d, pl in enumerate(g.placements)
-                           if not pl.is_replicate()]
+                           if not pl.is_replicate()] + ([parts] if parts is not None else [])
             local = g.to_local()
         else:
             group = getattr(p, PARTS, None)

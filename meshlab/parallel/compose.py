@@ -291,10 +291,12 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
     """Expert, context and tensor parallel, activation checkpointing, data parallel; a
     model on meta gets its memory after FSDP shards it, or before DDP needs it whole."""
     tp = axis_size(mesh, "tp")
-    if axis_size(mesh, "ep") > 1:
+    ep = axis_size(mesh, "ep") > 1
+    if ep:
         from meshlab.parallel.expert import apply_ep
 
-        model = apply_ep(model, mesh)
+        # averaged once the parameters are final: TP replaces them (hooks sit on objects)
+        model = apply_ep(model, mesh, average=False)
     if axis_size(mesh, "cp") > 1:
         from meshlab.parallel.context import apply_cp
 
@@ -304,6 +306,10 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
                          plan=plan.tp_plan)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
+    if ep:
+        from meshlab.parallel.expert import average_gradients
+
+        average_gradients(model, mesh)
     fsdp = plan.data_parallel in ("zero2", "zero3") and data_parallel_ranks(mesh, plan) > 1
     if plan.mixed_precision and not fsdp:
         dtype = precision.compute_dtype(plan.mixed_precision)

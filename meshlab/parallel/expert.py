@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshlab.mesh import axis_size
 from meshlab.models.moe import MoE
 from meshlab.parallel.accumulate import gradient_sync
+from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.materialize import mark_slice
 
 if TYPE_CHECKING:
@@ -57,17 +59,21 @@ def takes(model: nn.Module) -> bool:
     return isinstance(model, Transformer) or EXPERTS in _ep_plan(model).values()
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Module:
+def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep",
+             average: bool = True) -> nn.Module:
     """Keep this rank's slice of the experts, send tokens to their experts' ranks, and
-    average gradients like one process would."""
+    average gradients like one process would (``average=False``: not yet; a trainer that
+    goes on to replace the parameters, as tensor parallel does, calls ``average_gradients``
+    once they are final: hooks and marks sit on parameter objects)."""
     ep = mesh[axis]
     size, rank = ep.size(), ep.get_local_rank()
     from meshlab.models import Transformer
 
     if not isinstance(model, Transformer) and _ep_plan(model):
-        experts = _apply_ep_transformers(model, ep.get_group(), size, rank)
-        _average_gradients(model, mesh, experts)
-        _mark_parts(model, experts, ep.get_group())
+        kept = _apply_ep_transformers(model, ep.get_group(), size, rank)
+        _remember_experts(model, kept)
+        if average:
+            average_gradients(model, mesh)
         return model
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
@@ -89,24 +95,41 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> nn.Modu
                                local=local)
         moe.register_buffer("tokens_received", torch.zeros(local, dtype=torch.long),
                             persistent=False)
-    experts = {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)}
-    _average_gradients(model, mesh, experts)
-    _mark_parts(model, experts, ep.get_group())
+    _remember_experts(model, {id(p) for moe in moes for p in (moe.w1, moe.w2, moe.w3)})
+    if average:
+        average_gradients(model, mesh)
     return model
 
 
-def _mark_parts(model: nn.Module, experts: set[int], group: Any) -> None:
-    """Each ep rank holds other experts: the whole model's gradient norm sums theirs."""
+EXPERT_NAMES = "_meshlab_expert_parameters"
+
+
+def _remember_experts(model: nn.Module, kept: set[int]) -> None:
+    """The expert slices' names (ids do not survive a strategy that replaces parameters)."""
+    names = {clean_name(n) for n, p in model.named_parameters() if id(p) in kept}
+    object.__setattr__(model, EXPERT_NAMES, names)
+
+
+def average_gradients(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -> None:
+    """Average gradients over the data ranks as one process would, on the parameters the
+    model holds now, and mark the expert slices for the gradient norm (each ep rank holds
+    other experts, so the whole model's norm sums theirs)."""
     from meshlab.parallel.clip import PARTS
 
+    names: set[str] = getattr(model, EXPERT_NAMES, set())
+    experts = {id(p) for n, p in model.named_parameters() if clean_name(n) in names}
+    _average_gradients(model, mesh, experts)
+    group = mesh[axis].get_group()
     for p in model.parameters():
         if id(p) in experts:
             setattr(p, PARTS, group)
 
 
 def _ep_plan(model: nn.Module) -> dict[str, str]:
-    """transformers' EP plan of a model (its config's ``base_model_ep_plan``), or {}."""
-    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None)
+    """transformers' EP plan of a model, or of the model a pipeline stage is part of (its
+    config's ``base_model_ep_plan``), or {}."""
+    owner = getattr(model, "causal_lm", model)  # a stage keeps the causal LM it came from
+    plan = getattr(getattr(owner, "config", None), "base_model_ep_plan", None)
     return dict(plan) if isinstance(plan, dict) else {}
 
 
@@ -197,23 +220,28 @@ def _average_gradients(model: nn.Module, mesh: DeviceMesh, experts: set[int]) ->
     replica_group = _expert_replica_group(mesh) if replicas > 1 else None
     # gradient accumulation holds the reduction back to the last micro-step: the hook sees
     # the accumulated .grad, so reducing it every micro-step would scale the earlier ones
-    # by 1/data again and again
+    # by 1/data again and again (a pipeline holds it for the whole step: sync.flush)
     sync = gradient_sync(model)
+    reduced = [(p, replica_group if id(p) in experts else dp_group)
+               for p in model.parameters() if p.requires_grad]
 
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        group = replica_group if id(p) in experts else dp_group
+    def reduce(param: torch.Tensor, group: Any) -> None:
+        assert param.grad is not None
+        # a tensor-parallel gradient: the data ranks hold the same shard of it
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        grad.div_(data)
 
-        def hook(param: torch.Tensor, group: Any = group) -> None:
-            assert param.grad is not None
-            if not sync.now:
-                return
-            if group is not None:
-                dist.all_reduce(param.grad, group=group)
-            param.grad.div_(data)
+    def reduce_all() -> None:
+        for param, group in reduced:
+            if param.grad is not None:
+                reduce(param, group)
 
-        p.register_post_accumulate_grad_hook(hook)
+    sync.flushes.append(reduce_all)
+    for p, group in reduced:
+        p.register_post_accumulate_grad_hook(
+            lambda param, group=group: reduce(param, group) if sync.now else None)
 
 
 def _expert_replica_group(mesh: DeviceMesh) -> Any:

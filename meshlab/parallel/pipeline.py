@@ -78,7 +78,21 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
         transformer.output = None
     transformer.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn or next_token_loss,
                                     axis=axis)
+    hold_reductions(transformer.pipeline, stages)
     return model
+
+
+def hold_reductions(pipeline: Executor, stages: dict[int, nn.Module]) -> None:
+    """A strategy's own gradient reductions (expert parallel's) run once a step, after the
+    last micro-batch's backward: each stage runs a backward per micro-batch, and reducing
+    the accumulated gradient in every one would count the earlier ones again."""
+    from meshlab.parallel.accumulate import GRADIENT_SYNC
+
+    for stage in stages.values():
+        sync = getattr(stage, GRADIENT_SYNC, None)
+        if sync is not None:
+            sync.now = False
+            pipeline.after_backward.append(sync.flush)
 
 
 def stage_starts(split_points: Sequence[str], blocks: str, n_blocks: int, stages: int
@@ -272,6 +286,7 @@ def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: 
         model.model.norm = None
         model.lm_head = None
     model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
+    hold_reductions(model.pipeline, stages)
     if tied:
         copies = TiedCopies(stages, schedule.stages, mesh, axis, schedule.stage_to_rank)
         model.pipeline.after_backward.append(copies.sum_gradients)
