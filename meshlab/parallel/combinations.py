@@ -34,11 +34,13 @@ def check(plan: ParallelPlan, sizes: Sizes) -> None:
     meshlab does not run, naming the pair and the fix."""
     tp, dp, pp, cp, ep = (sizes(a) for a in ("tp", "dp", "pp", "cp", "ep"))
     dp_kind = plan.data_parallel
-    if tp > 1 and dp_kind in ("ddp", "zero1") and dp > 1:
+    # DDP reduces over the cp ranks too: a mesh without dp still wraps the model with cp
+    ddp = dp_kind in ("ddp", "zero1") and data_parallel_ranks(sizes, plan) > 1
+    if tp > 1 and ddp:
         raise ValueError(f"data_parallel={dp_kind!r} with tp={tp}: DDP does not take tensor-"
                          "parallel (DTensor) parameters; use data_parallel='zero2' or 'zero3' "
                          "(FSDP2)")
-    if pp > 1 and dp_kind in ("ddp", "zero1") and dp > 1:
+    if pp > 1 and ddp:
         raise ValueError(f"data_parallel={dp_kind!r} with pp={pp}: DDP's per-micro-batch "
                          "gradient all-reduce deadlocks against the pipeline's sends; use "
                          "data_parallel='zero2' or 'zero3' (FSDP2), as torchtitan does")
@@ -73,6 +75,16 @@ def check(plan: ParallelPlan, sizes: Sizes) -> None:
         raise ValueError("offload_params=True offloads FSDP2's shards, and this mesh has no "
                          "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
                          "%mesh init dp=2 tp=2")
+    if pp > 1 and plan.activation_checkpoint == "selective":
+        schedule = plan.schedule(pp)
+        if any(a is not None and a.kind == "W" for row in schedule.actions.values()
+               for a in row):
+            raise ValueError(f"activation_checkpoint='selective' with pipeline_schedule="
+                             f"{schedule.name!r}: that schedule runs each micro-batch's "
+                             "backward in two passes (input, then weights), and torch's "
+                             "selective checkpointing allows one backward per region: use "
+                             "activation_checkpoint='full', or a schedule without a W pass "
+                             "(1f1b, interleaved_1f1b, gpipe)")
     axes = {a: sizes(a) for a in ("tp", "cp", "ep")}
     precision.check_fp16(plan, axes)
     if plan.qat is not None:
