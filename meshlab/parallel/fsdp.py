@@ -22,8 +22,12 @@ if TYPE_CHECKING:
 def fsdp_mesh(mesh: DeviceMesh, replicate: bool = True) -> DeviceMesh:
     """The (dp_replicate,) dp_shard_cp part of the mesh that FSDP shards over; without
     ``replicate`` only dp_shard_cp (replicas that synchronise on their own: local SGD)."""
+    from meshlab.mesh import axis_size
+
     dims = mesh.mesh_dim_names or ()
     shard = "dp_shard_cp"
+    if axis_size(mesh, shard) == 1:  # replicas only (pp=2 dp_replicate=2): ZeRO over them
+        return mesh["dp_replicate"]
     return mesh[("dp_replicate", shard)] if "dp_replicate" in dims and replicate \
         else mesh[shard]
 

@@ -114,8 +114,9 @@ class LossScaledOptimizer(torch.optim.Optimizer):
         device = _device(optimizer)
         # one found-inf decision for the world: every TP, PP and DP rank skips together
         self.scaler: torch.amp.GradScaler = (
-            ShardedGradScaler(device.type, init_scale=init_scale,
-                              growth_interval=growth_interval, process_group=dist.group.WORLD)
+            _scaler_class(ShardedGradScaler)(device.type, init_scale=init_scale,
+                                             growth_interval=growth_interval,
+                                             process_group=dist.group.WORLD)
             if distributed else torch.amp.GradScaler(device.type, init_scale=init_scale,
                                                      growth_interval=growth_interval))
         # the scale exists from the start: pipeline ranks without the loss never call scale()
@@ -178,6 +179,31 @@ class LossScaledOptimizer(torch.optim.Optimizer):
             self._scaled = True
 
         pipeline.after_backward.append(mark)
+
+
+def _scaler_class(base: type) -> type:
+    """``base`` (torch's ShardedGradScaler) unscaling DTensor gradients apart from plain ones:
+    its one foreach call per device and dtype refuses a list of both ("got mixed torch.Tensor
+    and DTensor"), which tensor parallel without FSDP leaves (a pipeline stage on pp x tp)."""
+
+    class ScalerOverBothKinds(base):
+        def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor,
+                            found_inf: torch.Tensor, allow_fp16: bool = True) -> Any:
+            from types import SimpleNamespace
+
+            from torch.distributed.tensor import DTensor
+
+            kinds: dict[bool, list[torch.Tensor]] = {}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    kinds.setdefault(isinstance(p.grad, DTensor), []).append(p)
+            found: dict[Any, torch.Tensor] = {}
+            for params in kinds.values():  # each call adds to the same found_inf
+                part = SimpleNamespace(param_groups=[{"params": params}])
+                found.update(super()._unscale_grads_(part, inv_scale, found_inf, allow_fp16))
+            return found
+
+    return ScalerOverBothKinds
 
 
 def _device(optimizer: torch.optim.Optimizer) -> torch.device:
