@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlab.models import global_batch
-from meshlab.parallel.compose import ParallelPlan
+from meshlab.parallel.compose import ParallelPlan, apply_autocast
 from meshlab.parallel.precision import LossScaledOptimizer
 from meshlab.parallel.training import LossFn, one_process_optimizer, replica_rows, train
 
@@ -47,7 +47,9 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
         ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
                                       world=False)
     ref_losses = train(reference, ref_opt, whole, loss=loss)
-    if not plan.mixed_precision and batch % 2 == 0:
+    # bf16 is held against float32 at fixed tolerances; fp16 against the same recipe, whose
+    # own rounding the floor measures as it measures float32 parts in a float64 model
+    if plan.mixed_precision in (False, "fp16") and batch % 2 == 0:
         probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
         floor = _reordering_floor(*probe)
         above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
@@ -59,11 +61,12 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
         elif above:
             loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
             param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
+            why = ("fp16's own rounding" if plan.mixed_precision == "fp16" else
+                   f"{type(reference).__name__} computes parts in a lower precision than "
+                   f"{dtype}")
             notes.append(f"in one process alone, the same batches in 2 accumulated halves "
                          f"move the losses by {floor[0]:.1e} and the parameters by "
-                         f"{floor[1]:.1e}: {type(reference).__name__} computes parts in a "
-                         f"lower precision than {dtype} (e.g. norms or a router's softmax "
-                         f"in float32), so both runs can agree no closer: held to "
+                         f"{floor[1]:.1e}: {why}, so both runs can agree no closer: held to "
                          f"{FLOOR_MARGIN}x that")
     scaler = ((ref_opt.skipped_steps, ref_opt.loss_scale)
               if isinstance(ref_opt, LossScaledOptimizer) else None)
@@ -83,8 +86,12 @@ def _reordering_floor(build: Callable[[], torch.nn.Module], reference: torch.nn.
     twin = build()
     if not halves:
         torch.manual_seed(torch.initial_seed() + 1)
-    losses = train(twin, one_process_optimizer(twin, lr, optimizer, plan.max_grad_norm), batches,
-                   loss=loss, grad_accum=2 if halves else 1)
+    opt = one_process_optimizer(twin, lr, optimizer, plan.max_grad_norm)
+    if plan.mixed_precision == "fp16":  # the reference's recipe: autocast fp16, loss scaling
+        device = next(twin.parameters()).device.type
+        apply_autocast(twin, device, torch.float16)
+        opt = LossScaledOptimizer(opt, twin, init_scale=plan.loss_scale, world=False)
+    losses = train(twin, opt, batches, loss=loss, grad_accum=2 if halves else 1)
     expected = dict(reference.named_parameters())
     params = max(((p.detach() - expected[n].detach()).abs().max()
                   / expected[n].detach().abs().max().clamp_min(1e-12)).item()

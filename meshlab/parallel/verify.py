@@ -48,6 +48,7 @@ from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import reused_references
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import ParallelPlan, apply_autocast, build_optimizer, parallelize
+from meshlab.parallel.float64_variant import float64_throughout
 from meshlab.parallel.materialize import materialize
 from meshlab.parallel.precision import LossScaledOptimizer, apply_qat
 from meshlab.parallel.reference_run import train_reference
@@ -140,8 +141,31 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     ``batch`` rows where it grows, the reference one step on the whole batch.
     ``on_meta``: both models are built on the meta device; the reference is materialized
     whole in one process, the parallel one sharded by parallelize, and their initial
-    parameters must be equal exactly (a note says where not)."""
+    parameters must be equal exactly (a note says where not).
+
+    A float64 comparison runs the float64 variant of the model in both runs (every float32
+    it asks for is float64: meshlab.parallel.float64_variant), so parts it computes in
+    float32 (norms, routers) leave no noise for an error to hide in."""
     check_comparable(plan, optimizer)
+    # activation checkpointing recomputes in backward, outside any mode the forward saw: its
+    # runs keep the model's float32 parts, held to the floor they measure instead
+    widen = dtype == torch.float64 and plan.activation_checkpoint == "none"
+    with float64_throughout(widen) as widening:
+        result = _compare(model, mesh, plan, steps=steps, batch=batch, seq=seq, lr=lr,
+                          dtype=dtype, loss=loss, vocab=vocab, seed=seed, optimizer=optimizer,
+                          batch_schedule=batch_schedule, on_meta=on_meta, widen=widen)
+    if widening is not None and widening.widened:
+        result.notes.insert(0, "the model computes parts in float32 even in float64 (norms, "
+                               "a router's softmax, rotary angles): both runs computed them "
+                               "in float64 (meshlab.parallel.float64_variant)")
+    return result
+
+
+def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMesh,
+             plan: ParallelPlan, *, steps: int, batch: int, seq: int, lr: float,
+             dtype: torch.dtype, loss: LossFn, vocab: int | None, seed: int, optimizer: str,
+             batch_schedule: Callable[[int], int] | None, on_meta: bool, widen: bool
+             ) -> Comparison:
     if plan.replica_sync in REPLAYED:
         # which versions and how many local steps an asynchronous run took is known only
         # after it: its reference replays the run's own log, in one process
@@ -202,7 +226,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
         [reference] + [build() for _ in range(axis_size(mesh, "dp_replicate") - 1)])
     # the settings the one-process run depends on: a reuse (reused_references) keys on them
     settings = (model if isinstance(model, ModelConfig) else factory, dtype, optimizer, lr,
-                tuple(sizes), batch, seq, vocab, seed, loss, on_meta,
+                tuple(sizes), batch, seq, vocab, seed, loss, on_meta, widen,
                 reused_references.reference_plan(plan))
     alone = reused_references.trained(settings, replicas, lambda: train_reference(
         replicas, build, plan, shape, sizes, lr, optimizer, loss, TOLERANCES[precision], dtype,
