@@ -197,7 +197,8 @@ def _ring(p: int) -> tuple[Round, ...]:
 def _halving_doubling(p: int) -> tuple[Round, ...]:
     """Rabenseifner's all-reduce: a reduce-scatter by recursive vector halving and distance
     doubling, then an all-gather by vector doubling and distance halving: 2 log2 p rounds,
-    each member sending 2(p-1)/p of the buffer. For p not a power of two, the standard fold
+    each member sending 2(p-1)/p of the buffer when p is a power of two. Otherwise the fold
+    loads members unequally (p=3: 1, 2 and 1 buffers; p=6: up to 2.5). The standard fold
     (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations
     in MPICH", IJHPCA 19(1), 49-66; MPICH's allreduce does the same): of the first 2r
     members (r = p minus the largest power of two q below it) each even one sends its whole

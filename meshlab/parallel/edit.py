@@ -27,11 +27,13 @@ What we could not check, and chose: only the paper's abstract was retrievable he
 section or equation numbers are cited; the penalty's three parts (anomaly elimination,
 weighted averaging, clipping) are computed as the authors' released code computes them
 (dlrover atorch ``local_sgd``: OnlineDynamicEWMA, the softmax-of-negative-norm reducer,
-``clip_pseudo_grad``). ``Penalty``'s defaults are that code's: α=0.02, δ=3, the z-test only
-after 120 syncs of history, T=1, and no clip unless φ is given (a fixed φ suits one model's
-scale only). Left out: that code's dynamic threshold (δ times the spread of recent z-scores)
-and A-EDiT step-count weighting (both off by default there), and keeping the backup and
-outer momentum in host memory.
+``clip_pseudo_grad``): the EMA mean starting from 0, the variance by Welford's update on the
+EMA, z-scores only after the warm-up, and the dynamic threshold (δ times the spread of the
+recent z-scores, at least δ). ``Penalty``'s defaults are that code's: α=0.02, δ=3, T=1, no
+clip unless φ is given (a fixed φ suits one model's scale only); the warm-up is 120 syncs
+(the detector's own default is 100 updates). Left out: A-EDiT step-count weighting (off by
+default there), and keeping the backup and outer momentum in host memory. Where that code
+may differ still: whether a norm it leaves out joins the statistics (here: no).
 
 EDiT's result is the same penalised DiLoCo step taken at the end of the round:
 meshlab.parallel.verify checks it against its one-process reference, and A-EDiT against a
@@ -41,8 +43,10 @@ replay of its logged step counts (both in meshlab.parallel.edit_replay; float64,
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -82,25 +86,40 @@ class Penalty:
 
 @dataclass(slots=True)
 class Running:
-    """The EMA mean and variance of one replica's pseudo-gradient norms on one block."""
+    """One replica's detector on one block, as the authors' released code keeps it (atorch's
+    OnlineDynamicEWMA): the EMA mean (from 0) and variance of its pseudo-gradient norms, and
+    the z-scores of the last ``warmup`` norms it took in."""
 
     mean: float = 0.0
     var: float = 0.0
     count: int = 0
+    recent: deque[float] = field(default_factory=deque)
+
+    def z(self, norm: float, penalty: Penalty) -> float:
+        """``norm``'s z-score: 0 during the warm-up or with no spread yet."""
+        std = math.sqrt(self.var) if self.count >= 2 else 0.0
+        return 0.0 if std == 0 or self.count < penalty.warmup else (norm - self.mean) / std
 
     def anomalous(self, norm: float, penalty: Penalty) -> bool:
-        """Not finite, or (warmed up) a z-score above δ."""
+        """Not finite, or (warmed up) a z-score above δ times the spread of the recent
+        z-scores (at least 1: the dynamic threshold)."""
         if not math.isfinite(norm):
             return True
-        ready = self.count >= penalty.warmup and self.var > 0
-        return ready and (norm - self.mean) / math.sqrt(self.var) > penalty.threshold
+        if self.count < penalty.warmup:
+            return False
+        spread = statistics.stdev(self.recent) if len(self.recent) > 1 else 0.0
+        return self.z(norm, penalty) > penalty.threshold * max(1.0, spread)
 
-    def add(self, norm: float, alpha: float) -> None:
-        """Take ``norm`` into the statistics (the first one is the mean)."""
-        d = norm - self.mean if self.count else 0.0
-        self.mean = self.mean + alpha * d if self.count else norm
-        self.var = (1 - alpha) * (self.var + alpha * d * d)
+    def add(self, norm: float, penalty: Penalty) -> None:
+        """Take ``norm`` into the statistics (Welford's update on the EMA), then its z-score
+        into the recent ones."""
         self.count += 1
+        d = norm - self.mean
+        self.mean += penalty.alpha * d
+        self.var = (1 - penalty.alpha) * (self.var + penalty.alpha * d * (norm - self.mean))
+        self.recent.append(self.z(norm, penalty))
+        while len(self.recent) > penalty.warmup:
+            self.recent.popleft()
 
 
 def weigh(norms: Sequence[float], running: Sequence[Running], penalty: Penalty) -> list[float]:
@@ -109,7 +128,7 @@ def weigh(norms: Sequence[float], running: Sequence[Running], penalty: Penalty) 
     kept = [not r.anomalous(g, penalty) for g, r in zip(norms, running, strict=True)]
     for g, r, keep in zip(norms, running, kept, strict=True):
         if keep:
-            r.add(g, penalty.alpha)
+            r.add(g, penalty)
     if not any(kept):
         return [0.0] * len(norms)
     low = min(g for g, keep in zip(norms, kept, strict=True) if keep)  # exp() cannot overflow

@@ -263,3 +263,17 @@ def test_profile_keeps_the_measured_crossover_through_its_file(tmp_path) -> None
     assert "allreduce_crossover" not in (tmp_path / "old.toml").read_text()
     with pytest.raises(ValueError, match="unknown all-reduce algorithms"):
         replace(hw, allreduce_crossover_bytes={"butterfly": 1.0})
+
+
+def test_halving_doubling_sends_2_p_minus_1_over_p_only_at_powers_of_two() -> None:
+    # the fold for other p: the odd member of each folded pair sends its share and the result
+    from meshlab.allreduce import rounds
+
+    def sent(p: int) -> list[float]:
+        steps = rounds("halving_doubling", p)
+        return [sum(step.sent_by(m) for step in steps) for m in range(p)]
+
+    for p in (2, 4, 8):
+        assert sent(p) == pytest.approx([2 * (p - 1) / p] * p)
+    assert sent(3) == pytest.approx([1.0, 2.0, 1.0])
+    assert max(sent(6)) == pytest.approx(2.5)
