@@ -19,10 +19,17 @@ Blocks = nn.ModuleList | nn.ModuleDict
 
 class PassThrough(nn.Module):
     """Stands in for a block (or a norm) another pipeline stage holds: hands its first input
-    on; the blocks around it keep their indices."""
+    on, first of a ``width``-tuple (the rest None) where the blocks it stands for return
+    tuples (Falcon reads ``outputs[0]``, Bamba unpacks two); the blocks around it keep their
+    indices."""
+
+    def __init__(self, width: int = 0) -> None:
+        super().__init__()
+        self.width = width
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
+        x = args[0] if args else next(iter(kwargs.values()))
+        return (x, *[None] * (self.width - 1)) if self.width else x
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]:
@@ -30,14 +37,17 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]
     for and the argument that fixes it."""
     if path is not None:
         return path, _at(model, path)
-    candidates = {name: m for name, m in model.named_modules()
-                  if isinstance(m, Blocks) and len(_own(m)) == 1}
+    owner = model.__dict__.get("causal_lm", model)  # a pipeline stage: the model it came from
+    named = set(getattr(owner, "_no_split_modules", None) or ())  # transformers' block classes
+    # one block class, or several that transformers names (Jamba's attention and Mamba blocks)
+    candidates = {name: m for name, m in model.named_modules() if isinstance(m, Blocks)
+                  and (len(_own(m)) == 1 or {c.__name__ for c in _own(m)} <= named != set())}
     if not candidates:
         raise ValueError(f"found no repeated blocks in {type(model).__name__} (looked for a "
                          "ModuleList or ModuleDict of one block class): name them with "
                          "ParallelPlan(blocks='path.to.layers')")
-    named = set(getattr(model, "_no_split_modules", None) or ())  # transformers' block class
-    preferred = {n: m for n, m in candidates.items() if _own(m).pop().__name__ in named}
+    preferred = {n: m for n, m in candidates.items()
+                 if {c.__name__ for c in _own(m)} <= named}
     pool = preferred or candidates
     return max(pool.items(), key=lambda item: sum(p.numel() for p in item[1].parameters()))
 

@@ -56,7 +56,7 @@ EXPERTS, STACKED = "ep_dispatch_experts", "grouped_gemm"
 def takes(model: nn.Module) -> bool:
     from meshlab.models import Transformer
 
-    return isinstance(model, Transformer) or EXPERTS in _ep_plan(model).values()
+    return isinstance(model, Transformer) or bool(_experts_modules(model))
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep",
@@ -140,6 +140,13 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(rf"(?:.+\.)?{regex}", name) is not None
 
 
+def _experts_modules(model: nn.Module) -> list[tuple[str, Any]]:
+    """The experts modules the model's EP plan names, by name."""
+    plan = _ep_plan(model)
+    return [(name, module) for name, module in model.named_modules()
+            if any(s == EXPERTS and _matches(p, name) for p, s in plan.items())]
+
+
 def _apply_ep_transformers(model: nn.Module, group: Any, size: int, rank: int) -> set[int]:
     """Split the experts modules the model's EP plan names; the ids of the kept slices."""
     plan, kind = _ep_plan(model), type(model).__name__
@@ -148,9 +155,8 @@ def _apply_ep_transformers(model: nn.Module, group: Any, size: int, rank: int) -
         raise ValueError(f"{kind}'s EP plan has {unknown}; meshlab's expert parallel splits "
                          f"only {EXPERTS!r} modules and their {STACKED!r} weights: build the "
                          "mesh without ep")
-    modules = [(name, module) for name, module in model.named_modules()
-               if any(s == EXPERTS and _matches(p, name) for p, s in plan.items())]
-    if not modules:
+    modules = _experts_modules(model)
+    if not modules and "causal_lm" not in model.__dict__:  # a stage's blocks may hold none
         raise ValueError(f"{kind}'s EP plan names experts modules {sorted(plan)} but the model "
                          "has none of them: build the mesh without ep")
     kept: set[int] = set()

@@ -21,11 +21,12 @@ import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from meshlab.parallel.agree import agree
 from meshlab.parallel.blocks import clean_name
 
 Init = Callable[[nn.Module], None]
@@ -140,6 +141,8 @@ def materialize(model: nn.Module, origins: Origins | None = None, *,
 
     meta = {clean_name(n) for n, t in _named_tensors(model) if t.device.type == "meta"}
     if not meta:
+        if _fake is None:
+            _agree(None)  # a pipeline stage with nothing left to fill still takes part
         return model
     origins = origins or record(model)
     device = torch.device(device) if device is not None else runtime.device()
@@ -306,10 +309,13 @@ def _swap(module: nn.Module, attr: str, t: torch.Tensor) -> torch.Tensor:
 def _part(target: torch.Tensor, full: torch.Tensor, owner: nn.Module | None, name: str
           ) -> torch.Tensor:
     """This rank's part of ``full`` for ``target``: its DTensor shard, an expert slice
-    (``mark_slice``), or all of it."""
+    (``mark_slice``), both (experts split over ep, then over tp), or all of it."""
     if _is_dtensor(target):
         from torch.distributed.tensor import distribute_tensor
 
+        whole = cast(Any, target).shape  # the DTensor's global shape: its experts only, on ep
+        if tuple(whole) != tuple(full.shape):
+            full = _part(torch.empty(whole, device="meta"), full, owner, name)
         # src_data_rank=None: each rank cuts its own part, nothing is sent
         return distribute_tensor(full, target.device_mesh, target.placements,  # type: ignore[attr-defined]
                                  src_data_rank=None).to_local()
@@ -326,18 +332,8 @@ def _part(target: torch.Tensor, full: torch.Tensor, owner: nn.Module | None, nam
 
 
 def _agree(problem: str | None) -> None:
-    """Every rank raises when any rank could not fill its part (one raising alone would
-    leave the others waiting in their first collective)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([1 if problem else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and problem is None:
-            problem = ("another rank could not initialize its part of the meta-device model "
-                       "(its error says which tensor)")
-    if problem:
-        raise ValueError(problem)
+    agree(problem, "another rank could not initialize its part of the meta-device model (its "
+                   "error says which tensor)")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

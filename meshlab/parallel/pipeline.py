@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.blocks import PassThrough, holds, shallow_copy
+from meshlab.parallel.agree import agree
 from meshlab.parallel.clip import COPY
+from meshlab.parallel.pipeline_stage import tied_weight
 from meshlab.schedules.actions import Schedule, ScheduleError
 from meshlab.schedules.execute import Executor, stage_modules
 
@@ -30,14 +31,18 @@ if TYPE_CHECKING:
 def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
-             split_points: Sequence[str] | None = None, axis: str = "pp") -> nn.Module:
-    """Cut ``model`` (a meshlab Transformer) down to this rank's stages of ``schedule``, in
-    place, and parallelize each stage with ``parallelize_stage``; then
+             split_points: Sequence[str] | None = None, blocks: str | None = None,
+             axis: str = "pp") -> nn.Module:
+    """Cut ``model`` (meshlab's Transformer, or any model of repeated blocks: transformers'
+    models, one written in a cell) down to this rank's stages of ``schedule``, in place, and
+    parallelize each stage with ``parallelize_stage``; then
     ``model.pipeline.step(inputs, targets)`` runs one forward+backward and returns the loss.
 
     ``split_points``: the blocks that open stages 1, 2, ... as torchtitan names them
     (``["layers.3"]``; ``["model.layers.3"]`` on a transformers model); None splits the
-    blocks as evenly as the counts allow.
+    blocks as evenly as the counts allow. ``blocks``: where the blocks are, when they
+    cannot be found (meshlab.parallel.blocks). Any model but meshlab's is split as
+    meshlab.parallel.pipeline_stage says, and the split is proved on a probe batch first.
 
     The model keeps the full model's parameter names; ``model.pipeline`` is the executor
     (``.stages`` its torch PipelineStages, ``.advance(n)`` steps it slot by slot).
@@ -50,17 +55,23 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
         raise ScheduleError(f"the schedule has {schedule.ranks} ranks but the {axis} axis has "
                             f"{pp.size()}: build it with ranks={pp.size()}")
     mine = schedule.stages_of(pp.get_local_rank())
-    causal_lm = is_causal_lm(model)
-    blocks = "model.layers" if causal_lm else "layers"
+    from meshlab.models import Transformer
+
+    if not isinstance(model, Transformer):
+        return _apply_pp_any(model, mesh, schedule, mine, loss_fn or next_token_loss,
+                             parallelize_stage, split_points, blocks, axis)
     starts = (None if split_points is None else
-              stage_starts(split_points, blocks, len(cast(nn.ModuleList, model.get_submodule(
-                  blocks))), schedule.stages))
-    if causal_lm:
-        return _apply_pp_causal_lm(model, mesh, schedule, mine, loss_fn or next_token_loss,
-                                   parallelize_stage, starts, axis)
+              stage_starts(split_points, "layers", len(cast(nn.ModuleDict, model.layers)),
+                           schedule.stages))
     stages = stage_modules(model, mine, schedule.stages, starts)
     if parallelize_stage is not None:
-        stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
+        problem = None
+        try:
+            stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
+        except ValueError as e:  # what one stage holds: the other stages' ranks must hear it
+            problem = str(e)
+        agree(problem, "a rank of another pipeline stage refused its part of the plan (its "
+                       "error says why)")
     # The model keeps only its stages' parts (with any wrapper a stage put on a block).
     layers = cast(nn.ModuleDict, model.layers)
     kept = {name: block for stage in stages.values()
@@ -117,110 +128,14 @@ def stage_starts(split_points: Sequence[str], blocks: str, n_blocks: int, stages
     return starts
 
 
-# -- a transformers causal LM (embed_tokens, layers, norm under .model; lm_head) --------------
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers causal LM laid out as transformers' own pipeline split takes it:
-    model.embed_tokens, model.layers, model.norm, then lm_head."""
-    inner = getattr(model, "model", None)
-    parts = [getattr(inner, name, None) for name in ("embed_tokens", "layers", "norm")]
-    return (isinstance(getattr(model, "lm_head", None), nn.Module)
-            and all(isinstance(part, nn.Module) for part in parts)
-            and isinstance(parts[1], nn.ModuleList))
-
-
-class CausalLMStage(nn.Module):
-    """One pipeline stage of a transformers causal LM, running the model's own forward as
-    transformers' pipeline split does: blocks of other stages are pass-throughs (so each block
-    keeps its index, and whatever the forward reads by index, like Gemma's layer types, stays
-    right); a later stage enters through ``inputs_embeds``; the last stage runs the causal
-    LM's forward, so its final norm, head and whatever follows (logit softcapping) run as the
-    model wrote them. A head tied to the embedding is the stage's own copy here, kept equal
-    to the first stage's by the pipeline (see TiedCopies)."""
-
-    def __init__(self, model: Any, owned: range, *, first: bool, last: bool) -> None:
-        super().__init__()
-        base = shallow_copy(model.model)
-        base.layers = nn.ModuleList(block if i in owned else PassThrough()
-                                    for i, block in enumerate(model.model.layers))
-        if not first:
-            base.embed_tokens = None  # a later stage enters through inputs_embeds
-        if not last:
-            base.norm = PassThrough()
-        self.model = base
-        self.lm_head = None
-        if last:
-            head: Any = model.lm_head
-            if not first and _tied(model):  # its own copy: the first stage holds the other
-                head = shallow_copy(head)
-                head.weight = nn.Parameter(head.weight.detach().clone())
-            self.lm_head = head
-        self.first, self.last = first, last
-        # the causal LM's forward over this stage's parts (not a child: they are ours)
-        causal_lm = shallow_copy(model)
-        causal_lm._modules.update(model=base, lm_head=self.lm_head)
-        self.__dict__["causal_lm"] = causal_lm
-        if not first:
-            _enter_at(cast(nn.Module, base.layers[owned[0]]), self)
-        self._entering: torch.Tensor | None = None
-        # the model's TP plan, less the parts another stage holds (paths are the same here)
-        plan = getattr(model, "_tp_plan", None) or {}
-        self._tp_plan = {path: style for path, style in plan.items()
-                         if holds(self, path.split(".*")[0])}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the first stage takes token ids (B, T); the others hidden states (B, T, H)
-        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        self._entering = None if self.first else x
-        try:
-            if self.last:
-                return cast(torch.Tensor,
-                            cast(Any, self.causal_lm)(**given, use_cache=False).logits)
-            return cast(torch.Tensor,
-                        cast(Any, self.model)(**given, use_cache=False).last_hidden_state)
-        finally:
-            self._entering = None
-
-
-def _enter_at(block: nn.Module, stage: CausalLMStage) -> None:
-    """The stage's input enters at its first block. A model may change ``inputs_embeds``
-    before its blocks (Granite scales it; GPT-2 adds positions): that is the first stage's
-    business, so the block gets the stage's input instead, also when activation
-    checkpointing recomputes it (the block's saved argument maps to the input it stood for)."""
-    from torch.utils.weak import WeakTensorKeyDictionary
-
-    stood_for = WeakTensorKeyDictionary()
-
-    def enter(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        entering = stood_for.get(hidden, stage._entering)
-        if entering is None or entering is hidden:  # the model handed the input on as is
-            return args, kwargs
-        stood_for[hidden] = entering  # for a recompute, after this forward is over
-        if args:
-            return (entering, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": entering}
-
-    block.register_forward_pre_hook(enter, with_kwargs=True)
-
-
-def _tied(model: Any) -> bool:
-    """The causal LM's head is its embedding's weight (tie_word_embeddings)."""
-    head = getattr(model, "lm_head", None)
-    embed = getattr(model.model, "embed_tokens", None)
-    return head is not None and embed is not None and head.weight is embed.weight
-
-
 class TiedCopies:
     """The tied embedding and head of a pipelined model, on the stages holding them: after
     each step their gradients are summed (Megatron's embedding group), so both copies take
     the same optimizer step and stay equal, as the one tied weight would."""
 
     def __init__(self, stages: dict[int, nn.Module], total: int, mesh: DeviceMesh, axis: str,
-                 stage_to_rank: Sequence[int]) -> None:
-        holders = {0: "model.embed_tokens.weight", total - 1: "lm_head.weight"}
+                 stage_to_rank: Sequence[int], weights: tuple[str, str]) -> None:
+        holders = {0: weights[0], total - 1: weights[1]}
         self.copies = [stages[s].get_parameter(name) for s, name in holders.items()
                        if s in stages]
         if total - 1 in stages:  # the gradient norm counts the weight once
@@ -260,34 +175,57 @@ def _pair_group(mesh: DeviceMesh, axis: str, first: int, last: int) -> Any:
     return _pair_groups[key]
 
 
-def _apply_pp_causal_lm(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                        parallelize_stage: Callable[[nn.Module], nn.Module] | None,
-                        starts: list[int] | None, axis: str) -> nn.Module:
+def _apply_pp_any(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  parallelize_stage: Callable[[nn.Module], nn.Module] | None,
+                  split_points: Sequence[str] | None, blocks: str | None, axis: str
+                  ) -> nn.Module:
+    """Any model of repeated blocks, split as meshlab.parallel.pipeline_stage says: stages
+    proved on a probe batch, this rank's built, the model cut down to what they hold."""
+    from meshlab.parallel.pipeline_stage import Stage, check_split, frozen, layout_of
     from meshlab.schedules.execute import stage_layers
 
-    n = len(model.model.layers)
-    owned = {s: stage_layers(n, s, schedule.stages, starts) for s in mine}
+    layout = layout_of(model, blocks)
+    base = layout.base_of(model)
+    n = len(getattr(base, layout.blocks))
+    starts = (None if split_points is None else
+              stage_starts(split_points, layout.path(layout.blocks), n, schedule.stages))
+    owned = [stage_layers(n, s, schedule.stages, starts) for s in range(schedule.stages)]
+    check_split(model, layout, owned)
     last = schedule.stages - 1
-    tied = _tied(model)
+    tied = tied_weight(model, layout)
     stages: dict[int, nn.Module] = {
-        s: CausalLMStage(model, owned[s], first=s == 0, last=s == last) for s in mine}
+        s: Stage(model, layout, owned[s], first=s == 0, last=s == last) for s in mine}
     if parallelize_stage is not None:
-        stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
-    # the model keeps its stages' parts under their full-model names (layer i stays "i")
-    kept = {str(i): cast(Any, stage).model.layers[i] for s, stage in stages.items()
-            for i in owned[s]}
-    model.model.layers = nn.ModuleDict(kept)
+        problem = None
+        try:
+            stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
+        except ValueError as e:  # what one stage holds: the other stages' ranks must hear it
+            problem = str(e)
+        agree(problem, "a rank of another pipeline stage refused its part of the plan (its "
+                       "error says why)")
+    # the model keeps its stages' parts under their full-model names (block i stays "i")
+    blocks_path = layout.path(layout.blocks)
+    kept = {str(i): cast(Any, stage.get_submodule(blocks_path))[i]
+            for s, stage in stages.items() for i in owned[s]}
+    base._modules[layout.blocks] = nn.ModuleDict(kept)
     if 0 not in mine:
-        model.model.embed_tokens = None
-    if last in mine:
-        model.lm_head = cast(Any, stages[last]).lm_head  # a tied head: the stage's copy
-    else:
-        model.model.norm = None
-        model.lm_head = None
+        base._modules[layout.embedding] = None
+        for name in layout.before:  # what they hold is the first stage's to train
+            base._modules[name] = frozen(getattr(base, name))
+    if last not in mine:
+        for name in layout.after:
+            base._modules[name] = None
+        for name in layout.heads:
+            model._modules[name] = None
+    else:  # a tied head: the last stage's copy
+        for name in layout.heads:
+            model._modules[name] = stages[last].get_submodule(name)
+        for name in layout.after:
+            base._modules[name] = stages[last].get_submodule(layout.path(name))
     model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
     hold_reductions(model.pipeline, stages)
-    if tied:
-        copies = TiedCopies(stages, schedule.stages, mesh, axis, schedule.stage_to_rank)
+    if tied is not None:
+        copies = TiedCopies(stages, schedule.stages, mesh, axis, schedule.stage_to_rank, tied)
         model.pipeline.after_backward.append(copies.sum_gradients)
     return cast(nn.Module, model)

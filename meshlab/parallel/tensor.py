@@ -122,7 +122,8 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     ``base_model_tp_plan``); ValueError naming the fix when it has none."""
     plan = getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None),
                                                       "base_model_tp_plan", None)
-    if not plan and type(model).__name__ == "GPT2LMHeadModel":
+    owner = model.__dict__.get("causal_lm", model)  # a pipeline stage: the model it came from
+    if not plan and type(owner).__name__ == "GPT2LMHeadModel":
         from meshlab.parallel.conv1d import gpt2_plan
 
         return gpt2_plan()
