@@ -101,6 +101,9 @@ class MeshMagics(Magics):
     def _status(self, args: Any) -> Table:
         return status_table(self.session.status())  # Session.status(): the frame
 
+    def _prove(self, args: Any) -> None:
+        print(self.session.prove(args.model, args.plan, args.factory))
+
     def _throttle(self, args: Any) -> None:
         print(self.session.throttle(None if args.ranks == "off" else args.ranks, args.factor))
 

@@ -103,6 +103,18 @@ def throttle(line: str) -> None:
 
 
 @magic_arguments()
+@argument("model", help="a model on the ranks (a name or expression without spaces)")
+@argument("plan", help="a ParallelPlan on the ranks (a name or expression without spaces)")
+@argument("--factory", help="for a model written by hand: a function on the ranks taking a "
+          "meshlab.parallel.tiny.TinySize and returning the model at that size")
+def prove(line: str) -> None:
+    """%mesh prove MODEL PLAN: before the real model trains, train PLAN for two steps on a
+    tiny copy of MODEL (the same class, shrunk: fewer layers, a narrower width, fewer
+    experts, its sliding windows and attention chunks scaled to still act) on the current
+    mesh beside one process, and say it was proved equal, or what differs."""
+
+
+@magic_arguments()
 @argument("expr", nargs="+", help="a DTensor, tensor or nn.Module (any expression) on the ranks")
 @ranks_option
 def inspect(line: str) -> None:
@@ -307,7 +319,7 @@ SUBCOMMANDS = {"start": start, "stop": stop, "restart": restart, "status": statu
                "pull": pull, "auto": auto, "schedule": schedule, "pipeline": pipeline,
                "step": step, "bench": bench, "calibrate": calibrate, "plan": plan,
                "dryrun": dryrun, "export": export, "checkpoint": checkpoint, "stacks": stacks,
-               "debug": debug, "throttle": throttle}
+               "debug": debug, "throttle": throttle, "prove": prove}
 
 
 def _name_the_usage(fn: Parser, name: str) -> None:

@@ -227,6 +227,17 @@ class Session:
                 + " (each op followed by a sleep of factor - 1 times its duration); "
                 "%mesh throttle off restores full speed")
 
+    def prove(self, model: str, plan: str, factory: str | None = None) -> str:
+        """Train ``plan`` (a ParallelPlan on the ranks) for two steps on a tiny copy of
+        ``model`` (its class, shrunk; ``factory``: a function of a TinySize, for a model
+        written by hand) on the current mesh, beside one process: what it found, or a
+        MeshError naming what differs (meshlab.parallel.tiny)."""
+        given = f", factory={factory}" if factory else ""
+        result = self.need_cluster().run(
+            "from meshlab.parallel.tiny import prove as _prove\n"
+            f"str(_prove({model}, mesh, {plan}{given}))", keep_values=True)
+        return str(result.values[min(result.values)])
+
     # -- looking at the ranks --------------------------------------------------------------
 
     def status(self) -> pd.DataFrame:
