@@ -10,7 +10,8 @@ parallel run from a wrong one no closer than that. Run both the reference and th
 run of a float64 comparison inside this, and they agree to float64's rounding (measured:
 2e-13 to 5e-14 after 3 AdamW steps on those families), so its tolerance (1e-8 of the
 parameters) leaves a correct run 10^5 of room and a wrong one nowhere to hide. It changes the
-model's arithmetic only, never its code; the models keep their real dtype elsewhere.
+model's arithmetic only, never its code; the models keep their real dtype elsewhere, and
+an optimizer's step runs as written (torchao's 8-bit states keep their float32 code maps).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.overrides import TorchFunctionMode
 
 WIDER = {torch.float32: torch.float64, torch.complex64: torch.complex128}
@@ -32,10 +37,13 @@ class Float64Throughout(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.widened = 0
+        self.paused = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if func is torch.Tensor.float:
             self.widened += 1
             return args[0].double()
@@ -55,5 +63,19 @@ def float64_throughout(on: bool = True) -> Iterator[Float64Throughout | None]:
     if not on:
         yield None
         return
-    with Float64Throughout() as mode:
-        yield mode
+    mode = Float64Throughout()
+
+    def pause(*_: Any) -> None:
+        mode.paused = True
+
+    def resume(*_: Any) -> None:
+        mode.paused = False
+
+    before = register_optimizer_step_pre_hook(pause)
+    after = register_optimizer_step_post_hook(resume)
+    try:
+        with mode:
+            yield mode
+    finally:
+        before.remove()
+        after.remove()

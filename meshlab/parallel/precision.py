@@ -88,7 +88,9 @@ class ScaledLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return loss.view_as(loss)
+        # a copy, not a view: a zero-bubble schedule's input-only backward detaches the
+        # stage's output in place, which a view refuses ("Can't detach views in-place")
+        return loss.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -179,6 +181,25 @@ class LossScaledOptimizer(torch.optim.Optimizer):
             self._scaled = True
 
         pipeline.after_backward.append(mark)
+
+
+def cast_params_in_forward(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """FSDP2's mixed precision in one process: the forward sees every floating parameter cast
+    to ``dtype`` (as FSDP's all-gather hands it over), so every op the model does not upcast
+    itself runs in ``dtype`` (its norms too, unlike autocast), and the gradients flow back to
+    the full-precision parameters. The reference of an fp16 comparison under ZeRO-2/3."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    forward = model.forward
+
+    def cast_forward(*args: Any, **kwargs: Any) -> Any:
+        cast = {n: p.to(dtype) for n, p in model.named_parameters()
+                if p.is_floating_point()}
+        with _reparametrize_module(model, cast, tie_weights=True):
+            return forward(*args, **kwargs)
+
+    model.forward = cast_forward
+    return model
 
 
 def _scaler_class(base: type) -> type:

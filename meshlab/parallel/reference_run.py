@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from meshlab.models import global_batch
-from meshlab.parallel.compose import ParallelPlan, apply_autocast
-from meshlab.parallel.precision import LossScaledOptimizer
+from meshlab.parallel.compose import ParallelPlan
+from meshlab.parallel.precision import LossScaledOptimizer, precision_of
 from meshlab.parallel.training import LossFn, one_process_optimizer, replica_rows, train
 
 
@@ -31,81 +31,127 @@ class Reference:
 def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.nn.Module],
                     plan: ParallelPlan, shape: dict[str, int], sizes: list[int], lr: float,
                     optimizer: str, loss: LossFn, tolerances: tuple[float, float],
-                    dtype: torch.dtype, batch: int) -> Reference:
+                    dtype: torch.dtype, batch: int,
+                    recipe: Callable[[torch.nn.Module], object] | None = None,
+                    parts: int = 2) -> Reference:
     """Train the reference (``replicas[0]``; with local SGD or DiLoCo every replica) in this
     process, on the whole global batches, and measure the model's own floor: the dtype's
-    ``tolerances`` (loss, params), raised to it where it is higher."""
+    ``tolerances`` (loss, params), raised to it where it is higher. ``recipe``: mixed
+    precision's, put on the reference already and on the twin that measures the floor;
+    ``parts``: the chunks the parallel run's data ranks split each batch into (the floor
+    accumulates the same chunks, at least 2)."""
     reference = replicas[0]
     loss_rtol, param_rtol = tolerances
     notes: list[str] = []
     if plan.replica_sync != "every_step":  # each replica trains alone on its rows
-        return Reference(train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss),
-                         loss_rtol, param_rtol, notes)
+        losses = train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss)
+        if plan.replica_sync != "edit" and batch % (2 * len(replicas)) == 0:
+            twins = [build() for _ in replicas]  # the same, each replica's rows in 2 halves
+            for twin in twins:
+                if recipe is not None:
+                    recipe(twin)
+            twin_losses = train_replicas(twins, plan, shape, sizes, lr, optimizer, loss,
+                                         grad_accum=2)
+            floor = (_largest_change(twin_losses, losses), _moved(twins[0], reference))
+            loss_rtol, param_rtol = _held_to(floor, (loss_rtol, param_rtol), notes,
+                                             f"{type(reference).__name__} computes parts in "
+                                             f"a lower precision than {dtype}", 2)
+        return Reference(losses, loss_rtol, param_rtol, notes)
     whole = [global_batch(step=s, batch=size, **shape) for s, size in enumerate(sizes)]
     ref_opt = one_process_optimizer(reference, lr, optimizer, plan.max_grad_norm)
     if plan.mixed_precision == "fp16":
         ref_opt = LossScaledOptimizer(ref_opt, reference, init_scale=plan.loss_scale,
                                       world=False)
     ref_losses = train(reference, ref_opt, whole, loss=loss)
-    # bf16 is held against float32 at fixed tolerances; fp16 against the same recipe, whose
-    # own rounding the floor measures as it measures float32 parts in a float64 model
-    if plan.mixed_precision in (False, "fp16") and batch % 2 == 0:
-        probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss)
-        floor = _reordering_floor(*probe)
+    # mixed precision is held against the same recipe, whose own rounding the floor
+    # measures as it measures float32 parts in a float64 model
+    parts = parts if batch % parts == 0 else 2
+    if batch % parts == 0:
+        probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss, recipe)
+        floor = _reordering_floor(*probe, parts=parts)
         above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol
-        random = _reordering_floor(*probe, halves=False) if above else (0.0, 0.0)
+        random = _reordering_floor(*probe, parts=1, redraw=True) if above else (0.0, 0.0)
         if random[0] > loss_rtol or random[1] > param_rtol:  # no floor: chance
             notes.append(f"in one process alone, the same run with its random numbers "
                          f"drawn afresh moves the parameters by {random[1]:.1e}: the model "
                          "draws them in training (dropout?), so no comparison can hold")
-        elif above:
-            loss_rtol = max(loss_rtol, FLOOR_MARGIN * floor[0])
-            param_rtol = max(param_rtol, FLOOR_MARGIN * floor[1])
-            why = ("fp16's own rounding" if plan.mixed_precision == "fp16" else
+        elif plan.mixed_precision and (floor[0] > loss_rtol or floor[1] > param_rtol):
+            kind = precision_of(plan.mixed_precision)
+            raise ValueError(
+                f"mixed_precision={kind!r} on {type(reference).__name__} cannot be compared: "
+                f"in one process alone, the same batches in {parts} accumulated parts move the "
+                f"losses by {floor[0]:.1e} and the parameters by {floor[1]:.1e}, beyond "
+                f"{kind}'s whole tolerance ({loss_rtol:.0e}, {param_rtol:.0e}), so its own "
+                "rounding is as large as any error a parallel run could make: compare this "
+                "plan with mixed_precision=False (float64 holds it to 1e-8)")
+        else:
+            why = (f"{precision_of(plan.mixed_precision)}'s own rounding"
+                   if plan.mixed_precision else
                    f"{type(reference).__name__} computes parts in a lower precision than "
                    f"{dtype}")
-            notes.append(f"in one process alone, the same batches in 2 accumulated halves "
-                         f"move the losses by {floor[0]:.1e} and the parameters by "
-                         f"{floor[1]:.1e}: {why}, so both runs can agree no closer: held to "
-                         f"{FLOOR_MARGIN}x that")
+            loss_rtol, param_rtol = _held_to(floor, (loss_rtol, param_rtol), notes, why, parts)
     scaler = ((ref_opt.skipped_steps, ref_opt.loss_scale)
               if isinstance(ref_opt, LossScaledOptimizer) else None)
     return Reference(ref_losses, loss_rtol, param_rtol, notes, scaler)
 
 
+def _held_to(floor: tuple[float, float], tolerances: tuple[float, float], notes: list[str],
+             why: str, parts: int) -> tuple[float, float]:
+    """The tolerances, raised to FLOOR_MARGIN x the floor where that is higher (and a note)."""
+    if floor[0] * FLOOR_MARGIN <= tolerances[0] and floor[1] * FLOOR_MARGIN <= tolerances[1]:
+        return tolerances
+    notes.append(f"in one process alone, the same batches in {parts} accumulated parts move the "
+                 f"losses by {floor[0]:.1e} and the parameters by {floor[1]:.1e}: {why}, so "
+                 f"both runs can agree no closer: held to {FLOOR_MARGIN}x that")
+    return (max(tolerances[0], FLOOR_MARGIN * floor[0]),
+            max(tolerances[1], FLOOR_MARGIN * floor[1]))
+
+
+def _largest_change(losses: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+
+
+def _moved(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """How far ``model``'s parameters are from ``reference``'s, each relative to its size."""
+    expected = dict(reference.named_parameters())
+    return max(((p.detach() - expected[n].detach()).abs().max()
+                / expected[n].detach().abs().max().clamp_min(1e-12)).item()
+               for n, p in model.named_parameters())
+
+
 def _reordering_floor(build: Callable[[], torch.nn.Module], reference: torch.nn.Module,
                       ref_losses: list[float], batches: list[tuple[torch.Tensor, torch.Tensor]],
-                      lr: float, optimizer: str, plan: ParallelPlan, loss: LossFn, *,
-                      halves: bool = True) -> tuple[float, float]:
+                      lr: float, optimizer: str, plan: ParallelPlan, loss: LossFn,
+                      recipe: Callable[[torch.nn.Module], object] | None = None, *,
+                      parts: int = 2, redraw: bool = False) -> tuple[float, float]:
     """How far one process alone moves when only the order of its sums changes: the same
-    batches in 2 accumulated halves. 1e-16 for a model that computes in its own dtype; a
+    batches in ``parts`` accumulated chunks. 1e-16 for a model that computes in its own dtype; a
     model computing parts in a lower one (Gemma's norms and Mixtral's router softmax in
     float32 inside a float64 model) shows that precision here, and no parallel run can
-    agree more closely than this. ``halves=False``: the same run again, its random numbers
+    agree more closely than this. ``redraw``: the same run again, its random numbers
     drawn afresh, which moves only a model that draws them in training (dropout)."""
     twin = build()
-    if not halves:
+    if redraw:
         torch.manual_seed(torch.initial_seed() + 1)
     opt = one_process_optimizer(twin, lr, optimizer, plan.max_grad_norm)
-    if plan.mixed_precision == "fp16":  # the reference's recipe: autocast fp16, loss scaling
-        device = next(twin.parameters()).device.type
-        apply_autocast(twin, device, torch.float16)
+    if recipe is not None:  # the reference's mixed precision
+        recipe(twin)
+    if plan.mixed_precision == "fp16":
         opt = LossScaledOptimizer(opt, twin, init_scale=plan.loss_scale, world=False)
-    losses = train(twin, opt, batches, loss=loss, grad_accum=2 if halves else 1)
-    expected = dict(reference.named_parameters())
-    params = max(((p.detach() - expected[n].detach()).abs().max()
-                  / expected[n].detach().abs().max().clamp_min(1e-12)).item()
-                 for n, p in twin.named_parameters())
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)), params
+    losses = train(twin, opt, batches, loss=loss, grad_accum=parts)
+    return _largest_change(losses, ref_losses), _moved(twin, reference)
 
 
 FLOOR_MARGIN = 10
-"""A parallel run reorders sums as much as 2 accumulated halves do, and AdamW amplifies such
-differences unevenly: held to 10x the floor where the floor exceeds the dtype's tolerance."""
+"""A parallel run reorders sums as much as accumulating its data ranks' chunks does, and AdamW
+amplifies such differences unevenly: held to 10x the floor where the floor exceeds the dtype's
+tolerance (under mixed precision, a floor beyond the whole tolerance refuses the comparison:
+no error could be told from the model's own rounding)."""
 
 
 def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dict[str, int],
-                   sizes: list[int], lr: float, kind: str, loss: LossFn) -> list[float]:
+                   sizes: list[int], lr: float, kind: str, loss: LossFn,
+                   grad_accum: int = 1) -> list[float]:
     """Local SGD, DiLoCo or EDiT in one process: replica r trains on the r-th block of rows
     of each global batch (the rows its data ranks get), and every ``plan.sync_every`` steps
     the replicas are averaged, or take DiLoCo's outer step (EDiT's: penalised, block by
@@ -131,7 +177,8 @@ def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dic
     losses = []
     for step, size in enumerate(sizes):
         whole = global_batch(step=step, batch=size, **shape)
-        per_replica = [train(m, o, [replica_rows(whole, r, len(models))], loss=loss)[0]
+        per_replica = [train(m, o, [replica_rows(whole, r, len(models))], loss=loss,
+                             grad_accum=grad_accum)[0]
                        for r, (m, o) in enumerate(zip(models, optimizers, strict=True))]
         losses.append(sum(per_replica) / len(per_replica))
         if (step + 1) % plan.sync_every:
