@@ -12,7 +12,8 @@ import ast
 import pytest
 
 from meshlab import Cluster
-from tests.rank.test_model_matrix import FAMILIES_SOURCE, FAMILY_NAMES
+from tests.rank.families import FAMILIES_SOURCE
+from tests.rank.families import ROUND_THREE as FAMILY_NAMES
 
 pytest.importorskip("transformers", reason="transformers is a test dependency")
 

@@ -194,8 +194,10 @@ def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("spec, plan, why", [
-    ("dp=2 tp=2", "data_parallel='ddp'", r"ddp with tp=2.* use data_parallel='zero2' or 'zero3'"),
-    ("pp=2 dp=2", "data_parallel='ddp'", r"ddp with pp.* use data_parallel='zero2' or 'zero3'"),
+    ("dp=2 tp=2", "data_parallel='ddp'",
+     r"data_parallel='ddp' with tp=2.* use data_parallel='zero2' or 'zero3'"),
+    ("pp=2 dp=2", "data_parallel='ddp'",
+     r"data_parallel='ddp' with pp=2.* use data_parallel='zero2' or 'zero3'"),
     ("cp=4", "context_parallel='torch'", r"no cpu sharding strategy .* use impl='meshlab'"),
     ("pp=2 dp=2", "pipeline_schedule='dualpipev', microbatches=2",
      r"dualpipev with ranks=2 .* pass microbatches=4 or more"),

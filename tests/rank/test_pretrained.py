@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from meshlab import Cluster
-from tests.rank.test_model_matrix import FAMILIES_SOURCE  # the families, tiny, from configs
+from tests.rank.families import FAMILIES_SOURCE  # the families, tiny, from configs
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
@@ -33,7 +33,10 @@ CASES = [*[(f, spec, "zero3", "cpu") for f in ("Llama", "Llama (tied)")
          ("Llama (tied)", "dp=2 tp=2", "zero3", "meta"), ("Qwen3-MoE", "dp=4 ep=2", "none", "meta"),
          *[(f, "dp=2 tp=2", "zero3", "meta") for f in ("Qwen2", "Qwen3", "Mistral", "Gemma2",
                                                        "Gemma3", "Phi-3")],
-         ("OLMoE", "dp=4 ep=2", "none", "meta")]
+         ("OLMoE", "dp=4 ep=2", "none", "meta"),
+         # FSDP2 renames the class (FSDPGPTNeoXForCausalLM): transformers' renaming of
+         # GPT-NeoX's keys, looked up by class name, must still apply
+         ("GPT-NeoX", "dp=4", "zero3", "cpu")]
 CASES_KEYS = {case[:2] + case[3:] for case in CASES}
 SMALL_SHARDS = 30_000  # every other case saves in shards this small: an index and many files
 
