@@ -61,6 +61,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     _check_model_supports(model, mesh, plan)
     axes = {a: axis_size(mesh, a) for a in ("tp", "cp", "ep")}
     precision.check_qat(plan, axes, model)
+    precision.check_fp16_model(plan, model)
     if plan.qat is not None:  # before the strategies: they shard the fake-quantized Linears
         model = precision.apply_qat(model, plan.qat)
     origins = record(model, init) if on_meta(model) else None

@@ -250,6 +250,17 @@ def qat_config(scheme: str) -> Any:
                      weight_config=weights[scheme], step="prepare")
 
 
+def check_fp16_model(plan: Any, model: nn.Module) -> None:
+    """Refuse fp16 on a model with state-space layers, naming them."""
+    scans = sorted({type(m).__name__ for m in model.modules() if "Mamba" in type(m).__name__})
+    if precision_of(plan.mixed_precision) == "fp16" and scans:
+        raise ValueError(f"mixed_precision='fp16' on {type(model).__name__}, whose state-space "
+                         f"layers ({', '.join(scans)}) scan with exponentials that leave fp16's "
+                         "range where one process's do not (Jamba under DDP skipped a step on "
+                         "overflow that one process took, at loss scale 256; at 16 its own "
+                         "rounding moved 1e-2): use mixed_precision='bf16', as Mamba is trained")
+
+
 def check_qat(plan: Any, axes: dict[str, int], model: nn.Module) -> None:
     """Refuse QAT where it is not verified equal to one process, naming the fix."""
     if plan.qat is None:
