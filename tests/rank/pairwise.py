@@ -102,8 +102,8 @@ def plan_of(case: Mapping[str, Any]) -> dict[str, Any]:
         plan["max_grad_norm"] = 0.5
     if case["precision"] != "fp64":
         plan["mixed_precision"] = case["precision"]
-    if case["precision"] == "fp16":  # no step of these tiny models overflows (2**8: Jamba did)
-        plan["loss_scale"] = 2.0 ** 4
+    if case["precision"] == "fp16":  # 2**8: no step of these tiny models overflows and skips
+        plan["loss_scale"] = 2.0 ** 8
     if case["offload"] != "off":
         plan[f"offload_{case['offload']}"] = True
     if case["replica_sync"] != "every_step":
@@ -171,8 +171,11 @@ def generate(factors: Mapping[str, Sequence[Any]],
 
     def explain(pair: Pair) -> tuple[Case, str]:
         """The case to show a refused pair with, and meshlab's words for it: the defaults
-        with the pair, or one other factor changed where that refusal names both sides."""
+        with the pair (a family's own refusal), or one other factor changed where that
+        refusal names both sides."""
         base = {**default, **dict(pair)}
+        if "family" in dict(pair) and (words := family_refuses(base)):
+            return base, words  # the family's own refusal of the option, shown alone
         free = [f for f in names if f not in (pair[0][0], pair[1][0])]
         tries = [base] + [{**base, f: level} for f in free for level in factors[f][1:]]
         said = [(case, why) for case in tries
