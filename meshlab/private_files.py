@@ -48,6 +48,23 @@ def open_private(path: Path) -> IO[str]:
     return os.fdopen(os.open(path, flags, 0o600), "w")
 
 
+def output_folder(path: str | Path, option: str) -> Path:
+    """The folder a user named for output (``option`` names where: ``--profile-dir``), made
+    0700 if missing and checked writable before any work is done, so a failure to write
+    loses nothing: ValueError naming the option, the path and the reason."""
+    folder = Path(path).expanduser()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{option} {str(path)!r}: cannot make the folder ({e.strerror}): "
+                         "name a folder you can write") from None
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        why = "not a folder" if not folder.is_dir() else "not writable by you"
+        raise ValueError(f"{option} {str(path)!r} is {why}: name a folder you can write; "
+                         "nothing ran")
+    return folder
+
+
 def sweep(parent: Path) -> None:
     """Remove this user's session folders whose process is gone (another user's: never)."""
     for prefix in PREFIXES:

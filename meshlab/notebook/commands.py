@@ -7,6 +7,8 @@ with them; ``%mesh?`` is assembled from their docstrings. Options several subcom
 
 from __future__ import annotations
 
+import math
+from argparse import ArgumentTypeError
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,25 @@ from meshlab.plan import HARDWARE, MODELS, PRECISIONS
 from meshlab.schedules import BUILDERS
 
 Parser = Callable[[str], None]
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a whole (``int``) or finite (``float``) number above 0; argparse
+    names the option in front of the message."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            what = "whole number" if kind is int else "finite number"
+            raise ArgumentTypeError(f"{text!r} is not a {what} above 0")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+count, amount = positive(int), positive(float)  # argparse types: 3 ranks, 2.5 s
 
 ranks_option = argument("--ranks", help="only these ranks, e.g. 0,2-3 (default: all)")
 
@@ -28,9 +49,9 @@ def output_option(what: str) -> Callable[[Parser], Parser]:
 def schedule_options(microbatches: int) -> Callable[[Parser], Parser]:
     """``--microbatches`` and ``--virtual``, for a schedule built by name."""
     def add(fn: Parser) -> Parser:
-        fn = argument("--virtual", type=int, default=1,
+        fn = argument("--virtual", type=count, default=1,
                       help="stages per rank v (interleaved, looped; a builder name)")(fn)
-        return argument("--microbatches", type=int, default=microbatches,
+        return argument("--microbatches", type=count, default=microbatches,
                         help=f"micro-batches m (default {microbatches}; a builder name)")(fn)
     return add
 
@@ -53,7 +74,7 @@ def stop(line: str) -> None:
 @magic_arguments()
 @argument("--from-checkpoint", metavar="DIR", help="load this checkpoint (saved in this "
           "session) and replay only the cells after it, plus the setup they need")
-@argument("--upto", type=int, metavar="N", help="replay up to In [N] only (default: everything, "
+@argument("--upto", type=count, metavar="N", help="replay up to In [N] only (default: everything, "
           "or up to the last cell marked `# meshlab: restore-point`)")
 def restart(line: str) -> None:
     """%mesh restart: fresh engines of the same size and profile, the mesh and the session's
@@ -94,7 +115,7 @@ def status(line: str) -> None:
 
 @magic_arguments()
 @argument("ranks", help="the ranks to slow, e.g. 2 or 0,2-3; or `off`: every rank at full speed")
-@argument("--factor", type=float, default=2.0,
+@argument("--factor", type=amount, default=2.0,
           help="how many times slower they compute (default 2; 1: full speed)")
 def throttle(line: str) -> None:
     """%mesh throttle RANKS --factor F: a straggler you can make: every op on RANKS takes F
@@ -129,7 +150,7 @@ def inspect(line: str) -> None:
 @argument("optimizer", nargs="?", help="its optimizer on the ranks")
 @argument("--stage", type=int, choices=[0, 1, 2, 3],
           help="also show the ZeRO paper's per-device formula for this stage")
-@argument("--dp", type=int, help="data-parallel degree for the formula (default: the mesh's)")
+@argument("--dp", type=count, help="data-parallel degree for the formula (default: the mesh's)")
 @argument("--inputs", help="a batch on the ranks: also measure the activations one forward "
           "saves for backward")
 def memory(line: str) -> None:
@@ -188,7 +209,7 @@ def pipeline(line: str) -> None:
 
 
 @magic_arguments()
-@argument("n", nargs="?", type=int, default=1, help="slots of the schedule to run (default 1)")
+@argument("n", nargs="?", type=count, default=1, help="slots of the schedule to run (default 1)")
 @argument("--all", action="store_true", help="run the rest of the step")
 @argument("--profile", action="store_true",
           help="one timeline of every rank, each pipeline action a named span; a whole "
@@ -208,7 +229,7 @@ def step(line: str) -> None:
 @argument("--sizes", default="256,1024", help="row lengths, comma-separated (default 256,1024)")
 @argument("--dtype", default="float32", help="float32, float16, bfloat16 (default float32)")
 @argument("--mode", choices=["fwd", "bwd", "full"], default="fwd", help="what to time")
-@argument("--rows", type=int, help="rows per problem (default 4096 on GPU, 4 on CPU)")
+@argument("--rows", type=count, help="rows per problem (default 4096 on GPU, 4 on CPU)")
 @ranks_option
 @output_option("the table (a DataFrame)")
 def bench(line: str) -> None:
@@ -234,28 +255,28 @@ def calibrate(line: str) -> None:
 @argument("model", help="a preset (" + ", ".join(MODELS) + "), a .toml file of ModelShape's "
           "fields (layers = 32, hidden = 4096, ...), or a notebook variable holding a "
           "ModelShape or a meshlab ModelConfig")
-@argument("--gpus", type=int, help="GPUs to plan for (default: the running cluster's ranks)")
-@argument("--seq", type=int, help="the model at this training sequence length (default: its "
+@argument("--gpus", type=count, help="GPUs to plan for (default: the running cluster's ranks)")
+@argument("--seq", type=count, help="the model at this training sequence length (default: its "
           "own), e.g. --seq 131072")
 @argument("--hardware", default="h100-sxm", help="a profile (" + ", ".join(HARDWARE) + ") or "
           "a .toml file, e.g. one %%mesh calibrate wrote (default h100-sxm)")
 @argument("--layout", help='one layout to estimate, e.g. "tp=8 pp=16 dp=16 zero=1 mbs=1 '
           'm=16"; without it the best layouts are searched')
 @argument("--where", help='constraints for the search, e.g. "tp<=8 pp=16 zero=3"')
-@argument("--batch", type=int, help="global batch in sequences (default: ~4M tokens, at "
+@argument("--batch", type=count, help="global batch in sequences (default: ~4M tokens, at "
           "least one sequence per GPU; with --layout: sets m, or must equal mbs x m x dp where "
           "the layout gives m)")
 @argument("--precision", choices=list(PRECISIONS),
           help="compute precision (default bf16; with --measure fp32, as CPU ranks train)")
-@argument("--tokens", type=float, help="training tokens, for days and GPU-hours (e.g. 15e12)")
+@argument("--tokens", type=amount, help="training tokens, for days and GPU-hours (e.g. 15e12)")
 @argument("--measure", metavar="STEP", help='with --layout, the live mesh\'s: run STEP (e.g. '
           '"train_step()", one training step the ranks know) profiled and show each term the '
           "planner predicts (compute, host time, exposed communication per axis, bubble, "
           "optimizer) beside the same term measured, and why where they differ by over 25%%")
-@argument("--steps", type=int, default=1, help="with --measure: how many times to run STEP "
+@argument("--steps", type=count, default=1, help="with --measure: how many times to run STEP "
           "(default 1); the terms are per step")
-@argument("--top", type=int, default=10, help="layouts to show from the search (default 10)")
-@argument("--verify", type=int, nargs="?", const=3, metavar="K",
+@argument("--top", type=count, default=10, help="layouts to show from the search (default 10)")
+@argument("--verify", type=count, nargs="?", const=3, metavar="K",
           help="also dry-run the best K layouts (default 3) on fake ranks: what torch "
           "allocates and sends beside what the planner predicts")
 @output_option("the Plan (with --measure: the table of terms)")
@@ -270,9 +291,9 @@ def plan(line: str) -> None:
           + "), built as meshlab's Transformer")
 @argument("--layout", required=True, help='the layout, e.g. "pp=4 dp_shard=32 tp=8" (mesh '
           "degrees, and the planner's keys: zero, schedule, v, m, mbs, ac, sp)")
-@argument("--batch", type=int, help="sequences per data-parallel rank per step (default "
+@argument("--batch", type=count, help="sequences per data-parallel rank per step (default "
           "mbs x m)")
-@argument("--seq", type=int, help="sequence length (default: the preset's)")
+@argument("--seq", type=count, help="sequence length (default: the preset's)")
 @argument("--hardware", default="h100-sxm", help="whose memory the fit is checked against: "
           "a profile (" + ", ".join(HARDWARE) + ") or a .toml file (default h100-sxm)")
 @argument("--ranks", help="the ranks to run, e.g. 0,1023 (default: one per distinct role, "
@@ -287,8 +308,8 @@ def dryrun(line: str) -> None:
 @magic_arguments()
 @argument("path", help="the script to write, e.g. train.py; launch.sh goes beside it")
 @argument("--sbatch", action="store_true", help="also write job.sbatch for Slurm")
-@argument("--nodes", type=int, default=1, help="nodes to run on (default 1)")
-@argument("--gpus-per-node", type=int, help="processes per node, one per GPU (default: the "
+@argument("--nodes", type=count, default=1, help="nodes to run on (default 1)")
+@argument("--gpus-per-node", type=count, help="processes per node, one per GPU (default: the "
           "session's ranks on one node, on its device kind)")
 @argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 or 12- (default: all)")
 def export(line: str) -> None:
@@ -297,7 +318,7 @@ def export(line: str) -> None:
 
 @magic_arguments()
 @ranks_option
-@argument("--timeout", type=float, help="time limit in seconds; stuck ranks show their stacks")
+@argument("--timeout", type=amount, help="time limit in seconds; stuck ranks show their stacks")
 @output_option("{rank: value of the last expression}")
 @argument("--comms", action="store_true",
           help="trace the collectives each rank issued: counts, bytes, mesh axis")
@@ -307,7 +328,7 @@ def export(line: str) -> None:
 @argument("--profile-dir", metavar="DIR",
           help="with --profile (implied): also write every rank's trace as one Chrome/"
           "Perfetto file, DIR/cell-N.json")
-@argument("--max-lines", type=int, metavar="N",
+@argument("--max-lines", type=count, metavar="N",
           help="keep at most N lines of each rank's stdout and stderr (default 5000); the "
           "rest goes to a file per rank, named under the output")
 def cell(line: str) -> None:

@@ -132,10 +132,34 @@ def _in_kernel() -> bool:
     return getattr(shell, "kernel", None) is not None
 
 
+RANK_BYTES = 256 * 2**20
+"""What one local rank takes before any cell: 170-240 MB resident, measured on forked CPU
+ranks with torch imported (most of it shared with the forkserver)."""
+
+
+def check_local_ranks(profile: Profile, n: int) -> None:
+    """Refuse more ranks on this machine than its available memory holds idle (every local
+    rank is a process here; forking 100,000 ended in an unclear error from the nanny)."""
+    if profile.launcher != "local":
+        return
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):  # Linux counts reclaimable memory too
+        with open("/proc/meminfo") as info:
+            fields = dict(line.split(":", 1) for line in info)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    most = max(1, available // RANK_BYTES)
+    if n > most:
+        raise ValueError(f"{n} ranks on this machine need about {n * RANK_BYTES / 2**30:.0f} "
+                         f"GiB before any cell ({RANK_BYTES // 2**20} MiB each), and it has "
+                         f"{available / 2**30:.1f} GiB available: start at most {most}, or "
+                         "spread them over machines with a slurm, ssh or mpi profile")
+
+
 def start(profile: Profile, n: int, progress: StartProgress
           ) -> tuple[ipp.Cluster, Any, EngineProcesses]:
     """The controller and ``n`` registered engines: (ipyparallel cluster, client, processes).
     On any failure what was started is stopped again and ClusterError says why."""
+    check_local_ranks(profile, n)
     engines: Any = profile.launcher
     if profile.fork:
         engines = {"local": ForkEngineSetLauncher, "ssh": SSHForkEngineSetLauncher}[

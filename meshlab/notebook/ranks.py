@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 
 def parse_ranks(spec: str | Iterable[int] | None, world_size: int) -> list[int]:
-    """Turn ``"0,2-3"`` (or a list of ints, or None for all) into sorted, checked ranks."""
+    """Turn ``"0,2-3"`` (or a list of ints, or None for all) into sorted, checked ranks. Each
+    part is checked before any range is built: ``0-99999999999`` is out of range, not 10^11
+    ints in memory."""
     if spec is None:
         return list(range(world_size))
+    ranks: set[int] = set()
     if isinstance(spec, str):
-        ranks: set[int] = set()
-        for part in spec.replace(" ", "").split(","):
-            if not part:
-                continue
-            try:
-                lo, _, hi = part.partition("-")
-                first, last = int(lo), int(hi or lo)
-            except ValueError:
-                raise ValueError(
-                    f"bad rank set {spec!r}: use comma-separated ranks and ranges, e.g. '0,2-3'"
-                ) from None
+        parts = spec.replace(" ", "").split(",")
+        if parts == [""]:
+            raise ValueError(f"rank set {spec!r} is empty: name at least one rank, e.g. '0'")
+        for part in parts:
+            written = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if written is None:
+                raise ValueError(f"bad rank set {spec!r}: {part!r} is not a rank or a range "
+                                 "(a-b); use comma-separated ranks and ranges, e.g. '0,2-3'")
+            first, last = int(written[1]), int(written[2] or written[1])
             if first > last:
                 raise ValueError(f"bad rank set {spec!r}: {part!r} runs backwards; write "
                                  f"{last}-{first}")
+            if last >= world_size:
+                raise ValueError(f"rank(s) {part} out of range: the cluster has ranks "
+                                 f"0-{world_size - 1}")
             ranks.update(range(first, last + 1))
     else:
         ranks = {int(r) for r in spec}

@@ -36,6 +36,7 @@ from meshlab.notebook.output import (
 from meshlab.notebook.profiles import Profile
 from meshlab.notebook.ranks import parse_ranks
 from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
+from meshlab.private_files import output_folder
 from meshlab.schedules import Costs, Schedule
 
 if TYPE_CHECKING:
@@ -157,6 +158,8 @@ class Session:
         every rank's timeline on one clock into ``result.profile`` (a CellProfile);
         ``profile_dir`` also writes it there as one Chrome/Perfetto trace, ``cell-N.json``."""
         cluster, number = self.need_cluster(), self.cell_number()
+        if profile_dir is not None:  # before it runs: a trace it cannot write loses no cell
+            profile_dir = output_folder(profile_dir, "--profile-dir")
         default = cluster.max_output_lines
         try:
             cluster.max_output_lines = max_lines or default
@@ -352,6 +355,8 @@ class Session:
         if self.bound_pipeline is None:
             raise SessionError("no pipeline is bound: %mesh pipeline MODEL --schedule NAME")
         number = self.cell_number()
+        if profile_dir is not None:
+            profile_dir = output_folder(profile_dir, "--profile-dir")
         ran = self.bound_pipeline.step(slots, profile=profile or profile_dir is not None,
                                        trace=profile_dir is not None)
         if profile_dir is not None and self.bound_pipeline.profile is not None:

@@ -9,6 +9,7 @@ nccl-tests calls busBw: one rank's share of a ring), not the marketing bidirecti
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -313,6 +314,10 @@ def load(path: str | Path) -> Hardware:
         raise ValueError(f"no hardware profile at {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
+    for key, value in _numbers(data):  # NaN or inf read "MFU nan%" later; nothing is negative
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{path}: {key} = {value} is not a finite number >= 0: measure "
+                             "it again (%mesh calibrate) or take it from a built-in profile")
     known = {f.name for f in fields(Hardware)}
     unknown = set(data) - known
     if unknown:
@@ -333,6 +338,18 @@ def load(path: str | Path) -> Hardware:
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: incomplete profile ({e}); see meshlab.plan.HARDWARE for "
                          "the fields") from None
+
+
+def _numbers(data: Any, at: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a TOML table, by its dotted key."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) \
+        if isinstance(data, list) else ()
+    for key, value in items:
+        where = f"{at}.{key}" if at else str(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield where, float(value)
+        else:
+            yield from _numbers(value, where)
 
 
 def save(hw: Hardware, path: str | Path) -> Path:

@@ -184,6 +184,10 @@ def load_model(path: str | os.PathLike[str]) -> ModelShape:
             raise ValueError(f"{path}: {key} = {json.dumps(value, default=str)} is "
                              f"{_toml_type(value)}, not {expected}: write e.g. "
                              f"{key} = {example}")
+        least = 0 if key == "experts" else 1  # experts = 0: a dense model
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            raise ValueError(f"{path}: {key} = {value} must be at least {least}: write e.g. "
+                             f"{key} = 32")
     missing = [n for n, f in known.items() if f.default is MISSING and n not in data]
     if missing:
         raise ValueError(f"{path}: missing {', '.join(missing)}: add "

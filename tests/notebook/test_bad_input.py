@@ -26,7 +26,21 @@ CASES = [
     ("%%mesh --ranks 9\nx = 1", r"rank\(s\) 9 out of range: the cluster has ranks 0-3"),
     ("%%mesh --ranks 2-1\nx = 1", r"'2-1' runs backwards; write 1-2"),
     ("%%mesh --ranks zero\nx = 1", r"'zero'"),
-    ("%%mesh --timeout soon\nx = 1", r"argument --timeout: invalid float value: 'soon'"),
+    # checked before a range is built (this one OOM-killed the kernel at 9.9 GB)
+    ("%%mesh --ranks 0-99999999999\nx = 1", r"rank\(s\) 0-99999999999 out of range"),
+    ("%%mesh --ranks 0-\nx = 1", r"'0-' is not a rank or a range"),
+    ("%%mesh --ranks 1,\nx = 1", r"'' is not a rank or a range"),
+    # refused before the cell runs, so the journal holds exactly what the ranks ran
+    ("%%mesh --profile-dir /proc/meshlab-nowhere\nran_anyway = 1",
+     r"--profile-dir '/proc/meshlab-nowhere': cannot make the folder"),
+    ("%mesh pull ran_anyway", r"'ran_anyway' is not defined on rank\(s\) 0-3"),
+    ("%%mesh --timeout soon\nx = 1", r"argument --timeout: 'soon' is not a finite number"),
+    ("%%mesh --timeout -1\nx = 1", r"argument --timeout: '-1' is not a finite number above 0"),
+    ("%%mesh --timeout nan\nx = 1", r"argument --timeout: 'nan' is not a finite number"),
+    ("%%mesh --max-lines 0\nx = 1", r"argument --max-lines: '0' is not a whole number above"),
+    ("%mesh plan llama3-8b --gpus 8 --top 0", r"argument --top: '0' is not a whole number"),
+    ("%mesh plan llama3-8b --gpus 8 --verify -1", r"argument --verify: '-1' is not a whole"),
+    ("%mesh plan llama3-8b --gpus 8 --tokens=-1e12", r"argument --tokens: '-1e12' is not a"),
     ("%%mesh --bogus\nx = 1", r"unrecognized arguments: --bogus"),
     ("%mesh init dp=3", r"dp_shard=3 = 3, but the cluster has 4 ranks: make the product 4"),
     ("%mesh init dp=2 xx=2", r"unknown mesh axis 'xx=2': write NAME=SIZE with NAME one of pp"),
@@ -87,3 +101,14 @@ def test_bad_magic_lines_name_the_value_and_the_fix(shell: Any, tmp_path: Any,
         print(f"\nbad input: {len(CASES)} cases tried, {len(CASES) - len(failures)} gave a clear "
               "error and left the cluster working")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cluster
+def test_more_local_ranks_than_the_machine_holds_are_refused_before_any_fork() -> None:
+    # Session(100000) forked until the machine gave out, then an unclear nanny error
+    from meshlab import Session
+
+    with pytest.raises(ValueError, match=r"100000 ranks on this machine need about \d+ GiB "
+                                         r"before any cell \(256 MiB each\), and it has .* "
+                                         r"available: start at most \d+, or spread them"):
+        Session(100000).start()

@@ -18,6 +18,11 @@ def test_parse_ranks_accepts_lists_and_ranges() -> None:
     ("a", "bad rank set 'a'"),
     ("3-1", "bad rank set '3-1'"),
     ("", "empty"),
+    # checked before anything is built: the kernel was OOM-killed building this range
+    ("0-99999999999", r"rank\(s\) 0-99999999999 out of range: the cluster has ranks 0-3"),
+    ("0-", r"'0-' is not a rank or a range"),
+    ("1,", r"'' is not a rank or a range"),
+    ("-1", r"'-1' is not a rank or a range"),
 ])
 def test_parse_ranks_rejects_bad_sets_with_the_fix(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

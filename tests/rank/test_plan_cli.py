@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -82,6 +83,8 @@ def test_a_model_file_without_a_name_is_named_for_the_file(tmp_path: Path) -> No
     (MY_TOML.replace("ffn = 11008", "ffn = 11008.0"), "ffn = 11008.0 is a decimal number"),
     (MY_TOML + "gated_ffn = 1\n", "gated_ffn = 1 is a whole number, not true or false"),
     ("layers = \n", "bad.toml is not valid TOML ("),
+    (MY_TOML.replace("layers = 32", "layers = 0"), "layers = 0 must be at least 1"),
+    (MY_TOML.replace("layers = 32", "layers = -4"), "layers = -4 must be at least 1"),
 ])
 def test_a_model_file_names_its_mistake_and_the_fix(tmp_path: Path, text: str,
                                                      message: str) -> None:
@@ -223,3 +226,19 @@ def test_the_console_plans_a_model_from_flags_as_json() -> None:
     assert seconds and seconds == sorted(seconds, reverse=True)
     assert set(out["collectives"][0]) == {"axis", "what", "collective", "ranks", "link",
                                           "calls", "mib_each", "seconds", "overlapped"}
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1.0"])
+def test_a_hardware_file_with_nonsense_numbers_names_the_key(tmp_path: Path, value: str) -> None:
+    # NaN in a calibrated profile printed "MFU nan%"
+    from meshlab.plan import HARDWARE
+    from meshlab.plan.hardware import load, save
+
+    path = save(HARDWARE["h100-sxm"], tmp_path / "hw.toml")
+    text = path.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("bf16 = "))
+    path.write_text(text.replace(line, f"bf16 = {value}", 1))
+    shown = re.escape(str(float(value)))
+    with pytest.raises(ValueError, match=rf"hw\.toml: tflops\.bf16 = {shown} is not a finite "
+                                         r"number >= 0: measure it again"):
+        load(path)
