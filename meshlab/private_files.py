@@ -65,6 +65,39 @@ def output_folder(path: str | Path, option: str) -> Path:
     return folder
 
 
+def check_target(path: Path) -> None:
+    """Refuse to write ``path`` where another local user could redirect or read it: a link,
+    a folder, or a folder of another user's (ValueError naming it). Check every file of a
+    set first, so a refusal leaves nothing half written."""
+    folder = path.parent
+    if folder.exists() and folder.stat().st_uid != os.getuid():
+        raise ValueError(f"{folder} belongs to another user (uid {folder.stat().st_uid}): they "
+                         f"could read or replace {path.name}; write into a folder of your own")
+    if path.is_symlink():
+        raise ValueError(f"{path} is a link (to {os.readlink(path)}): meshlab does not write "
+                         "through links; remove it, or write elsewhere")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: remove it, or write elsewhere")
+
+
+def write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """``path`` (checked by ``check_target``) written whole or not at all: a new file (0600,
+    or ``mode``) beside it, renamed over it, so a link planted meanwhile is replaced, never
+    followed."""
+    check_target(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+            os.fchmod(out.fileno(), mode)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
 def sweep(parent: Path) -> None:
     """Remove this user's session folders whose process is gone (another user's: never)."""
     for prefix in PREFIXES:

@@ -296,7 +296,7 @@ def test_export_with_nothing_recorded_names_the_fix(shell: Any, tmp_path: Path) 
     session.journal = Journal(4, "gloo")
     with pytest.raises(UsageError, match="no %%mesh cell to export: run some"):
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'}")
-    with pytest.raises(UsageError, match="--nodes 0 --gpus-per-node None: both must be >= 1"):
+    with pytest.raises(UsageError, match="argument --nodes: '0' is not a whole number above 0"):
         shell.run_line_magic("mesh", f"export {tmp_path / 'train.py'} --nodes 0")
 
 

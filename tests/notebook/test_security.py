@@ -584,3 +584,44 @@ def test_the_store_folder_goes_with_the_cluster(test_profile: Path) -> None:
         assert ranks.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()",
                          keep_values=True).values == {0: 2.0, 1: 2.0}
     assert not path.parent.exists()
+
+
+def test_an_export_is_never_written_through_a_link_or_into_another_users_folder(
+        intruder: str, tmp_path: Path) -> None:
+    # another user made the export folder first, launch.sh and job.sbatch links to our files:
+    # the export followed them, overwrote both and made them 0755
+    from meshlab.notebook.export import ExportError, Journal, export
+
+    journal = Journal(world_size=4, backend="gloo")
+    journal.record_cell("x = 1", 2)
+    precious = tmp_path / "precious.sh"
+    precious.write_text("mine\n")
+    os.chmod(tmp_path, 0o755)  # the victim's folder, as Debian's default home
+    shared = Path("/tmp") / f"meshlab-export-bait-{os.getpid()}"
+    planted = as_intruder(intruder, f"""
+import os
+os.makedirs({str(shared)!r}, mode=0o777); os.chmod({str(shared)!r}, 0o777)
+for name in ("launch.sh", "job.sbatch"):
+    os.symlink({str(precious)!r}, os.path.join({str(shared)!r}, name))
+""")
+    try:
+        assert planted.returncode == 0, planted.stderr
+        with pytest.raises(ExportError, match=r"belongs to another user .*: they could read or "
+                                              r"replace train\.py; write into a folder of"):
+            export(journal, shared / "train.py", sbatch=True)
+        # our own folder, with a link left in it: refused before anything is written
+        mine = tmp_path / "out"
+        mine.mkdir()
+        (mine / "launch.sh").symlink_to(precious)
+        with pytest.raises(ExportError, match=r"launch\.sh is a link \(to .*precious\.sh\): "
+                                              r"meshlab does not write through links"):
+            export(journal, mine / "train.py")
+        assert not (mine / "train.py").exists()  # nothing half written
+        assert precious.read_text() == "mine\n" and stat.S_IMODE(precious.stat().st_mode) == 0o644
+        # written: only its owner reads it (it holds the cells and pushed values)
+        (mine / "launch.sh").unlink()
+        written = export(journal, mine / "train.py", sbatch=True)
+        assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in written} == {
+            "train.py": 0o600, "launch.sh": 0o700, "job.sbatch": 0o600}
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

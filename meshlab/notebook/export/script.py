@@ -14,6 +14,7 @@ from pathlib import Path
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export.journal import ExportError, Journal, select
 from meshlab.notebook.ranks import format_ranks
+from meshlab.private_files import check_target, write_private
 
 PORT = 29500  # torchrun's default rendezvous port
 
@@ -235,12 +236,17 @@ def export(journal: Journal, path: str | Path, *, sbatch: bool = False, nodes: i
     launch, job = train.with_name("launch.sh"), train.with_name("job.sbatch")
     text = script(journal, where, cells=cells,
                   files=(train.name, launch.name, job.name if sbatch else None))
-    train.parent.mkdir(parents=True, exist_ok=True)
-    train.write_text(text)
-    launch.write_text(launch_script(where, train.name))
-    launch.chmod(0o755)
-    written = [train, launch]
+    files = {train: (text, 0o600), launch: (launch_script(where, train.name), 0o700)}
     if sbatch:
-        job.write_text(sbatch_script(where, train.name, job=train.stem))
-        written.append(job)
-    return written
+        files[job] = (sbatch_script(where, train.name, job=train.stem), 0o600)
+    try:
+        for target in files:  # every one first: a refusal leaves nothing half written
+            check_target(target)
+        for target, (content, mode) in files.items():
+            write_private(target, content, mode)  # only you read it: it holds your cells
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    except OSError as e:
+        raise ExportError(f"cannot write {e.filename or train.parent} ({e.strerror}): export "
+                          "to a folder you can write") from None
+    return list(files)
