@@ -90,7 +90,7 @@ class MeshMagics(Magics):
 
     def _checkpoint(self, args: Any) -> None:
         print(self.session.checkpoint(args.action, args.path, args.names,
-                                      background=args.background))
+                                      background=args.background, trusted=args.trusted))
 
     def _stacks(self, args: Any) -> None:
         print(self.session.stacks(args.ranks))

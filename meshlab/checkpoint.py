@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from meshlab import checkpoint_failures as failure
+from meshlab import checkpoint_integrity as integrity
 from meshlab.checkpoint_failures import CheckpointError
 
 MANIFEST = "meshlab.json"
@@ -164,16 +165,25 @@ def _wait_before(doing: str) -> None:
                               "not start: run it again)") from None
 
 
-def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any]:
+def load(path: str | os.PathLike[str], objects: dict[str, Any], *,
+         trusted: bool = False) -> dict[str, Any]:
     """Load a checkpoint into the live objects named in ``objects``, in place; every rank
     calls it. Returns ``{name: value}`` for each name: the same module or optimizer, or the
     saved plain value (so a plain name may map to None, or anything, before the load).
 
     Modules and optimizers are resharded to whatever mesh and world size they live on now;
-    build them first (the same model and optimizer, any parallel plan).
+    build them first (the same model and optimizer, any parallel plan). A checkpoint another
+    account could have written, or whose files changed since the save, is refused before
+    anything is read (meshlab.checkpoint_integrity); ``trusted=True`` loads the former.
     """
     _wait_before(f"loading {path}")
     info = manifest(path)
+    group = _checkpoint_group()
+    rank = dist.get_rank() if group is not None else 0
+    why = integrity.problem(Path(path), info, MANIFEST, trusted) if rank == 0 else None
+    why = _from_rank0(why, group)  # rank 0 hashes the files once; every rank hears it
+    if why is not None:
+        raise CheckpointError(f"not loaded: {why}")
     saved: dict[str, str] = info["kinds"]
     unknown = [n for n in objects if n not in saved]
     if unknown:
@@ -198,7 +208,6 @@ def load(path: str | os.PathLike[str], objects: dict[str, Any]) -> dict[str, Any
     state = _state_dict(objects, wanted, pairs)
     state.update({n: b"" for n, k in wanted.items() if k == "value"})  # DCP fills these in
     try:
-        group = _checkpoint_group()
         dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
     except Exception as e:
         raise CheckpointError(f"loading {path} into {', '.join(wanted)} failed (the live "
@@ -326,6 +335,7 @@ def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank:
         # any failure: the other ranks wait for the outcome below
         try:
             info["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            info[integrity.DIGESTS] = integrity.digests(partial, MANIFEST)  # checked at load
             with open(partial / MANIFEST, "w") as f:
                 json.dump(info, f, indent=1)
                 f.flush()

@@ -89,6 +89,9 @@ def restart(line: str) -> None:
 @argument("--async", dest="background", action="store_true",
           help="save in the background (torch.distributed.checkpoint.async_save); a failure "
           "is raised by the next checkpoint command")
+@argument("--trust", dest="trusted", action="store_true",
+          help="load a checkpoint another account could have written: its pickled metadata "
+          "runs code as you (without it such a checkpoint is refused)")
 def checkpoint(line: str) -> None:
     """%mesh checkpoint save|load DIR [NAME...]: sharded torch.distributed.checkpoint of named
     objects on every rank; loads into another mesh shape or world size."""

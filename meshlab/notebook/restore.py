@@ -165,12 +165,13 @@ def save_code(path: str, names: list[str], journal: Journal, number: int, *,
             + (", async_save=True)" if background else ")"))
 
 
-def load_code(path: str, names: list[str]) -> str:
+def load_code(path: str, names: list[str], trusted: bool = False) -> str:
     """The statements every rank runs for ``%mesh checkpoint load``: load in place, rebind."""
     # a plain value (a step counter) need not exist yet: the checkpoint defines it
     return ("import meshlab.checkpoint\n"
             f"globals().update(meshlab.checkpoint.load({str(path)!r}, "
-            f"{{n: globals().get(n) for n in {names!r}}}))")
+            f"{{n: globals().get(n) for n in {names!r}}}"
+            + (", trusted=True))" if trusted else "))"))
 
 
 def _binds(code: str, names: list[str]) -> bool:

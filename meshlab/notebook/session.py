@@ -283,9 +283,10 @@ class Session:
     # -- checkpoints -----------------------------------------------------------------------
 
     def checkpoint(self, action: str, path: str | Path, names: Sequence[str] = (), *,
-                   background: bool = False) -> str:
+                   background: bool = False, trusted: bool = False) -> str:
         """Save (or load) named objects on every rank as a sharded checkpoint in ``path``;
-        returns what was done. Default names: those of model, optimizer, step defined."""
+        returns what was done. Default names: those of model, optimizer, step defined.
+        ``trusted``: load one another account could have written (it runs their pickles)."""
         cluster, journal = self.need_cluster(), self.need_journal()
         if action not in ("save", "load"):
             raise SessionError(f"checkpoint action {action!r}: use 'save' or 'load'")
@@ -297,7 +298,7 @@ class Session:
                                "rank 0; name the objects: %mesh checkpoint save DIR model "
                                "optimizer")
         code = (restore.save_code(path, names, journal, number, background=background)
-                if action == "save" else restore.load_code(path, names))
+                if action == "save" else restore.load_code(path, names, trusted))
         try:
             cluster.run(code)  # a failure shows as any cell's would
         except MeshError as e:

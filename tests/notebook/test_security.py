@@ -625,3 +625,32 @@ for name in ("launch.sh", "job.sbatch"):
             "train.py": 0o600, "launch.sh": 0o700, "job.sbatch": 0o600}
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_checkpoint_another_user_planted_runs_none_of_its_code(intruder: str) -> None:
+    # its .metadata was a pickle that ran the attacker's code as the victim on every rank
+    from meshlab.checkpoint import CheckpointError, load
+
+    planted = Path("/tmp") / f"meshlab-ckpt-bait-{os.getpid()}"
+    ran = planted.with_name(planted.name + ".ran")
+    made = as_intruder(intruder, f"""
+import json, os, pickle
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch {ran}",))
+os.makedirs({str(planted)!r})
+with open(os.path.join({str(planted)!r}, ".metadata"), "wb") as f:
+    pickle.dump(Payload(), f)
+json.dump({{"names": ["step"], "kinds": {{"step": "value"}}, "world_size": 1}},
+          open(os.path.join({str(planted)!r}, "meshlab.json"), "w"))
+""")
+    try:
+        assert made.returncode == 0, made.stderr
+        with pytest.raises(CheckpointError, match=r"belongs to another account \(uid \d+\), and "
+                                                  r"loading a checkpoint reads pickles, which "
+                                                  r"run code: if you trust whoever"):
+            load(planted, {"step": None})
+        assert not ran.exists()  # nothing of it ran
+    finally:
+        shutil.rmtree(planted, ignore_errors=True)
+        ran.unlink(missing_ok=True)

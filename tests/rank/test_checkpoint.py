@@ -156,6 +156,34 @@ def test_one_process_round_trip_and_manifest(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no partial or old folder
 
 
+def test_a_changed_truncated_or_added_shard_is_refused_naming_the_file(tmp_path: Path) -> None:
+    # a shard altered in 1,024 places loaded without a word; a truncated one gave 9-17 KB of
+    # DCP tracebacks naming no file
+    model = torch.nn.Linear(32, 32, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    save(tmp_path / "c", {"model": model})
+    shard = next((tmp_path / "c").glob("*.distcp"))
+    blob = shard.read_bytes()
+    one, two = torch.tensor(1.0).numpy().tobytes(), torch.tensor(2.0).numpy().tobytes()
+    assert blob.count(one) >= 1024
+    cases = [(blob.replace(one, two), r"__0_0\.distcp changed since it was saved"),
+             (blob[: len(blob) // 2], r"__0_0\.distcp changed since it was saved"),
+             (b"", r"__0_0\.distcp changed since it was saved")]
+    for altered, said in cases:
+        shard.write_bytes(altered)
+        with pytest.raises(CheckpointError, match=rf"^not loaded: .*{said} \(its SHA-256"):
+            load(tmp_path / "c", {"model": torch.nn.Linear(32, 32, bias=False)})
+    shard.write_bytes(blob)
+    (tmp_path / "c" / "planted.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"planted\.distcp was not part of the checkpoint"):
+        load(tmp_path / "c", {"model": torch.nn.Linear(32, 32, bias=False)})
+    (tmp_path / "c" / "planted.distcp").unlink()
+    fresh = torch.nn.Linear(32, 32, bias=False)
+    load(tmp_path / "c", {"model": fresh})
+    assert torch.equal(fresh.weight, torch.ones(32, 32))
+
+
 def test_wrong_objects_are_refused_with_the_fix(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
