@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -139,14 +140,16 @@ def boot_id() -> str:
 
 
 def _chrome_trace(profiler: Any) -> bytes:
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="meshlab-profile-")
-    os.close(fd)
+    # in a folder only we can enter (0700): torch writes "<path>.tmp" without O_NOFOLLOW, and
+    # in /tmp another user who saw the name planted that as a link to a file of ours
+    folder = tempfile.mkdtemp(prefix="meshlab-profile-")
     try:
+        path = os.path.join(folder, "trace.json")
         profiler.export_chrome_trace(path)
         with open(path, "rb") as f:
             return f.read()
     finally:
-        os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def spans_of(events: list[Any]) -> tuple[list[Span], list[Span], str]:

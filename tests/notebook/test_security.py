@@ -654,3 +654,29 @@ json.dump({{"names": ["step"], "kinds": {{"step": "value"}}, "world_size": 1}},
     finally:
         shutil.rmtree(planted, ignore_errors=True)
         ran.unlink(missing_ok=True)
+
+
+def test_the_profilers_trace_is_written_where_no_one_else_can_plant_a_link(
+        tmp_path: Path) -> None:
+    # torch writes "<path>.tmp" without O_NOFOLLOW; in /tmp, under a name another user could
+    # watch for, a planted link there overwrote a file of ours (46 of 48 races won)
+    import torch
+
+    from meshlab.profiling import _chrome_trace
+
+    seen: dict[str, int] = {}
+    with torch.profiler.profile() as profiler:
+        torch.ones(4).sum()
+    export = profiler.export_chrome_trace
+
+    def watched(path: str) -> None:
+        folder = Path(path).parent
+        seen["mode"] = stat.S_IMODE(folder.stat().st_mode)
+        seen["owner"] = folder.stat().st_uid
+        seen["others"] = len([p for p in folder.iterdir()])
+        export(path)
+
+    profiler.export_chrome_trace = watched  # type: ignore[method-assign]
+    trace = _chrome_trace(profiler)
+    assert seen == {"mode": 0o700, "owner": os.getuid(), "others": 0}
+    assert b"traceEvents" in trace
