@@ -4,6 +4,7 @@ hardware profile, and lay out what was measured as tables."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.tables.table import Table, in_byte_unit, in_second_unit, sig
 from meshlab.plan.gemm import shape_factor
 from meshlab.plan.hardware import Hardware
+from meshlab.private_files import check_target
 
 
 @dataclass(slots=True)
@@ -58,15 +60,26 @@ def calibrate_profile(cluster: Cluster, path: str | Path = "calibrated.toml", *,
     """Measure the running cluster (every axis of its mesh, else the world group), write a
     hardware profile to ``path`` and return it with the tables."""
     path = Path(path)
-    if not Path(os.path.abspath(path)).parent.is_dir():
+    folder = Path(os.path.abspath(path)).parent
+    if not folder.is_dir():
         raise ValueError(f"cannot write {path}: folder {path.parent} does not exist")
+    check_target(Path(os.path.abspath(path)))  # before 24 s of measuring, not after
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {path}: folder {folder} is not writable by you; name "
+                         "another with -o")
     # a mesh left from before a regroup to fewer ranks no longer matches: only a live one
     target = "mesh" if cluster.mesh_spec is not None else "None"
     code = ("from meshlab.calibrate import calibrate as _meshlab_calibrate\n"
             f"_meshlab_calibrate({target}, sizes={sizes!r}, quick={quick!r})")
     result = cluster.run(code, keep_values=True, timeout=timeout)
     calibration: Calibration = result.values[min(result.values)]  # the same on every rank
-    hardware = write_profile(calibration, path, name)
+    try:
+        hardware = write_profile(calibration, path, name)
+    except OSError as e:  # what was measured is kept beside the notebook, and said where
+        kept = Path.cwd() / f"calibrated-{time.strftime('%Y%m%d-%H%M%S')}.toml"
+        write_profile(calibration, kept, name)
+        raise ValueError(f"cannot write {path} ({e.strerror}); the measurements are kept in "
+                         f"{kept}: plan with --hardware {kept}") from None
     return CalibrationReport(hardware=hardware, path=path.resolve(), calibration=calibration,
                              collectives=collectives_frame(calibration),
                              matmul=matmul_frame(calibration), points=points_frame(calibration),

@@ -112,3 +112,18 @@ def test_more_local_ranks_than_the_machine_holds_are_refused_before_any_fork() -
                                          r"before any cell \(256 MiB each\), and it has .* "
                                          r"available: start at most \d+, or spread them"):
         Session(100000).start()
+
+
+@pytest.mark.cluster
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(shell: Any,
+                                                                       tmp_path: Any) -> None:
+    # it measured for 24 s, then a bare PermissionError, and the measurements were lost
+    from IPython.core.error import UsageError
+
+    link = tmp_path / "calibrated.toml"
+    link.symlink_to(tmp_path / "elsewhere.toml")
+    for target, said in [(link, r"calibrated\.toml is a link \(to .*elsewhere\.toml\)"),
+                         (tmp_path, r"is a folder: remove it, or write elsewhere")]:
+        with pytest.raises(UsageError, match=said):
+            shell.run_line_magic("mesh", f"calibrate -o {target} --quick")
+    assert not (tmp_path / "elsewhere.toml").exists()
