@@ -224,6 +224,17 @@ def test_the_console_command_writes_the_files_or_exits_with_the_reason(tmp_path:
     done = subprocess.run(["meshlab", "export", str(empty)], capture_output=True, text=True,
                           cwd=tmp_path)
     assert done.returncode == 2 and "no %%mesh cell to export" in done.stderr
+    # a broken notebook: one line naming it, not a bare KeyError
+    for text, said in [('{"cells": [{"source": "x"}]}', "(no 'cell_type')"),
+                       ("{not json", "(JSONDecodeError: ")]:
+        broken = tmp_path / "broken.ipynb"
+        broken.write_text(text)
+        done = subprocess.run(["meshlab", "export", str(broken)], capture_output=True,
+                              text=True, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.startswith(
+            f"meshlab export: {broken} is not a saved Jupyter notebook meshlab can read {said}"
+        ), done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_export_names_a_script_without_py(tmp_path: Path) -> None:

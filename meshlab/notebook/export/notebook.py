@@ -18,6 +18,15 @@ TAGS = {"meshlab-skip": "skip", "meshlab-export": "export"}
 def read_notebook(path: str | Path) -> Journal:
     """The journal of a saved notebook: its %%mesh cells that ran without error (in execution
     order; all of them, in document order, if the notebook was saved without running)."""
+    try:
+        return _read(path)
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ExportError(f"{path} is not a saved Jupyter notebook meshlab can read ({what}): "
+                          "open it in Jupyter and save it again, or check the file") from None
+
+
+def _read(path: str | Path) -> Journal:
     from meshlab.notebook import commands
 
     nb = json.loads(Path(path).read_text())
@@ -123,13 +132,14 @@ def _pipeline(journal: Journal, args: Any, number: int, literals: dict[str, str]
 
 def add_command(commands: Any) -> None:
     """``meshlab export NOTEBOOK.ipynb -o train.py [--sbatch] [--nodes N] ...``"""
+    from meshlab.notebook import commands as commands_types
     cmd = commands.add_parser("export", help="notebook -> train.py, launch.sh (job.sbatch)",
                               description="Write a saved meshlab notebook as a torchrun script.")
     cmd.add_argument("notebook", type=Path)
     cmd.add_argument("-o", "--output", type=Path, default=Path("train.py"))
     cmd.add_argument("--sbatch", action="store_true", help="also write job.sbatch")
-    cmd.add_argument("--nodes", type=int, default=1)
-    cmd.add_argument("--gpus-per-node", type=int)
+    cmd.add_argument("--nodes", type=commands_types.count, default=1)
+    cmd.add_argument("--gpus-per-node", type=commands_types.count)
     cmd.add_argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 (default: all)")
     cmd.set_defaults(run=run_command)
 
