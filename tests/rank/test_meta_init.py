@@ -18,7 +18,6 @@ from tests.rank.families import ROUND_THREE as FAMILY_NAMES
 pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 MOE = ["Mixtral", "Qwen3-MoE", "OLMoE"]
-NO_PP = ["GPT-2", "GPT in a cell"]
 # mesh -> ParallelPlan arguments: every way a tensor ends up on a rank (FSDP shards, TP
 # shards on top of them, a pipeline stage, a DDP replica, an expert slice)
 LAYOUTS = {
@@ -80,8 +79,7 @@ def test_every_family_sharded_from_meta_equals_one_process_exactly(cluster: Clus
         verdicts = ast.literal_eval(out.result or "{}")
         for family, by_layout in verdicts.items():
             for spec, verdict in by_layout.items():
-                refused = ("ep=" in spec and family not in MOE) or (
-                    spec.startswith("pp=") and family in NO_PP)
+                refused = "ep=" in spec and family not in MOE
                 if refused:
                     if verdict[0] != "refused":
                         faults.append(f"rank {rank} {family} {spec}: expected a refusal, got "

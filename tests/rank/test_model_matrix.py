@@ -7,10 +7,11 @@ least once and each option runs on each family. Which cases exist is meshlab's o
 pure refusals); a pair no valid case holds must be refused, naming it. Families are
 transformers models from tiny configs and a GPT written in a cell (tests/rank/families.py).
 
-Each case is compare_with_single_process: 3 steps, float64 (AdamW or SGD with momentum),
-bf16 and fp16 against float32 with SGD, at the tolerances meshlab.parallel.verify derives.
+Each case is compare_with_single_process: 3 steps (2 let fp16's first step, skipped on
+overflow, leave one), float64 (AdamW or SGD with momentum), bf16 and fp16 against the same recipe in
+one process with SGD, at the tolerances meshlab.parallel.verify derives.
 
-The table in docs/guides/parallelism.md is this test's output: ``MESHLAB_WRITE_MATRIX=1
+The table in docs/guides/combinations.md is this test's output: ``MESHLAB_WRITE_MATRIX=1
 python -m pytest tests/rank/test_model_matrix.py`` rewrites it; otherwise the test fails when
 they differ.
 """

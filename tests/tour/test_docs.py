@@ -136,7 +136,7 @@ def test_the_api_reference_documents_every_public_name(site: Path) -> None:
 
 @pytest.mark.notebook
 @pytest.mark.timeout(SITE_TIMEOUT)
-def test_the_model_matrix_is_in_the_parallelism_guide(site: Path) -> None:
-    page = (site / "docs" / "guides" / "parallelism.html").read_text()
-    assert "<p>family</p></th>" in page and "<p>meta init, TP</p></th>" in page
+def test_the_model_matrix_is_in_the_combinations_guide(site: Path) -> None:
+    page = (site / "docs" / "guides" / "combinations.html").read_text()
+    assert "<p>family</p></th>" in page and "<p>init=meta</p></th>" in page
     assert "Mixtral" in page and "refused (1)" in page
