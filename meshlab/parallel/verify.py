@@ -47,7 +47,7 @@ import torch
 
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import reused_references
+from meshlab.parallel import combinations, reused_references
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import (
     ParallelPlan,
@@ -161,6 +161,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     it asks for is float64: meshlab.parallel.float64_variant), so parts it computes in
     float32 (norms, routers) leave no noise for an error to hide in."""
     check_comparable(plan, optimizer)
+    combinations.check(plan, partial(axis_size, mesh))  # before the one-process run trains
     # activation checkpointing (and chunked CP's per-chunk checkpoint) recompute in backward,
     # outside any mode the forward saw: such runs keep the model's float32 parts, held to the
     # floor they measure instead
