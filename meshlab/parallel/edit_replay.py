@@ -15,16 +15,14 @@ from torch import nn
 from meshlab.parallel.edit import (
     Batch,
     EDiTSync,
-    Penalty,
-    Running,
     SyncRecord,
-    clip_coefficient,
     outer_sgd,
     squared_norm,
     train_rounds,
     units_of,
     weigh,
 )
+from meshlab.parallel.edit_penalty import Penalty, Running, clip_coefficient
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

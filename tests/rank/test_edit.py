@@ -76,7 +76,7 @@ def test_edit_without_the_penalty_is_diloco_with_the_sync_moved(cluster: Cluster
 ANOMALY = """
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.edit import Penalty
+from meshlab.parallel.edit_penalty import Penalty
 from meshlab.parallel.edit_replay import simulate
 from meshlab.parallel.training import one_process_optimizer
 from meshlab.parallel.verify import data_rank, full_parameters, next_token_loss
