@@ -223,6 +223,7 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
     shape = {"seq": seq, "vocab": vocab, "seed": seed}
     precision, notes = dtype, []
     recipe: Callable[[torch.nn.Module], object] | None = None  # on every one-process run
+    recipe_key: tuple[str, bool] | None = None  # which recipe: reuse keys on it
     if plan.mixed_precision:  # the reference: the same recipe, in one process
         kind = precision_of(plan.mixed_precision) or "bf16"
         precision = DTYPES[kind]
@@ -231,6 +232,7 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
         recipe = (partial(cast_params_in_forward, dtype=precision) if fsdp else
                   partial(apply_autocast, device_type=mesh.device_type, dtype=precision))
         recipe(reference)
+        recipe_key = (kind, fsdp)
         how = (f"parameters cast to {kind} as FSDP2 casts them" if fsdp else f"autocast {kind}")
         scaled = (" + dynamic loss scaling", ", GradScaler") if kind == "fp16" else ("", "")
         notes = [f"{kind}{scaled[0]} against the same recipe in one process ({how}"
@@ -253,11 +255,11 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
     parts = max(2, data_rank(mesh)[1])
     # the settings the one-process run depends on: a reuse (reused_references) keys on them
     settings = (model if isinstance(model, ModelConfig) else factory, dtype, optimizer, lr,
-                tuple(sizes), batch, seq, vocab, seed, loss, on_meta, widen, parts,
+                tuple(sizes), batch, seq, vocab, seed, loss, on_meta, widen, parts, recipe_key,
                 reused_references.reference_plan(plan))
     alone = reused_references.trained(settings, replicas, lambda: train_reference(
         replicas, build, plan, shape, sizes, lr, optimizer, loss, TOLERANCES[precision], dtype,
-        batch, recipe, parts))
+        batch, recipe, parts, measure_floor=not widen or plan.qat is not None))
     ref_losses, loss_rtol, param_rtol = alone.losses, alone.loss_rtol, alone.param_rtol
     notes += alone.notes
 

@@ -42,6 +42,13 @@ def compare(model, mesh, **plan):
     return (r.ok, r.losses, r.reference_losses, r.max_loss_error, r.max_param_error,
             r.loss_rtol, r.param_rtol, r.notes), calls[0] - before
 
+def compare_fp16(dp):
+    before = calls[0]
+    r = compare_with_single_process(TINY, meshlab.mesh.build("dp=4"),
+                                    ParallelPlan(data_parallel=dp, mixed_precision="fp16"),
+                                    steps=2, dtype=torch.float32, optimizer="sgd", loss=counted)
+    return r.ok, calls[0] - before
+
 alone = {
     "zero3": compare(TINY, "dp=4", data_parallel="zero3"),
     "ddp": compare(TINY, "dp=4", data_parallel="ddp"),
@@ -61,10 +68,13 @@ with reusing_references():
         "local_sgd again": compare(TINY, "dp_replicate=2 dp=2", data_parallel="ddp",
                                    replica_sync="local_sgd", sync_every=2),
     }
+    # mixed precision's one-process recipe follows the data parallelism (FSDP2 casts the
+    # parameters, DDP autocasts): ZeRO-2 reuses ZeRO-3's, DDP trains its own
+    recipes = {dp: compare_fp16(dp) for dp in ("zero3", "ddp", "zero2")}
     changed = [compare(scaled, "dp=4", data_parallel="zero3")]
     SCALE[0] = 0.5
     changed.append(compare(scaled, "dp=4", data_parallel="ddp"))
-(alone, reused, changed)
+(alone, reused, changed, recipes)
 '''
 
 
@@ -72,7 +82,7 @@ def test_a_reference_is_reused_only_where_one_process_would_train_the_same(
         cluster: Cluster) -> None:
     out = cluster.run(CELL, timeout=300).outputs
     runs = {rank: ast.literal_eval(o.result) for rank, o in out.items()}
-    alone, reused, changed = runs[0]
+    alone, reused, changed, recipes = runs[0]
     # the same verdicts and numbers, reused or not
     for case, (result, _) in alone.items():
         assert reused[case][0] == result, case
@@ -85,6 +95,8 @@ def test_a_reference_is_reused_only_where_one_process_would_train_the_same(
         assert calls[case] == alone[case][1], case
     for case, like in (("ddp", "ddp"), ("tp+sp", "tp"), ("local_sgd again", "local_sgd")):
         assert calls[case] < alone[like][1], (case, calls[case], alone[like][1])
+    assert all(ok for ok, _ in recipes.values()), recipes
+    assert recipes["ddp"][1] == recipes["zero3"][1] > recipes["zero2"][1], recipes
     # the same factory building another model is trained again, and matches
     (first, n_first), (second, n_second) = changed
     assert first[0] and second[0], changed
