@@ -33,13 +33,15 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
                     optimizer: str, loss: LossFn, tolerances: tuple[float, float],
                     dtype: torch.dtype, batch: int,
                     recipe: Callable[[torch.nn.Module], object] | None = None,
-                    parts: int = 2) -> Reference:
+                    parts: int = 2, measure_floor: bool = True) -> Reference:
     """Train the reference (``replicas[0]``; with local SGD or DiLoCo every replica) in this
     process, on the whole global batches, and measure the model's own floor: the dtype's
     ``tolerances`` (loss, params), raised to it where it is higher. ``recipe``: mixed
     precision's, put on the reference already and on the twin that measures the floor;
     ``parts``: the chunks the parallel run's data ranks split each batch into (the floor
-    accumulates the same chunks, at least 2)."""
+    accumulates the same chunks, at least 2); ``measure_floor=False``: it computes in float64
+    throughout (meshlab.parallel.float64_variant), where the floor is float64's rounding, so
+    it is not measured."""
     reference = replicas[0]
     loss_rtol, param_rtol = tolerances
     notes: list[str] = []
@@ -66,7 +68,7 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
     # mixed precision is held against the same recipe, whose own rounding the floor
     # measures as it measures float32 parts in a float64 model
     parts = parts if batch % parts == 0 else 2
-    if batch % parts == 0:
+    if measure_floor and batch % parts == 0:
         probe = (build, reference, ref_losses, whole, lr, optimizer, plan, loss, recipe)
         floor = _reordering_floor(*probe, parts=parts)
         above = floor[0] * FLOOR_MARGIN > loss_rtol or floor[1] * FLOOR_MARGIN > param_rtol

@@ -113,9 +113,12 @@ def plan_of(case: Mapping[str, Any]) -> dict[str, Any]:
 
 def compare_of(case: Mapping[str, Any]) -> dict[str, Any]:
     """compare_with_single_process's arguments for a case (float64; mixed precision's
-    weights in float32, held against the same recipe in one process)."""
+    weights in float32, held against the same recipe in one process). 2 steps (the second
+    takes the optimizer state the first made); fp16 3, as its first may be skipped on
+    overflow."""
     return {"dtype": "float64" if case["precision"] == "fp64" else "float32",
-            "optimizer": case["optimizer"], "on_meta": case["init"] == "meta"}
+            "optimizer": case["optimizer"], "on_meta": case["init"] == "meta",
+            "steps": 3 if case["precision"] == "fp16" else 2}
 
 
 def refusal(case: Mapping[str, Any], family_refuses: Callable[[Mapping[str, Any]], str | None]
