@@ -47,7 +47,7 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
     notes: list[str] = []
     if plan.replica_sync != "every_step":  # each replica trains alone on its rows
         losses = train_replicas(replicas, plan, shape, sizes, lr, optimizer, loss)
-        if plan.replica_sync != "edit" and batch % (2 * len(replicas)) == 0:
+        if measure_floor and plan.replica_sync != "edit" and batch % (2 * len(replicas)) == 0:
             twins = [build() for _ in replicas]  # the same, each replica's rows in 2 halves
             for twin in twins:
                 if recipe is not None:
