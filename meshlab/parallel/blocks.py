@@ -32,13 +32,19 @@ class PassThrough(nn.Module):
         return (x, *[None] * (self.width - 1)) if self.width else x
 
 
+def owner_of(model: nn.Module) -> nn.Module:
+    """The model a pipeline stage came from (its config, plans and class names), or the model
+    itself."""
+    return model.__dict__.get("causal_lm", model)
+
+
 def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, Blocks]:
     """``(path, container)`` of the model's repeated blocks; ValueError says what it looked
     for and the argument that fixes it."""
     if path is not None:
         return path, _at(model, path)
-    owner = model.__dict__.get("causal_lm", model)  # a pipeline stage: the model it came from
-    named = set(getattr(owner, "_no_split_modules", None) or ())  # transformers' block classes
+    # transformers' block classes (a pipeline stage's: the model it came from)
+    named = set(getattr(owner_of(model), "_no_split_modules", None) or ())
     # one block class, or several that transformers names (Jamba's attention and Mamba blocks)
     candidates = {name: m for name, m in model.named_modules() if isinstance(m, Blocks)
                   and (len(_own(m)) == 1 or {c.__name__ for c in _own(m)} <= named != set())}

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from meshlab.mesh import axis_size
 from meshlab.models.moe import MoE
 from meshlab.parallel.accumulate import gradient_sync
-from meshlab.parallel.blocks import clean_name
+from meshlab.parallel.blocks import clean_name, owner_of
 from meshlab.parallel.materialize import mark_slice
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def average_gradients(model: nn.Module, mesh: DeviceMesh, *, axis: str = "ep") -
 def _ep_plan(model: nn.Module) -> dict[str, str]:
     """transformers' EP plan of a model, or of the model a pipeline stage is part of (its
     config's ``base_model_ep_plan``), or {}."""
-    owner = getattr(model, "causal_lm", model)  # a stage keeps the causal LM it came from
+    owner = owner_of(model)
     plan = getattr(getattr(owner, "config", None), "base_model_ep_plan", None)
     return dict(plan) if isinstance(plan, dict) else {}
 

@@ -65,13 +65,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
                            schedule.stages))
     stages = stage_modules(model, mine, schedule.stages, starts)
     if parallelize_stage is not None:
-        problem = None
-        try:
-            stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
-        except ValueError as e:  # what one stage holds: the other stages' ranks must hear it
-            problem = str(e)
-        agree(problem, "a rank of another pipeline stage refused its part of the plan (its "
-                       "error says why)")
+        stages = _parallelized(stages, parallelize_stage)
     # The model keeps only its stages' parts (with any wrapper a stage put on a block).
     layers = cast(nn.ModuleDict, model.layers)
     kept = {name: block for stage in stages.values()
@@ -175,6 +169,20 @@ def _pair_group(mesh: DeviceMesh, axis: str, first: int, last: int) -> Any:
     return _pair_groups[key]
 
 
+def _parallelized(stages: dict[int, nn.Module],
+                  parallelize_stage: Callable[[nn.Module], nn.Module]) -> dict[int, nn.Module]:
+    """This rank's stages, each given the rest of the plan; a refusal that depends on what a
+    stage holds reaches the other stages' ranks too (meshlab.parallel.agree)."""
+    problem, built = None, stages
+    try:
+        built = {s: parallelize_stage(stage) for s, stage in stages.items()}
+    except ValueError as e:
+        problem = str(e)
+    agree(problem, "a rank of another pipeline stage refused its part of the plan (its error "
+                   "says why)")
+    return built
+
+
 def _apply_pp_any(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   parallelize_stage: Callable[[nn.Module], nn.Module] | None,
@@ -197,13 +205,7 @@ def _apply_pp_any(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[i
     stages: dict[int, nn.Module] = {
         s: Stage(model, layout, owned[s], first=s == 0, last=s == last) for s in mine}
     if parallelize_stage is not None:
-        problem = None
-        try:
-            stages = {s: parallelize_stage(stage) for s, stage in stages.items()}
-        except ValueError as e:  # what one stage holds: the other stages' ranks must hear it
-            problem = str(e)
-        agree(problem, "a rank of another pipeline stage refused its part of the plan (its "
-                       "error says why)")
+        stages = _parallelized(stages, parallelize_stage)
     # the model keeps its stages' parts under their full-model names (block i stays "i")
     blocks_path = layout.path(layout.blocks)
     kept = {str(i): cast(Any, stage.get_submodule(blocks_path))[i]

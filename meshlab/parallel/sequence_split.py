@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshlab.parallel.blocks import owner_of
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,7 +63,7 @@ def decoder_of(model: nn.Module) -> Any:
         from transformers import PreTrainedModel
     except ImportError:
         return None
-    owner = model.__dict__.get("causal_lm", model)  # a pipeline stage: the model it came from
+    owner = owner_of(model)
     prefix = getattr(owner, "base_model_prefix", "") or ""
     inner = model._modules.get(prefix) if prefix else None
     if isinstance(inner, PreTrainedModel):

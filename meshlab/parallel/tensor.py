@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshlab.parallel.blocks import holds
+from meshlab.parallel.blocks import holds, owner_of
 from meshlab.parallel.tensor_styles import OWN_STYLES, apply_named, name_matches
 from meshlab.parallel.ties import retie, untie
 
@@ -122,8 +122,7 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
     ``base_model_tp_plan``); ValueError naming the fix when it has none."""
     plan = getattr(model, "_tp_plan", None) or getattr(getattr(model, "config", None),
                                                       "base_model_tp_plan", None)
-    owner = model.__dict__.get("causal_lm", model)  # a pipeline stage: the model it came from
-    if not plan and type(owner).__name__ == "GPT2LMHeadModel":
+    if not plan and type(owner_of(model)).__name__ == "GPT2LMHeadModel":
         from meshlab.parallel.conv1d import gpt2_plan
 
         return gpt2_plan()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from meshlab.parallel.blocks import PassThrough
+from meshlab.parallel.blocks import PassThrough, owner_of
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -59,7 +59,7 @@ def apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str]) 
         if generic in plan:
             expanded[name] = plan[generic]
     if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
-        model.config = getattr(model, "causal_lm", model).config
+        model.config = owner_of(model).config
     apply_tensor_parallelism(model, tp_mesh, expanded)
     for name, module in model.named_modules():
         mine = own.get(replace_layer_number_by_wildcard(name))
