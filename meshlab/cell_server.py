@@ -93,7 +93,7 @@ class CellServer:
     def _receive(self, frames: list[bytes]) -> None:
         message = cell_wire.unpack(self.key, frames)
         if message is None:
-            return  # not signed with the cluster's key: never parsed further
+            return  # not signed with the channel's key: never parsed further
         cell, _ = message
         if cell.get("kind") != cell_wire.CELL:
             return

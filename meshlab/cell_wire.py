@@ -3,11 +3,12 @@
 One owner for the wire, imported by both ends: a message is ``[signature, layout, *parts]``:
 the header (JSON) and the blobs, each cut into parts of at most FRAME_MAX bytes (``layout``
 lists how many parts each has), the signature HMAC-SHA256 of every other frame under the
-cluster's key (ipyparallel's own). A frame that does not verify is dropped before it is
+channel's key (a 32-byte secret the notebook makes and hands each rank over the controller's
+CurveZMQ channel). A frame that does not verify is dropped before it is
 parsed, so nothing from an unauthenticated peer is ever decoded, let alone unpickled.
 
 Before any of that, the connection itself is CurveZMQ: the notebook's socket is a CURVE
-server whose key pair is derived from the cluster's key, so a peer without that key fails the
+server whose key pair is derived from the channel's key, so a peer without that key fails the
 handshake and nothing it sends is read into a message, let alone buffered; and no frame may
 be larger than FRAME_MAX (``secure_server``), so even a peer with the key cannot make the
 notebook hold a frame larger than that.
@@ -39,7 +40,7 @@ _CURVE_SLACK = 1024  # a CURVE frame is its plaintext and a box: the cap counts 
 
 
 def _server_secret(key: bytes) -> bytes:
-    # its "public" half stays a secret too: only holders of the cluster's key can derive it,
+    # its "public" half stays a secret too: only holders of the channel's key can derive it,
     # and a CURVE client must know it to say hello
     return zmq.utils.z85.encode(hmac.new(key, b"meshlab cell channel", hashlib.sha256).digest())
 

@@ -105,6 +105,33 @@ def sweep(parent: Path) -> None:
             _sweep_one(folder, folder.name[len(prefix):].split("-", 1)[0])
 
 
+def private_profile(profile_dir: str | Path) -> None:
+    """ipyparallel's profile folder for meshlab, made or made again 0700 with its ``log``
+    and ``security`` folders: the logs hold what the ranks wrote to their file descriptors,
+    the connection files the controller's key. Logs of notebooks that died go."""
+    profile = Path(profile_dir)
+    for folder in (profile, profile / "log", profile / "security"):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+            raise ValueError(f"{folder} is {'a link' if folder.is_symlink() else 'not yours'}"
+                             ": meshlab keeps its logs and keys only in a folder of your own;"
+                             " remove it, or set IPYTHONDIR to a folder of yours")
+        os.chmod(folder, 0o700)
+    sweep_logs(profile / "log")
+
+
+def sweep_logs(log: Path) -> None:
+    """Remove the logs of clusters whose notebook is gone: the controller's log is named
+    ``ipcontroller-<cluster id>-<pid of the notebook>.log``, and every file of that cluster
+    (its engines' logs, their exits, its record of engines) holds its id."""
+    for controller in log.glob("ipcontroller-*-*.log"):
+        cluster_id, _, pid = controller.stem[len("ipcontroller-"):].rpartition("-")
+        if cluster_id and pid.isdigit() and not _alive(int(pid)):
+            for path in log.glob(f"*{cluster_id}*"):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+
 def _sweep_one(folder: Path, pid: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         info = folder.lstat()

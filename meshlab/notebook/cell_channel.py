@@ -5,7 +5,7 @@ otherwise); each rank connects twice, for cells and replies with its rank as ide
 for a running cell's output as "rank/output". A cell goes to each of its ranks
 once; what comes back is filed under the cell's id as it arrives, while someone polls (the
 cell in flight, or a wait for a stuck one). No thread: the notebook spends nothing between
-cells. A peer without the cluster's key fails the CurveZMQ handshake, so nothing it sends is
+cells. A peer without the channel's key fails the CurveZMQ handshake, so nothing it sends is
 buffered; no frame is longer than cell_wire.FRAME_MAX; frames not signed with the key are
 dropped unread.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,10 +60,12 @@ class SentCell:
 class CellChannel:
     """Sends cells to ranks and files their output and replies."""
 
-    def __init__(self, ip: str, key: bytes) -> None:
-        self.key = key
+    def __init__(self, ip: str, key: bytes | None = None) -> None:
+        # its own secret (ipyparallel's HMAC key is empty under CurveZMQ): the ranks get it
+        # over the controller's encrypted channel, with the rest of their set-up
+        self.key = key if key is not None else secrets.token_bytes(32)
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        cell_wire.secure_server(self._socket, key)  # no handshake, no frame, without the key
+        cell_wire.secure_server(self._socket, self.key)  # no handshake, no frame, without the key
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank not connected: an error
         if ":" in ip:

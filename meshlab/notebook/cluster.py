@@ -130,8 +130,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
             self._ipp, self._client, self._processes = launch.start(self.profile, n, bar)
             try:
                 self._engines = sorted(self._client.ids)[:n]
-                self.cell_channel = CellChannel(self.profile.controller_ip,
-                                                self._client.session.key)
+                self.cell_channel = CellChannel(self.profile.controller_ip)
                 bar.phase("process group")
                 self._bootstrap(loopback=self.profile.controller_ip in LOOPBACK)
             except BaseException:
@@ -212,7 +211,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
                 rank=r, world_size=self.world_size, local_rank=peers.index(r),
                 backend=self.backend, timeout=self.profile.pg_timeout, debug=self.debug,
                 threads=threads, env=self.profile.env, cwd=os.getcwd(),
-                cells=self.cell_channel.address, interface=host["iface"], **store,
+                cells=self.cell_channel.address, cells_key=self.cell_channel.key,
+                interface=host["iface"], **store,
             )
 
         self._apply_each(on_ranks.setup_rank, setup_kwargs, timeout=self.profile.pg_timeout + 60)

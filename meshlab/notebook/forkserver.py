@@ -160,7 +160,7 @@ def serve(n: int, exits: str, engine_argv: list[str], lifeline: bool = False) ->
                   "notebook found no controller to connect them to", file=sys.stderr)
             return 1
         os.environ.update(json.loads(line))
-        os.makedirs(os.environ.get("IPP_PROFILE_DIR", "."), exist_ok=True)
+        os.makedirs(os.environ.get("IPP_PROFILE_DIR", "."), 0o700, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     engines: dict[int, socket.socket] = {}  # pid -> the socket it asks for its nanny on

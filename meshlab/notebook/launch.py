@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import html
 import logging
 import os
@@ -21,14 +22,19 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.fork_launchers import ForkEngineSetLauncher, SSHForkEngineSetLauncher
 from meshlab.notebook.profiles import Profile
+from meshlab.private_files import private_profile
 
+# CurveZMQ on every controller socket: a local peer without the server key (in the 0600
+# connection files only) fails the handshake, so it can neither read iopub nor make the hub
+# buffer or log anything (signing alone let it subscribe to every rank's display output).
 # Errors only: the hub logs a line per request otherwise, into a log that grows for ever.
 # The hub counts an engine once it answers a heartbeat, within two periods: ipyparallel's
 # 3 s made every start wait 3-6 s for it; at 200 ms loaded engines never answered in time.
 # A late answer (to the ping before) still counts, and 20 misses in a row keep a silent
 # engine's detection at 10 s, as 10 misses of 1 s did.
-CONTROLLER_ARGS = ["--log-level=ERROR", "--HeartMonitor.period=500",
-                   "--HeartMonitor.max_heartmonitor_misses=20"]
+CONTROLLER_ARGS = ["--IPController.enable_curve=True", "--log-level=ERROR",
+                   "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=20"]
+IPP_PROFILE = "meshlab"  # ipyparallel's profile: a folder of meshlab's own, kept 0700
 SLURM_TRAITS = {"queue": "partition", "account": "account", "qos": "qos",
                 "timelimit": "time"}  # [launcher] keys -> the sbatch options they mean
 SHUTDOWN_WAIT = 10.0  # seconds engines get to leave cleanly before the launcher stops them
@@ -168,9 +174,10 @@ def start(profile: Profile, n: int, progress: StartProgress
     # engines its connection once it is written. (ipyparallel waits 1 s blindly, then for
     # the controller, to pass its connection in the engines' environment.)
     cluster = ipp.Cluster(n=n, engines=engines, log_level=logging.ERROR,
-                          delay=0 if profile.fork else 1,
+                          delay=0 if profile.fork else 1, profile=IPP_PROFILE,
                           send_engines_connection_env=not profile.fork,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
+    private_profile(cluster.profile_dir)
     processes = EngineProcesses(cluster)
     for key, value in launcher_traits(profile, n, cluster.cluster_id,
                                       cluster.profile_dir).items():
@@ -187,6 +194,8 @@ def start(profile: Profile, n: int, progress: StartProgress
         client = cluster.connect_client_sync()
         progress.phase("engines")
         _wait_for_engines(client, processes, n, profile.start_timeout, progress)
+        for log in glob.glob(os.path.join(cluster.profile_dir, "log", f"*{cluster.cluster_id}*")):
+            os.chmod(log, 0o600)  # in a 0700 folder already: private by their own mode too
     except BaseException:
         stop(cluster, client, None)
         raise

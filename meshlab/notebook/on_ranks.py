@@ -12,9 +12,10 @@ import ipyparallel as ipp
 
 
 @ipp.interactive
-def setup_rank(cwd: str, cells: str, **kwargs: Any) -> None:
+def setup_rank(cwd: str, cells: str, cells_key: bytes, **kwargs: Any) -> None:
     """Bootstrap the rank, publish its names, listen for cells at ``cells`` (the notebook's
-    channel) and answer probes from the control thread."""
+    channel, whose key ``cells_key`` came over the controller's encrypted channel) and
+    answer probes from the control thread."""
     import os
 
     import meshlab.cell_server
@@ -25,7 +26,7 @@ def setup_rank(cwd: str, cells: str, **kwargs: Any) -> None:
         os.chdir(cwd)
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
-    meshlab.cell_server.serve(shell, cells, kwargs["rank"], shell.kernel.session.key)
+    meshlab.cell_server.serve(shell, cells, kwargs["rank"], cells_key)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
     meshlab.probe_server.serve(shell.kernel, shell.user_ns, shell.compile._filename_map)
 

@@ -26,6 +26,7 @@ import ipyparallel as ipp
 import psutil
 import pytest
 import zmq
+from accounts import as_user, local_user
 from jupyter_client.session import Session
 
 from meshlab import Cluster, runtime
@@ -168,26 +169,31 @@ def test_the_store_binds_the_address_it_is_given_and_leaves_host_names_to_torch(
 
 @pytest.mark.cluster
 def test_connection_files_are_0600_in_a_0700_directory(cluster: Cluster) -> None:
-    folder = security_dir(cluster)
-    assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
-    assert folder.stat().st_uid == os.getuid()
+    for folder in (Path(cluster._ipp.profile_dir), security_dir(cluster)):  # its own profile
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, oct(folder.stat().st_mode)
+        assert folder.stat().st_uid == os.getuid()
     for who in ("client", "engine"):
         path = connection_file(cluster, who)
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode == 0o600, f"{path.name}: {oct(mode)}"
         assert path.stat().st_uid == os.getuid()
-        assert json.loads(path.read_text())["key"], f"{path.name} holds no key"
+        assert json.loads(path.read_text())["curve_serverkey"], f"{path.name} holds no key"
 
 
-# -- 3. signed messages --------------------------------------------------------------------
+# -- 3. the controller's key --------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def controller_socket(cluster: Cluster, port: str) -> Iterator[zmq.Socket[Any]]:
-    """A DEALER on one of the controller's client-facing ports, as ipyparallel's client has."""
+def controller_socket(cluster: Cluster, port: str, server_key: bytes | None
+                      ) -> Iterator[zmq.Socket[Any]]:
+    """A DEALER on one of the controller's client-facing ports, as ipyparallel's client has:
+    a CurveZMQ client of ``server_key`` (None: none, the NULL mechanism)."""
     info = connection(cluster)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    if server_key is not None:
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     sock.connect(f"{info['interface']}:{info[port]}")
     try:
         yield sock
@@ -195,12 +201,13 @@ def controller_socket(cluster: Cluster, port: str) -> Iterator[zmq.Socket[Any]]:
         sock.close()
 
 
-def send_execute(cluster: Cluster, sock: zmq.Socket[Any], port: str, key: bytes, code: str,
+def send_execute(cluster: Cluster, sock: zmq.Socket[Any], port: str, code: str,
                  rank: int = 3) -> None:
-    """An execute_request for one rank's engine, signed with ``key`` (b"" = unsigned)."""
+    """An execute_request for one rank's engine (unsigned: ipyparallel signs nothing under
+    CurveZMQ, where the handshake is what authenticates)."""
     info = connection(cluster)
     engine = cluster._client._engines[cluster._engines[rank]]  # the engine's ZeroMQ identity
-    session = Session(key=key, signature_scheme=info["signature_scheme"], username="intruder")
+    session = Session(key=b"", signature_scheme=info["signature_scheme"], username="intruder")
     content = {"code": code, "silent": False, "user_expressions": {}}
     if port == "mux":  # the mux routes by the identity frame
         session.send(sock, "execute_request", content=content, ident=engine.encode())
@@ -215,23 +222,23 @@ def appears(path: Path, within: float) -> bool:
     return path.exists()
 
 
-FORGERIES = {"wrong key": b"not the cluster's key", "unsigned": b""}
+FORGERIES = {"no key": None, "a wrong key": zmq.curve_keypair()[0]}
 
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("port", ["mux", "task"])
 @pytest.mark.parametrize("forgery", list(FORGERIES))
-def test_a_forged_message_to_the_controller_runs_nothing(
+def test_a_message_to_the_controller_without_its_key_runs_nothing(
         cluster: Cluster, tmp_path: Path, forgery: str, port: str) -> None:
-    forged, signed = tmp_path / "forged", tmp_path / "signed"
-    key = connection(cluster)["key"].encode()
-    with controller_socket(cluster, port) as sock:
-        send_execute(cluster, sock, port, FORGERIES[forgery], f"open({str(forged)!r}, 'w')")
-        # the positive control, queued behind the forgery to the same engine: once it has run,
-        # the forgery was read and dropped
-        send_execute(cluster, sock, port, key, f"open({str(signed)!r}, 'w')")
-        assert appears(signed, within=30), "the correctly signed message did not run either"
-        assert not appears(forged, within=1.0), f"a message signed with {forgery!r} ran"
+    forged, keyed = tmp_path / "forged", tmp_path / "keyed"
+    key = connection(cluster)["curve_serverkey"].encode()
+    with (controller_socket(cluster, port, FORGERIES[forgery]) as intruder,
+          controller_socket(cluster, port, key) as client):
+        send_execute(cluster, intruder, port, f"open({str(forged)!r}, 'w')")
+        # the positive control, sent after the forgery to the same engine
+        send_execute(cluster, client, port, f"open({str(keyed)!r}, 'w')")
+        assert appears(keyed, within=30), "the message with the server key did not run either"
+        assert not appears(forged, within=1.0), f"a message with {forgery} ran"
     assert cluster.run("1").ok
 
 
@@ -241,8 +248,10 @@ def test_a_forged_message_to_the_controller_runs_nothing(
 @pytest.mark.cluster
 def test_exports_logs_and_command_lines_hold_no_connection_key(
         cluster: Cluster, shell: Any, tmp_path: Path) -> None:
-    keys = {json.loads(connection_file(cluster, who).read_text())["key"]
-            for who in ("client", "engine")}
+    # the controller's CurveZMQ key (ipyparallel's HMAC key is empty under CURVE) and the
+    # cell channel's
+    keys = {json.loads(connection_file(cluster, who).read_text())["curve_serverkey"]
+            for who in ("client", "engine")} | {cluster.cell_channel.key.hex()}
     session = shell.magics_manager.registry["MeshMagics"].session
     saved, session.journal = session.journal, Journal(cluster.world_size, cluster.backend)
     try:
@@ -308,24 +317,12 @@ def test_a_profile_may_name_an_interface_address_or_host() -> None:
 # -- 5. another user on the machine --------------------------------------------------------
 
 INTRUDER = "meshlab-intruder"
-SYSTEM_PYTHON = "/usr/bin/python3"  # the intruder cannot enter /root, where ours may live
 
 
 @pytest.fixture(scope="session")
 def intruder() -> str:
     """A second, unprivileged local user, created here (CI runs as root)."""
-    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
-        pytest.skip("creating a second local user needs root and useradd/runuser")
-    if subprocess.run(["id", INTRUDER], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        INTRUDER], check=True)
-    return INTRUDER
-
-
-def as_intruder(user: str, code: str) -> subprocess.CompletedProcess[str]:
-    """Python ``code`` run as ``user``."""
-    return subprocess.run(["runuser", "-u", user, "--", SYSTEM_PYTHON, "-c", code],
-                          capture_output=True, text=True, timeout=60)
+    return local_user(INTRUDER)
 
 
 @pytest.mark.cluster
@@ -336,7 +333,7 @@ def test_cut_output_cannot_be_redirected_read_or_left_behind_by_another_user(
     precious = tmp_path / "precious.txt"
     precious.write_text("mine\n")
     # the old, guessable folder made first, 0777, its files links to a file of ours
-    planted = as_intruder(intruder, f"""
+    planted = as_user(intruder, f"""
 import os
 root = os.path.join({tempfile.gettempdir()!r}, "meshlab-{os.getpid()}")
 os.makedirs(root, exist_ok=True); os.chmod(root, 0o777)
@@ -356,7 +353,7 @@ for n in range(1, 60):
                            (folder / "rank0.stdout", 0o600)]:
             assert stat.S_IMODE(path.lstat().st_mode) == mode, f"{path}: {oct(path.stat().st_mode)}"
         assert "secret 19" in (folder / "rank0.stdout").read_text()
-        peek = as_intruder(intruder, f"print(open({str(folder / 'rank0.stdout')!r}).read())")
+        peek = as_user(intruder, f"print(open({str(folder / 'rank0.stdout')!r}).read())")
         assert peek.returncode != 0 and "PermissionError" in peek.stderr, peek
     assert precious.read_text() == "mine\n"  # nothing written through the links
     assert not folder.parent.exists()  # removed with the cluster
@@ -392,7 +389,7 @@ def test_frames_from_another_user_to_the_cell_channel_are_never_buffered(
     any client library speaks), by a user who does not hold the cluster's key."""
     port = int(cluster.cell_channel.address.rsplit(":", 1)[1])
     before = rss(os.getpid())
-    flood = as_intruder(intruder, f"""
+    flood = as_user(intruder, f"""
 import socket, struct
 s = socket.create_connection(("127.0.0.1", {port}))
 s.sendall(b"\\xff" + bytes(8) + b"\\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\\0") + bytes(32))
@@ -489,8 +486,7 @@ print(json.dumps({"probed": [f"{ip}:{port}" for ip, port in found],
 def stores_another_user_reaches(user: str) -> tuple[set[str], dict[str, dict[str, Any]]]:
     """The sockets of this uid ``user`` tried ("ip:port"), and those that answered as a
     TCPStore, with what each said."""
-    done = subprocess.run(["runuser", "-u", user, "--", SYSTEM_PYTHON, "-c", STORE_PROBE,
-                           str(os.getuid())], capture_output=True, text=True, timeout=120)
+    done = as_user(user, STORE_PROBE, str(os.getuid()), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.splitlines()[-1])
     return set(seen["probed"]), seen["stores"]
@@ -557,7 +553,7 @@ def test_another_user_cannot_open_the_store_file(cluster: Cluster, intruder: str
     assert path.parent.name.startswith(f"meshlab-store-{cluster._hosts[0]['pid']}-")
     for attempt in (f"open({str(path)!r}, 'rb')", f"open({str(path)!r}, 'ab')",
                     f"os.listdir({str(path.parent)!r})"):
-        tried = as_intruder(intruder, f"import os; {attempt}")
+        tried = as_user(intruder, f"import os; {attempt}")
         assert tried.returncode != 0 and "PermissionError" in tried.stderr, (attempt, tried)
 
 
@@ -598,7 +594,7 @@ def test_an_export_is_never_written_through_a_link_or_into_another_users_folder(
     precious.write_text("mine\n")
     os.chmod(tmp_path, 0o755)  # the victim's folder, as Debian's default home
     shared = Path("/tmp") / f"meshlab-export-bait-{os.getpid()}"
-    planted = as_intruder(intruder, f"""
+    planted = as_user(intruder, f"""
 import os
 os.makedirs({str(shared)!r}, mode=0o777); os.chmod({str(shared)!r}, 0o777)
 for name in ("launch.sh", "job.sbatch"):
@@ -633,7 +629,7 @@ def test_a_checkpoint_another_user_planted_runs_none_of_its_code(intruder: str) 
 
     planted = Path("/tmp") / f"meshlab-ckpt-bait-{os.getpid()}"
     ran = planted.with_name(planted.name + ".ran")
-    made = as_intruder(intruder, f"""
+    made = as_user(intruder, f"""
 import json, os, pickle
 class Payload:
     def __reduce__(self):

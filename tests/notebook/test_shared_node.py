@@ -1,0 +1,267 @@
+"""A shared node: a victim that is a normal account (Debian's 0755 home) runs a session, and a
+second unprivileged account attacks it as any local user can: every socket the victim listens
+on (any user may read /proc/net/tcp), spoken to as a ZeroMQ peer without a key would, and
+the victim's files under its home.
+
+Real components only: the victim's own notebook process (meshlab.Cluster from this checkout,
+its controller, forkserver and ranks), the intruder's plain Python with raw sockets (ZMTP 3.0
+by hand: what any ZeroMQ library sends).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import select
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from accounts import as_user, local_user, meshlab_as
+
+INTRUDER, VICTIM = "meshlab-intruder", "meshlab-victim"
+SECRET = "victim-secret"
+
+# The victim's notebook: 2 ranks printing, displaying and writing to their fds in a loop
+# until told to stop; then what it measured. A line on stdin moves it on.
+VICTIM_SESSION = r"""
+import json, os, select, sys
+import psutil
+import meshlab
+
+cluster = meshlab.Cluster(2).start(progress=False)
+me = psutil.Process()
+controller = psutil.Process(cluster._ipp.controller.process.pid)
+ranks = [psutil.Process(h["pid"]) for h in cluster._hosts]
+log = os.path.join(cluster._ipp.profile_dir, "log")
+
+
+def tree(p):
+    return [p, *p.children(recursive=True)]
+
+
+def ports():
+    roles = {}
+    for role, processes in (("notebook", [me]), ("controller", tree(controller)),
+                            ("rank", [p for r in ranks for p in tree(r)])):
+        for p in processes:
+            for c in p.net_connections("inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    roles[c.laddr.port] = role
+    return roles
+
+
+def state():
+    return {"notebook": me.memory_info().rss,
+            "controller": sum(p.memory_info().rss for p in tree(controller)),
+            "logs": {f: os.path.getsize(os.path.join(log, f)) for f in os.listdir(log)}}
+
+
+CELL = ("from IPython.display import display; display('SECRET display'); "
+        "print('SECRET print'); import os; os.system('echo SECRET fd')"
+        ).replace("SECRET", sys.argv[1])
+cluster.run(CELL)
+print("READY", json.dumps({"pid": os.getpid(), "ports": ports(), "log": log,
+                           "cluster_id": cluster._ipp.cluster_id, "before": state()}), flush=True)
+cells = 0
+while not select.select([sys.stdin], [], [], 0)[0]:
+    cluster.run(CELL)
+    cells += 1
+sys.stdin.readline()
+print("DONE", json.dumps({"cells": cells, "after": state(), "ok": cluster.run("rank").ok}),
+      flush=True)
+sys.stdin.readline()  # the test kills this process here, as a crash kills a kernel
+"""
+
+# The intruder: each listening socket of the victim's uid, greeted as ZMTP 3.0 with the NULL
+# mechanism (no key). Where the server greets back with NULL: subscribe to everything and
+# read for a while, then send an unsigned message and a 200 MB frame. Where it greets back
+# with another mechanism: the 200 MB frame anyway (it should be cut off at once).
+ATTACK = r"""
+import ipaddress, json, socket, struct, sys, time
+from concurrent.futures import ThreadPoolExecutor
+
+UID, SECRET, READ_S = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
+GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
+
+
+def listeners(uid):
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or int(fields[7]) != uid:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
+                                                   for i in range(0, len(raw), 4)))
+                if ip.version == 6 and ip.ipv4_mapped:
+                    ip = ip.ipv4_mapped
+                if ip.is_unspecified:
+                    ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+                yield str(ip), int(port, 16)
+
+
+def exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def ready(kind):
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
+    return bytes([0x04, len(body)]) + body
+
+
+def greet(address):
+    # what the server answers: its mechanism, "closed" (cut off at the greeting: a CURVE
+    # server does that to a NULL peer) or "silent" (not ZeroMQ: gloo waits for its own)
+    sock = socket.create_connection(address, timeout=2)
+    sock.sendall(GREETING)
+    data = b""
+    try:
+        while len(data) < 64:
+            chunk = sock.recv(64 - len(data))
+            if not chunk:
+                return sock, "closed"
+            data += chunk
+    except OSError:
+        return sock, "closed" if data else "silent"
+    return sock, data[12:32].rstrip(b"\0").decode(errors="replace")
+
+
+def flood(sock, kind):
+    sent = 0
+    try:
+        sock.sendall(ready(kind))
+        sock.sendall(b"\x02" + struct.pack(">Q", 200 * 2**20))
+        for _ in range(200):
+            sock.sendall(bytes(2**20))
+            sent += 2**20
+    except OSError:
+        pass
+    return sent
+
+
+def attack(address):
+    said = {"address": "%s:%d" % address}
+    sock, said["mechanism"] = greet(address)
+    if said["mechanism"] == "silent":
+        sock.close()
+        return said
+    if said["mechanism"] == "NULL":
+        sock.sendall(ready(b"SUB") + b"\x00\x01\x01")  # subscribe to every topic
+        heard, deadline = b"", time.monotonic() + READ_S
+        sock.settimeout(0.2)
+        while time.monotonic() < deadline:
+            try:
+                heard += sock.recv(2**16)
+            except socket.timeout:
+                pass
+            except OSError:
+                break
+        said["heard"], said["secret"] = len(heard), SECRET in heard
+        sock.close()
+        sock, _ = greet(address)
+        forged = [b"<IDS|MSG>", b"", b'{"msg_type": "execute_request"}', b"{}", b"{}", b"{}"]
+        try:
+            sock.sendall(ready(b"DEALER") + b"".join(
+                bytes([1 if i < len(forged) - 1 else 0, len(f)]) + f for i, f in enumerate(forged)))
+        except OSError:
+            pass
+        sock.close()
+        sock, _ = greet(address)
+    said["flooded"] = flood(sock, b"DEALER")
+    sock.close()
+    return said
+
+
+found = sorted(set(listeners(UID)))
+with ThreadPoolExecutor(32) as pool:
+    print(json.dumps(list(pool.map(attack, found))))
+"""
+
+
+@pytest.fixture(scope="module")
+def intruder() -> str:
+    return local_user(INTRUDER)
+
+
+@pytest.fixture(scope="module")
+def victim() -> str:
+    return local_user(VICTIM, home=True)
+
+
+def said(session: subprocess.Popen[str], tag: str, timeout: float) -> dict[str, Any]:
+    """The JSON after ``tag`` on the victim's next line of output."""
+    assert session.stdout is not None
+    if not select.select([session.stdout], [], [], timeout)[0]:
+        session.kill()
+        pytest.fail(f"the victim said nothing in {timeout} s: {session.communicate()[1][-3000:]}")
+    line = session.stdout.readline()
+    assert line.startswith(tag), (line, session.stderr.read() if session.poll() else "")
+    return json.loads(line[len(tag):])
+
+
+def tell(session: subprocess.Popen[str]) -> None:
+    assert session.stdin is not None
+    session.stdin.write("\n")
+    session.stdin.flush()
+
+
+@pytest.mark.cluster
+def test_another_user_reaches_no_output_memory_log_or_file_of_a_victims_session(
+        intruder: str, victim: str) -> None:
+    victim_uid = pwd.getpwnam(victim).pw_uid
+    with meshlab_as(victim, VICTIM_SESSION, SECRET) as session:
+        start = said(session, "READY", timeout=120)
+        attacked = as_user(intruder, ATTACK, str(victim_uid), SECRET, "3", timeout=120)
+        tell(session)
+        done = said(session, "DONE", timeout=60)
+        log = Path(start["log"])
+        left = sorted(p.name for p in log.glob(f"*{start['cluster_id']}*"))
+        peek = as_user(intruder, f"import os; print(os.listdir({str(log)!r}))")
+        os.kill(start["pid"], signal.SIGKILL)  # the kernel dies; its watchdog stops the rest
+        stderr = session.communicate(timeout=30)[1]
+    assert attacked.returncode == 0, attacked.stderr[-3000:]
+    sockets = json.loads(attacked.stdout)
+    roles = {int(port): role for port, role in start["ports"].items()}
+    # every socket of the session was tried: the notebook's cell channel, the controller's
+    # and the ranks' (gloo's and the nannies')
+    assert {int(s["address"].rsplit(":", 1)[1]) for s in sockets} >= set(roles), sockets
+    # (rows 1, 3, 4) no ZeroMQ socket of the session speaks to a peer without its key
+    plain = [s for s in sockets if s["mechanism"] not in ("CURVE", "closed", "silent")]
+    assert not plain, f"sockets that took a peer without a key: {plain}"
+    assert not [s for s in sockets if s.get("secret")], "another user read the cells' output"
+    # the rest are gloo's, in the ranks (gloo authenticates no one: the guide says so)
+    silent = {int(s["address"].rsplit(":", 1)[1]) for s in sockets if s["mechanism"] == "silent"}
+    assert {roles.get(port) for port in silent} <= {"rank"}, (silent, roles)
+    before, after = start["before"], done["after"]
+    grown = {k: after[k] - before[k] for k in ("notebook", "controller")}
+    assert max(grown.values()) < 100 * 2**20, grown  # three 200 MB frames grew them 600 MB
+    # the controller's log (the engines' holds the cells' fd output, which grows as they run)
+    logs = {name: after["logs"][name] - size for name, size in before["logs"].items()
+            if name.startswith("ipcontroller-")}
+    assert logs and max(logs.values()) < 1024, (before, after)  # 67 MB before
+    assert done["ok"] and done["cells"] > 0, done
+    assert "Traceback" not in stderr, stderr[-3000:]  # forged messages put tracebacks there
+    # (row 2) the logs hold the ranks' fd output: in a folder only the victim can enter
+    assert left, f"no log of the cluster in {log}"
+    assert "PermissionError" in peek.stderr, peek
+    for folder in (log.parent, log, log.parent / "security"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    for name in left:
+        assert (log / name).stat().st_mode & 0o777 == 0o600, name
+    # ... and a killed kernel's logs go with the next session of that user
+    sweep = "import sys; from meshlab.private_files import private_profile as p; p(sys.argv[1])"
+    with meshlab_as(victim, sweep, str(log.parent)) as swept:
+        assert swept.communicate(timeout=60)[0] == ""
+    assert not list(log.glob(f"*{start['cluster_id']}*")), sorted(log.iterdir())
