@@ -155,6 +155,15 @@ class StepTracker(_CategoryPeaks, MemTracker):
         wrapped = [inner] if isinstance(inner, torch.optim.Optimizer) else []
         self.track_external(*modules, optimizer, *wrapped)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        # torch's tracker refuses a root's second forward (it takes it for a second step);
+        # gradient accumulation runs one per micro-batch: a fresh record for each
+        name = self._mod_tracker.get_known_fqn(module)
+        if (not self._mod_tracker.is_bw and module in self.memory_tracking
+                and set(self._mod_tracker.parents) - {name} == {"Global"}):
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
 
 def step_tracker(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
                  groups: dict[str, dict[str, str]]) -> FSDPStepTracker | StepTracker:

@@ -73,3 +73,14 @@ def test_plan_verify_dry_runs_the_best_layouts(shell: Any) -> None:
     assert re.search(r"dry run peak \((KiB|MiB|GiB)\)", table)
     for estimate, dry in zip(plan.estimates, plan.verified, strict=False):
         assert Layout.parse(dry.layout) == estimate.layout and dry.world_size == 64
+
+
+def test_plan_verify_dry_runs_gradient_accumulation_without_fsdp(shell: Any) -> None:
+    """torch's MemTracker takes a model's second forward for a second step and refused it:
+    `--verify` on the layout the planner found best for this model on CPUs (zero=0, m > 1)
+    ended in a bare NotImplementedError."""
+    with capture_output():
+        shell.run_line_magic("mesh", 'plan meshlab --gpus 4 --hardware cpu --layout '
+                                     '"dp_shard=4 zero=0 mbs=2 m=3" --verify 1 -o accumulated')
+    [dry] = shell.user_ns["accumulated"].verified
+    assert "microbatches=3" in dry.layout and dry.ranks[0].memory["activations"] > 0
