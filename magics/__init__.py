@@ -90,7 +90,8 @@ class MeshMagics(Magics):
 
     def _checkpoint(self, args: Any) -> None:
         print(self.session.checkpoint(args.action, args.path, args.names,
-                                      background=args.background, trusted=args.trusted))
+                                      background=args.background, trusted=args.trusted,
+                                      group_readable=args.group_readable))
 
     def _stacks(self, args: Any) -> None:
         print(self.session.stacks(args.ranks))

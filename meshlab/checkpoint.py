@@ -68,13 +68,15 @@ _group_cache: tuple[Any, Any] | None = None  # (default group, its checkpoint gr
 # -- public API -------------------------------------------------------------------------------
 
 def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: bool = False,
-         extra: dict[str, Any] | None = None) -> None:
+         extra: dict[str, Any] | None = None, group_readable: bool = False) -> None:
     """Save named objects; every rank calls it (a collective).
 
     Modules and optimizers are saved sharded (each rank its own shards); an optimizer is
     saved against the smallest module among ``objects`` holding all its parameters. Any other
     value (a step counter, a small dict) is saved once, as rank 0 holds it. ``extra`` (JSON)
-    goes into the manifest. With ``async_save`` the state is copied now and written in the
+    goes into the manifest. The folder is 0700 and its files 0600 (a checkpoint holds the
+    weights and pickled values): ``group_readable`` makes them 0750 and 0640. With
+    ``async_save`` the state is copied now and written in the
     background: call ``wait()`` to know it finished (``save`` and ``load`` wait first, and
     raise its error instead of starting: it is the earlier save that failed, not this one).
 
@@ -105,6 +107,9 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
     info = {"format": FORMAT, "names": list(kinds), "kinds": kinds, "optimizers": pairs,
             "world_size": dist.get_world_size() if group is not None else 1,
             "torch": torch.__version__, "extra": extra or {}}
+    modes = (0o750, 0o640) if group_readable else (0o700, 0o600)
+    # made private before DCP writes into it (under the default umask its files are 0644)
+    os.makedirs(partial, modes[0], exist_ok=True)
     writer = failure.Writer(partial)
     if not async_save:
         try:
@@ -112,7 +117,7 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
         except CheckpointException as e:  # a BaseException: `except Exception` misses it
             # DCP's own text is every failing rank's whole traceback (~14,000 characters)
             raise _not_saved(failure.failures(e), target, partial, group, rank) from None
-        _commit(partial, target, info, group, rank)
+        _commit(partial, target, info, group, rank, modes)
         return
     # the tensors are copied to CPU here; writing runs on a background thread, whose
     # collectives go over the checkpoint group, never the group the cells use
@@ -128,7 +133,7 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
             done.result()  # DCP has written every rank's shards and its .metadata
         except CheckpointException as e:
             raise _not_saved(failure.failures(e), target, partial, group, rank) from None
-        _commit(partial, target, info, group, rank)
+        _commit(partial, target, info, group, rank, modes)
 
     global _background
     if _background is None:
@@ -236,8 +241,16 @@ def manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"{folder} is an incomplete checkpoint (no {MANIFEST}): a save "
                               "was interrupted; use an earlier checkpoint")
-    data: dict[str, Any] = json.loads(file.read_text())
-    return data
+    try:
+        data = json.loads(file.read_text())
+        why = ("" if isinstance(data, dict) and isinstance(data.get("names"), list) else
+               "not a meshlab manifest")
+    except (ValueError, UnicodeDecodeError) as e:  # cut short, or not JSON at all
+        why = str(e)
+    if why:
+        raise CheckpointError(f"{file} is damaged ({why}): it is the checkpoint's record of "
+                              "what it holds and its checksums; load an earlier checkpoint")
+    return dict(data)
 
 
 # -- what is saved ----------------------------------------------------------------------------
@@ -327,16 +340,22 @@ def _check_replaceable(target: Path) -> None:
                      "replace it: choose another path or remove it")
 
 
-def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank: int) -> None:
-    """After every rank's shards are written: rank 0 writes the manifest and swaps the folder
-    in; every rank returns only then, or raises the same error."""
+def _commit(partial: Path, target: Path, info: dict[str, Any], group: Any, rank: int,
+            modes: tuple[int, int]) -> None:
+    """After every rank's shards are written: rank 0 gives the folder and its files their
+    ``modes``, writes the manifest and swaps the folder in; every rank returns only then, or
+    raises the same error."""
     failed: tuple[str, str] | None = None  # (the step, what went wrong)
     if rank == 0:
         # any failure: the other ranks wait for the outcome below
         try:
+            os.chmod(partial, modes[0])
+            for shard in partial.iterdir():
+                os.chmod(shard, modes[1])
             info["saved_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
             info[integrity.DIGESTS] = integrity.digests(partial, MANIFEST)  # checked at load
-            with open(partial / MANIFEST, "w") as f:
+            with os.fdopen(os.open(partial / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                   modes[1]), "w") as f:
                 json.dump(info, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())

@@ -27,6 +27,7 @@ from meshlab.comms import P2P, CommRecord, call_key, op_label
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.comms import axis_of
+from meshlab.private_files import write_private
 from meshlab.profiling import RankProfile, Span, boot_id
 
 Interval = tuple[int, int]
@@ -325,11 +326,10 @@ class CellProfile:
                                           "clocks": {r: c.how for r, c in self.clocks.items()}}}}
 
     def save(self, folder: str | Path, name: str = "profile") -> Path:
-        """Write the Chrome/Perfetto trace of every rank to ``folder/name.json``."""
-        path = Path(folder).expanduser()
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / f"{name}.json"
-        path.write_text(json.dumps(self.chrome_trace()))
+        """Write the Chrome/Perfetto trace of every rank to ``folder/name.json``: 0600 (it
+        names the model's modules and shapes), never through a link."""
+        path = Path(folder).expanduser() / f"{name}.json"
+        write_private(path, json.dumps(self.chrome_trace()))
         self.saved = path
         return path
 

@@ -38,6 +38,8 @@ from meshlab.sharding import ModuleReport, ShardingReport, merge
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
 MAX_OUTPUT_BYTES = 2**20
+STORE_HEADROOM = 2**20  # bytes the store's disk must have free before groups are made
+PEERS_AFTER_A_FAILURE = 5.0  # seconds the other ranks get to finish once one has failed
 MAX_CUT_OUTPUT_BYTES = 2**30  # the cut output kept on disk; the oldest cells' go first
 
 
@@ -326,6 +328,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         self._members = members
         self._generation += 1
         gen = self._generation
+        self._check_store_disk("re-forming the process group")
         self._apply_each(on_ranks.regroup_rank, lambda r: {"generation": gen, "members": members},
                          timeout=self.profile.pg_timeout + 30)
         self._needs_regroup, self._diverged = False, None
@@ -346,6 +349,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
             for note in self._check_groups():
                 logging.getLogger("meshlab").info("%s", note)
         self._recover(creates_groups=True)
+        self._check_store_disk("building the mesh")
         self._apply_each(on_ranks.build_mesh, lambda r: {"spec": spec},
                          timeout=self.profile.pg_timeout + 30)
         self.mesh_spec = spec
@@ -408,20 +412,40 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         return [(rank_of[info["engine_id"]], ename, evalue)
                 for ename, evalue, _, info in error.elist]
 
+    def _check_store_disk(self, doing: str) -> None:
+        """Refuse ``doing`` (it writes the rendezvous store) when the store's disk is full:
+        the rank whose write fails raises, and the others wait for its key."""
+        if self._store_dir is None:
+            return
+        free = shutil.disk_usage(self._store_dir).free
+        if free < STORE_HEADROOM:
+            raise ClusterError(
+                f"{doing} writes the ranks' rendezvous store in {self._store_dir}, and its disk "
+                f"has {free // 1024} KiB free: free space there (df {self._store_dir.parent}), "
+                "or set TMPDIR to a folder on another disk before %mesh start; nothing ran")
+
     def _apply_each(self, fn: Callable[..., Any], kwargs: Callable[[int], dict[str, Any]] | None
                     = None, timeout: float = 60.0) -> dict[int, Any]:
-        """Call ``fn(**kwargs(rank))`` on every rank at once; wait for all."""
+        """Call ``fn(**kwargs(rank))`` on every rank at once; wait for all. Once one has
+        failed, the others get PEERS_AFTER_A_FAILURE seconds more: in a set-up step they wait
+        for it in the store or a collective, until the process-group timeout."""
         pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
                    for r, eid in enumerate(self._engines)}
         out, failed, tracebacks = {}, {}, {}
+        deadline = time.monotonic() + timeout
         try:
-            for r, ar in pending.items():
-                if not ar.wait(max(0.0, timeout)):
+            while len(out) + len(failed) < len(pending):
+                for r, ar in pending.items():
+                    if r in out or r in failed or not ar.ready():
+                        continue
+                    try:
+                        out[r] = ar.get()
+                    except ipp.RemoteError as e:
+                        failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
+                        deadline = min(deadline, time.monotonic() + PEERS_AFTER_A_FAILURE)
+                if time.monotonic() > deadline:
                     raise TimeoutError
-                try:
-                    out[r] = ar.get()
-                except ipp.RemoteError as e:
-                    failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
+                time.sleep(0.01)
         except (KeyboardInterrupt, TimeoutError) as stop:
             # meshlab must know the ranks still in it: the next cell waits for them, then
             # re-forms the group (a Ctrl-C'd `%mesh init` would otherwise hang the next cell)
@@ -429,12 +453,15 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
             self.interrupt(list(stuck))
             self._busy.update(stuck)
             self._needs_regroup = True
-            why = ("was interrupted" if isinstance(stop, KeyboardInterrupt)
-                   else f"did not finish within {timeout:g} s")
+            why = ("was interrupted" if isinstance(stop, KeyboardInterrupt) else
+                   f"did not finish within {timeout:g} s" if not failed else
+                   "failed")
+            # the ranks that failed are usually why the others wait: say what they said
+            said = "".join(f"; {label(ranks)} failed: {text}" for ranks, text in group(failed))
             raise ClusterError(
-                f"{fn.__name__} {why}; {ranks_are(stuck)} still in it. The next cell waits up "
-                f"to {self.profile.pg_timeout + 30:g} s for them, then re-forms the process "
-                "group; `%mesh restart` replaces the engines now.") from None
+                f"{fn.__name__} {why}; {ranks_are(stuck)} still in it{said}. The next cell "
+                f"waits up to {self.profile.pg_timeout + 30:g} s for them, then re-forms the "
+                "process group; `%mesh restart` replaces the engines now.") from None
         if failed:  # one line per group of ranks; the lowest rank's traceback at debug level
             logging.getLogger("meshlab").debug("rank %d: %s", min(failed),
                                                strip_ansi(tracebacks[min(failed)]))

@@ -89,6 +89,8 @@ def restart(line: str) -> None:
 @argument("--async", dest="background", action="store_true",
           help="save in the background (torch.distributed.checkpoint.async_save); a failure "
           "is raised by the next checkpoint command")
+@argument("--group-readable", action="store_true", help="save it readable by your group "
+          "(0750 folder, 0640 files); by default only you can read it (0700, 0600)")
 @argument("--trust", dest="trusted", action="store_true",
           help="load a checkpoint another account could have written: its pickled metadata "
           "runs code as you (without it such a checkpoint is refused)")

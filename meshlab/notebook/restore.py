@@ -156,13 +156,14 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def save_code(path: str, names: list[str], journal: Journal, number: int, *,
-              background: bool = False) -> str:
+              background: bool = False, group_readable: bool = False) -> str:
     """The statements every rank runs for ``%mesh checkpoint save`` (and the script too)."""
     objects = ", ".join(f"{n!r}: {n}" for n in names)
     extra = {"session": journal.session, "cell": number}
     return ("import meshlab.checkpoint\n"
             f"meshlab.checkpoint.save({str(path)!r}, {{{objects}}}, extra={extra!r}"
-            + (", async_save=True)" if background else ")"))
+            + (", async_save=True" if background else "")
+            + (", group_readable=True" if group_readable else "") + ")")
 
 
 def load_code(path: str, names: list[str], trusted: bool = False) -> str:

@@ -283,10 +283,12 @@ class Session:
     # -- checkpoints -----------------------------------------------------------------------
 
     def checkpoint(self, action: str, path: str | Path, names: Sequence[str] = (), *,
-                   background: bool = False, trusted: bool = False) -> str:
+                   background: bool = False, trusted: bool = False,
+                   group_readable: bool = False) -> str:
         """Save (or load) named objects on every rank as a sharded checkpoint in ``path``;
         returns what was done. Default names: those of model, optimizer, step defined.
-        ``trusted``: load one another account could have written (it runs their pickles)."""
+        ``trusted``: load one another account could have written (it runs their pickles).
+        ``group_readable``: save it 0750/0640 (default 0700/0600: only you read it)."""
         cluster, journal = self.need_cluster(), self.need_journal()
         if action not in ("save", "load"):
             raise SessionError(f"checkpoint action {action!r}: use 'save' or 'load'")
@@ -297,7 +299,8 @@ class Session:
             raise SessionError("nothing to save: none of model, optimizer, step is defined on "
                                "rank 0; name the objects: %mesh checkpoint save DIR model "
                                "optimizer")
-        code = (restore.save_code(path, names, journal, number, background=background)
+        code = (restore.save_code(path, names, journal, number, background=background,
+                                  group_readable=group_readable)
                 if action == "save" else restore.load_code(path, names, trusted))
         try:
             cluster.run(code)  # a failure shows as any cell's would

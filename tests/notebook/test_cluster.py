@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import ipyparallel as ipp
 import psutil
 import pytest
 
@@ -358,3 +359,50 @@ def test_the_ready_line_says_how_long_each_phase_took(test_profile: Path) -> Non
     assert found, line
     total, *phases = (float(x) for x in found.groups())
     assert sum(phases) <= total + 0.15  # the phases are the start, up to rounding
+
+
+@ipp.interactive
+def _fails_on_rank_1(rank: int) -> None:
+    import time
+
+    if rank == 1:
+        raise OSError(28, "No space left on device")
+    time.sleep(6)  # as the others wait for its key in the store
+
+
+def test_a_rank_failing_in_a_set_up_step_ends_the_wait_and_is_named(cluster: Cluster) -> None:
+    # a full temp dir: the rank whose store write failed raised, and `%mesh init` waited 90 s
+    # for the others, saying only that they were still in it
+    with pytest.raises(ClusterError) as failed:
+        cluster._apply_each(_fails_on_rank_1, lambda r: {"rank": r}, timeout=120)
+    assert re.match(r"_fails_on_rank_1 failed; ranks 0,2-3 are still in it; \[rank 1\] "
+                    r"failed: OSError: \[Errno 28\] No space left on device\.", str(failed.value))
+    assert cluster.run("rank", timeout=60).ok  # the next cell waits for them, then goes on
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_full_disk_under_the_store_is_named_before_any_rank_waits(
+        cluster: Cluster, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    saved = cluster._store_dir
+    try:
+        fill = os.open(disk / "fill", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):  # until the disk says it is full
+            while True:
+                os.write(fill, bytes(4096))
+        os.close(fill)
+        cluster._store_dir = disk
+        with pytest.raises(ClusterError, match=rf"building the mesh writes the ranks' "
+                           rf"rendezvous store in {disk}, and its disk has 0 KiB free: free "
+                           rf"space there \(df {tmp_path}\).*nothing ran"):
+            cluster.init_mesh("dp=4")
+    finally:
+        cluster._store_dir = saved
+        subprocess.run(["umount", str(disk)], check=True)
+        shutil.rmtree(disk)
+    assert cluster.run("rank").ok

@@ -148,6 +148,7 @@ def test_magic_draws_the_timeline_and_writes_the_trace(shell: Any, tmp_path: Pat
     assert any("time per rank (ms)" in text for text in shown_text)
     (written,) = tmp_path.glob("cell-*.json")
     assert json.loads(written.read_text())["traceEvents"]
+    assert written.stat().st_mode & 0o777 == 0o600  # it names the model's modules and shapes
 
 
 def test_interval_arithmetic() -> None:

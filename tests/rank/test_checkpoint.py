@@ -184,6 +184,28 @@ def test_a_changed_truncated_or_added_shard_is_refused_naming_the_file(tmp_path:
     assert torch.equal(fresh.weight, torch.ones(32, 32))
 
 
+def test_a_checkpoint_is_private_unless_asked_and_a_damaged_manifest_is_named(
+        tmp_path: Path) -> None:
+    # its files were 0644 (DCP's, under the default umask): weights and pickled values
+    model = torch.nn.Linear(4, 4)
+    for name, readable, modes in [("mine", False, (0o700, 0o600)),
+                                  ("ours", True, (0o750, 0o640))]:
+        save(tmp_path / name, {"model": model, "step": 3}, group_readable=readable)
+        files = list((tmp_path / name).iterdir())
+        assert len(files) == 3 and (tmp_path / name).stat().st_mode & 0o777 == modes[0]
+        assert {f.name: f.stat().st_mode & 0o777 for f in files} == dict.fromkeys(
+            [f.name for f in files], modes[1])
+    # a cut or foreign manifest: one line naming it, not a JSONDecodeError
+    record = tmp_path / "mine" / MANIFEST
+    text = record.read_text()
+    for damaged, why in [(text[: len(text) // 2], "Unterminated string"),
+                         ("", "Expecting value"), ("[]", "not a meshlab manifest")]:
+        record.write_text(damaged)
+        with pytest.raises(CheckpointError, match=rf"^{record} is damaged \({why}.*load an "
+                                                  "earlier checkpoint$"):
+            load(tmp_path / "mine", {"model": torch.nn.Linear(4, 4), "step": None})
+
+
 def test_wrong_objects_are_refused_with_the_fix(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
