@@ -431,7 +431,9 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         for it in the store or a collective, until the process-group timeout."""
         pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
                    for r, eid in enumerate(self._engines)}
-        out, failed, tracebacks = {}, {}, {}
+        out: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        tracebacks: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         try:
             while len(out) + len(failed) < len(pending):
