@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
-from meshlab import cell_exec, cell_wire
+from meshlab import cell_exec, cell_wire, value_wire
 
 FLUSH = 0.05  # seconds between batches of a running cell's output
 THREADS_KEPT = 8 * 2**20  # characters of other threads' printing a rank holds between cells
@@ -40,6 +40,14 @@ def serve(shell: Any, address: str, rank: int, key: bytes) -> None:
     if _server is not None:
         _server.close()
     _server = CellServer(shell, address, rank, key)
+
+
+def stream_value(value: Any) -> None:
+    """Send ``value`` to the notebook as the running cell's pulled value, in pieces of at
+    most PIECE bytes read straight from its arrays and tensors (no copy of them here)."""
+    if _server is None or _server.cell is None:
+        raise RuntimeError("stream_value runs inside a cell the notebook sent")
+    _server.stream(value_wire.dumps(value))
 
 
 class RankStream:
@@ -74,6 +82,7 @@ class CellServer:
 
     def __init__(self, shell: Any, address: str, rank: int, key: bytes) -> None:
         self.shell, self.key = shell, key
+        self.cell: str | None = None  # the id of the cell running now
         self._socket = _connect(address, cell_wire.cell_identity(rank), key)
         self._stream = ZMQStream(self._socket)  # on the engine's loop: the main thread
         self._stream.on_recv(self._receive)
@@ -98,18 +107,34 @@ class CellServer:
         if cell.get("kind") != cell_wire.CELL:
             return
         self.output.start(cell["id"])
+        self.cell = cell["id"]
         try:
             header, blobs = cell_exec.run_cell(self.shell, cell["code"], cell["number"],
                                                cell["keep"], self._streams)
         except BaseException as e:  # a Ctrl-C between statements, outside the user's code
             header, blobs = {"status": "error", "ename": type(e).__name__, "evalue": str(e),
                              "traceback": []}, []
+        self.cell = None
         # the rest rides on the reply, and what other threads printed that was not sent
         tail, batches, threads = self.output.finish()
         header.update(tail, kind=cell_wire.REPLY, id=cell["id"], batches=batches)
         if threads is not None:
             header.update(threads)
         self._socket.send_multipart(cell_wire.pack(self.key, header, *blobs))
+
+
+    def stream(self, parts: list[memoryview]) -> None:
+        """The running cell's value in parts, on the socket its reply will follow."""
+        sizes = [part.nbytes for part in parts]
+        self._socket.send_multipart(cell_wire.pack(
+            self.key, {"kind": cell_wire.VALUE, "id": self.cell, "sizes": sizes}))
+        for index, part in enumerate(parts):
+            for offset in range(0, part.nbytes, cell_wire.PIECE):
+                piece = part[offset:offset + cell_wire.PIECE]
+                header = {"kind": cell_wire.CHUNK, "id": self.cell, "part": index,
+                          "offset": offset}
+                self._socket.send_multipart(cell_wire.pack(self.key, header, piece),
+                                            copy=False)  # zmq reads the tensor itself
 
 
 class OutputRelay:

@@ -19,7 +19,9 @@ listens, ``output`` (what the running cell printed since the last, from a second
 could not keep for the notebook) and ``reply`` (how the cell ended, with what the notebook
 keeps: the rest of the output, how many output batches went before, the value's text, error,
 optimizer steps, what other threads printed that was not sent, the pickled value when
-asked). Plain Python and ZeroMQ.
+asked). A value pulled on its own (``%mesh pull``) goes before the reply as ``value`` (the
+sizes of its parts: meshlab.value_wire) and ``chunk`` messages (part, offset, at most
+PIECE bytes), so neither end ever holds it twice. Plain Python and ZeroMQ.
 """
 
 from __future__ import annotations
@@ -33,9 +35,13 @@ import zmq
 import zmq.utils.z85
 
 CELL, HELLO, OUTPUT, REPLY, THREADS = "cell", "hello", "output", "reply", "threads"
+VALUE, CHUNK = "value", "chunk"  # a pulled value: its parts' sizes, then each part in pieces
+PIECE = 4 * 2**20
+"""A pulled value's piece: each end holds a few (queued, encrypted) beside the value."""
 
 FRAME_MAX = 32 * 2**20
 """The largest frame either end sends or accepts; longer headers and blobs travel in parts."""
+QUEUED = 4  # messages either end queues: a pulled value's pieces wait in the value
 _CURVE_SLACK = 1024  # a CURVE frame is its plaintext and a box: the cap counts the box too
 
 
@@ -50,6 +56,7 @@ def secure_server(socket: zmq.Socket[bytes], key: bytes) -> None:
     socket.setsockopt(zmq.CURVE_SERVER, 1)
     socket.setsockopt(zmq.CURVE_SECRETKEY, _server_secret(key))
     socket.setsockopt(zmq.MAXMSGSIZE, FRAME_MAX + _CURVE_SLACK)  # a larger frame: disconnect
+    socket.setsockopt(zmq.RCVHWM, QUEUED)
 
 
 def secure_client(socket: zmq.Socket[bytes], key: bytes) -> None:
@@ -59,6 +66,7 @@ def secure_client(socket: zmq.Socket[bytes], key: bytes) -> None:
     socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
     socket.setsockopt(zmq.CURVE_SECRETKEY, secret)
     socket.setsockopt(zmq.MAXMSGSIZE, FRAME_MAX + _CURVE_SLACK)
+    socket.setsockopt(zmq.SNDHWM, QUEUED)
 
 
 def cell_identity(rank: int) -> bytes:
@@ -77,9 +85,9 @@ def rank_of(identity: bytes) -> int | None:
     return int(rank) if rank.isdigit() and (not slash or stream == b"output") else None
 
 
-def pack(key: bytes, header: dict[str, Any], *blobs: bytes) -> list[bytes]:
+def pack(key: bytes, header: dict[str, Any], *blobs: bytes | memoryview) -> list[Any]:
     """The frames of one message, signed: the header and each blob in parts of FRAME_MAX."""
-    parts: list[bytes] = []
+    parts: list[bytes | memoryview] = []
     counts = []
     for whole in (json.dumps(header).encode(), *blobs):
         view = memoryview(whole)
@@ -102,7 +110,7 @@ def unpack(key: bytes, frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]
     return (header, whole[1:]) if isinstance(header, dict) else None
 
 
-def _signature(key: bytes, frames: list[bytes]) -> bytes:
+def _signature(key: bytes, frames: list[Any]) -> bytes:
     digest = hmac.new(key, digestmod=hashlib.sha256)
     for frame in frames:
         digest.update(len(frame).to_bytes(8, "little"))  # frame edges are signed too

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from meshlab import value_wire
 from meshlab.cell_exec import STOP_SIGNAL
 from meshlab.notebook.cell_channel import SentCell
 from meshlab.notebook.output import CellResult, RankError, RankOutput
@@ -88,9 +89,10 @@ class CellRun:
         for r, got in self.sent.replies.items():
             if got.reply and "unsent" in got.reply:
                 unsent[r] = got.reply["unsent"]
-            elif got.value is not None:
-                try:
-                    values[r] = pickle.loads(got.value)  # signed by a rank of this cluster
+            elif got.value is not None or got.pulled is not None:
+                try:  # signed by a rank of this cluster
+                    values[r] = (value_wire.loads(got.pulled) if got.pulled is not None
+                                 else pickle.loads(got.value))  # type: ignore[arg-type]
                 except Exception as e:  # it arrived but cannot be unpickled here
                     unsent[r] = f"{type(e).__name__}: {e}"
         return values, unsent

@@ -32,6 +32,7 @@ class RankReply:
     stderr: str = ""
     reply: dict[str, Any] | None = None  # the end-of-cell header; None while it runs
     value: bytes | None = None  # the pickled last value, when asked for
+    pulled: list[bytearray] | None = None  # a pulled value's parts (meshlab.value_wire)
     batches: int = 0  # output messages received: the reply says how many were sent
     tail: tuple[str, str] | None = None  # the reply's (stdout, stderr), held until
     # the batches sent before it are in, so the text stays in order
@@ -174,6 +175,11 @@ class CellChannel:
             got.stdout += header.get("stdout", "")
             got.stderr += header.get("stderr", "")
             got.batches += 1
+        elif kind == cell_wire.VALUE:  # each part allocated once, filled as pieces come
+            got.pulled = [bytearray(int(n)) for n in header["sizes"]]
+        elif kind == cell_wire.CHUNK and got.pulled is not None and blobs:
+            start = int(header["offset"])
+            got.pulled[int(header["part"])][start:start + len(blobs[0])] = blobs[0]
         elif kind == cell_wire.REPLY:  # with the output not sent before it
             got.tail = header.pop("stdout", ""), header.pop("stderr", "")
             got.reply = header

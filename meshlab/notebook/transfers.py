@@ -10,12 +10,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ipyparallel as ipp
 from ipyparallel.serialize import serialize_object
 
 from meshlab.notebook import on_ranks
 from meshlab.notebook.errors import ClusterError
-from meshlab.notebook.output import size_text
+from meshlab.notebook.output import CellResult, MeshError, size_text
 from meshlab.notebook.ranks import format_ranks
 
 PULL_WARN_BYTES = 256 * 2**20
@@ -35,7 +34,7 @@ class Transfers:
     _engines: list[int]
     pull_warn_bytes: int
     _ranks: Callable[..., list[int]]
-    _failures: Callable[..., list[tuple[int, str, str]]]
+    run: Callable[..., CellResult]
 
     def push(self, mapping: Mapping[str, Any], ranks: str | list[int] | None = None) -> None:
         """Copy notebook values to the ranks' namespaces."""
@@ -67,18 +66,25 @@ class Transfers:
                 f"each); `%mesh pull {name} --ranks 0` (or pull(name, ranks=...)) takes fewer"
                 + ("" if shown_as is None else f". {cached_text(name, shown_as)}"),
                 PullSizeWarning, stacklevel=2)
-        ar = view.pull(name, block=False)
+        # straight from each rank over the cell channel, in pieces written into one buffer
+        # per array or tensor: not through the controller, which held 2 copies of it, and
+        # never twice in the notebook
+        code = f"__import__('meshlab.cell_server').cell_server.stream_value({name})"
         try:
-            return dict(zip(ranks, ar.get(), strict=True))
-        except ipp.CompositeError as e:
-            failures = self._failures(e, ranks)
-            missing = [r for r, ename, _ in failures if ename == "NameError"]
-            if len(missing) == len(failures):
+            result = self.run(code, ranks=ranks, keep_values=True)
+        except MeshError as e:
+            errors = {r: o.error for r, o in e.result.outputs.items() if o.error is not None}
+            missing = [r for r, error in errors.items() if error.ename == "NameError"]
+            if errors and len(missing) == len(errors):
                 raise KeyError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}: "
                                "define it in a %%mesh cell first") from None
-            r, ename, evalue = next(f for f in failures if f[1] != "NameError")
-            raise ClusterError(f"could not pull {name!r} from rank {r}: {ename}: {evalue}") \
-                from None
+            r, error = next(((r, e) for r, e in errors.items() if e.ename != "NameError"),
+                            (None, None))
+            if error is None:
+                raise
+            raise ClusterError(f"could not pull {name!r} from rank {r}: {error.ename}: "
+                               f"{error.evalue}") from None
+        return {r: result.values[r] for r in ranks}
 
 
 def cached_text(name: str, out: int) -> str:

@@ -7,7 +7,9 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ipyparallel as ipp
 import psutil
@@ -406,3 +408,48 @@ def test_a_full_disk_under_the_store_is_named_before_any_rank_waits(
         subprocess.run(["umount", str(disk)], check=True)
         shutil.rmtree(disk)
     assert cluster.run("rank").ok
+
+
+def _peaks_while(pids: dict[str, list[int]], action: Callable[[], Any]) -> dict[str, int]:
+    """How far each group of processes' resident memory rose above where it was, at its
+    highest (sampled every 5 ms) while ``action`` ran."""
+    procs = {who: [psutil.Process(p) for p in group] for who, group in pids.items()}
+
+    def rss(who: str) -> int:
+        return sum(p.memory_info().rss for p in procs[who])
+
+    before = {who: rss(who) for who in procs}
+    peaks, done = dict(before), threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for who in procs:
+                peaks[who] = max(peaks[who], rss(who))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        action()
+    finally:
+        done.set()
+        sampler.join()
+    return {who: peaks[who] - before[who] for who in procs}
+
+
+def test_a_large_pull_streams_past_the_controller_and_is_held_once(cluster: Cluster) -> None:
+    # a 1 GiB pull took ~3 GB in the notebook, in rank 0 and in two controller processes
+    size = 256 * 2**20
+    cluster.run(f"big = torch.arange({size // 4}, dtype=torch.int32)", ranks=[0])
+    controller = psutil.Process(cluster._ipp.controller.process.pid)
+    got: dict[int, Any] = {}
+    grew = _peaks_while(
+        {"notebook": [os.getpid()], "rank 0": [cluster._hosts[0]["pid"]],
+         "controller": [p.pid for p in [controller, *controller.children(recursive=True)]]},
+        lambda: got.update(cluster.pull("big", ranks=[0])))
+    assert got[0].shape == (size // 4,) and got[0][-1].item() == size // 4 - 1
+    # before: notebook +805 MB, rank 0 +806 MB, the controller +1,074 MB for 268 MB
+    assert grew["notebook"] < 1.2 * size and grew["rank 0"] < 64 * 2**20, grew
+    assert grew["controller"] < 16 * 2**20, grew
+    got.clear()
+    cluster.run("del big", ranks=[0])

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import select
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -32,7 +34,9 @@ import json, os, select, sys
 import psutil
 import meshlab
 
-cluster = meshlab.Cluster(2).start(progress=False)
+session = meshlab.Session(2)
+session.start(progress=False)
+cluster = session.cluster
 me = psutil.Process()
 controller = psutil.Process(cluster._ipp.controller.process.pid)
 ranks = [psutil.Process(h["pid"]) for h in cluster._hosts]
@@ -73,6 +77,32 @@ while not select.select([sys.stdin], [], [], 0)[0]:
 sys.stdin.readline()
 print("DONE", json.dumps({"cells": cells, "after": state(), "ok": cluster.run("rank").ok}),
       flush=True)
+
+# the files: the intruder's folder and checkpoint, then the victim's own in its 0755 home
+planted = json.loads(sys.stdin.readline())
+home, said = os.path.expanduser("~"), {}
+session.push({"lr": 0.01})
+session.run("import torch\nmodel = torch.nn.Linear(4, 4)\nstep = 3")
+for what, attempt in [
+        ("export", lambda: session.export(os.path.join(planted["export"], "train.py"),
+                                          sbatch=True)),
+        ("load", lambda: session.checkpoint("load", planted["checkpoint"]))]:
+    try:
+        attempt()
+        said[what] = "done"
+    except Exception as e:
+        said[what] = f"{type(e).__name__}: {e}"
+# in folders anyone may enter (0755, as the home itself): only the files' own modes protect
+shared = os.path.join(home, "shared")
+os.makedirs(os.path.join(shared, "traces"), exist_ok=True)
+for folder in (shared, os.path.join(shared, "traces")):
+    os.chmod(folder, 0o755)
+mine = {"export": os.path.join(shared, "train.py"),
+        "checkpoint": os.path.join(shared, "ckpt"), "traces": os.path.join(shared, "traces")}
+session.export(mine["export"], sbatch=True)
+session.checkpoint("save", mine["checkpoint"], ["model", "step"])
+session.run("x = torch.ones(2)", profile_dir=mine["traces"])
+print("FILES", json.dumps({"said": said, "mine": mine}), flush=True)
 sys.stdin.readline()  # the test kills this process here, as a crash kills a kernel
 """
 
@@ -190,6 +220,47 @@ with ThreadPoolExecutor(32) as pool:
 """
 
 
+# The intruder's bait: an export folder of its own (0777) whose launch.sh and job.sbatch are
+# links to a file of the victim's, and a checkpoint whose .metadata is a pickle that runs code.
+PLANT = r"""
+import json, os, pickle, sys, tempfile
+root = tempfile.mkdtemp(prefix="meshlab-bait-", dir=sys.argv[1])
+os.chmod(root, 0o777)
+export, checkpoint = os.path.join(root, "export"), os.path.join(root, "checkpoint")
+precious, ran = os.path.join(root, "precious.txt"), os.path.join(root, "ran")
+with open(precious, "w") as f:
+    f.write("the victim's own\n")  # (in the victim's stead: it is another user's file)
+os.chmod(precious, 0o666)
+os.makedirs(export)
+os.chmod(export, 0o777)
+for name in ("launch.sh", "job.sbatch"):
+    os.symlink(precious, os.path.join(export, name))
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {ran}",))
+
+
+os.makedirs(checkpoint)
+with open(os.path.join(checkpoint, ".metadata"), "wb") as f:
+    pickle.dump(Payload(), f)
+with open(os.path.join(checkpoint, "meshlab.json"), "w") as f:
+    json.dump({"names": ["step"], "kinds": {"step": "value"}, "world_size": 2}, f)
+print(json.dumps({"export": export, "checkpoint": checkpoint, "precious": precious,
+                  "ran": ran, "root": root}))
+"""
+
+
+def victim_files(mine: dict[str, str]) -> dict[str, str]:
+    """Every file the victim's export, checkpoint and trace wrote."""
+    export = Path(mine["export"])
+    found = {f"export {p.name}": str(p) for p in export.parent.iterdir() if p.is_file()}
+    found |= {f"checkpoint {p.name}": str(p) for p in Path(mine["checkpoint"]).iterdir()}
+    found |= {f"trace {p.name}": str(p) for p in Path(mine["traces"]).iterdir()}
+    return found
+
+
 @pytest.fixture(scope="module")
 def intruder() -> str:
     return local_user(INTRUDER)
@@ -226,6 +297,15 @@ def test_another_user_reaches_no_output_memory_log_or_file_of_a_victims_session(
         attacked = as_user(intruder, ATTACK, str(victim_uid), SECRET, "3", timeout=120)
         tell(session)
         done = said(session, "DONE", timeout=60)
+        planted = as_user(intruder, PLANT, "/tmp")
+        assert planted.returncode == 0, planted.stderr
+        bait = json.loads(planted.stdout)
+        assert session.stdin is not None
+        session.stdin.write(json.dumps(bait) + "\n")
+        session.stdin.flush()
+        files = said(session, "FILES", timeout=120)
+        peeks = {what: as_user(intruder, f"print(open({path!r}, 'rb').read(64))")
+                 for what, path in victim_files(files["mine"]).items()}
         log = Path(start["log"])
         left = sorted(p.name for p in log.glob(f"*{start['cluster_id']}*"))
         peek = as_user(intruder, f"import os; print(os.listdir({str(log)!r}))")
@@ -260,6 +340,17 @@ def test_another_user_reaches_no_output_memory_log_or_file_of_a_victims_session(
         assert folder.stat().st_mode & 0o777 == 0o700, folder
     for name in left:
         assert (log / name).stat().st_mode & 0o777 == 0o600, name
+    # (rows 5, 6) the intruder's export folder and checkpoint: refused, nothing written or run
+    assert re.search(r"belongs to another user \(uid \d+\)", files["said"]["export"]), files
+    assert re.search(r"belongs to another account \(uid \d+\)", files["said"]["load"]), files
+    assert Path(bait["precious"]).read_text() == "the victim's own\n"  # not written through
+    assert not Path(bait["ran"]).exists()  # the planted pickle never ran
+    # (row 8) what the victim wrote in 0755 folders: none of it readable by another user
+    assert len(peeks) >= 6, peeks
+    for what, peek in peeks.items():
+        assert peek.returncode != 0 and "PermissionError" in peek.stderr, (what, peek)
+    shutil.rmtree(bait["root"])
+    shutil.rmtree(Path(files["mine"]["export"]).parent)
     # ... and a killed kernel's logs go with the next session of that user
     sweep = "import sys; from meshlab.private_files import private_profile as p; p(sys.argv[1])"
     with meshlab_as(victim, sweep, str(log.parent)) as swept:
