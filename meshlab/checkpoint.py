@@ -20,6 +20,7 @@ Plain torch only: this also runs inside exported torchrun scripts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import json
@@ -109,7 +110,8 @@ def save(path: str | os.PathLike[str], objects: dict[str, Any], *, async_save: b
             "torch": torch.__version__, "extra": extra or {}}
     modes = (0o750, 0o640) if group_readable else (0o700, 0o600)
     # made private before DCP writes into it (under the default umask its files are 0644)
-    os.makedirs(partial, modes[0], exist_ok=True)
+    with contextlib.suppress(OSError):  # DCP's writer meets it too, and names it per rank
+        os.makedirs(partial, modes[0], exist_ok=True)
     writer = failure.Writer(partial)
     if not async_save:
         try:
