@@ -122,7 +122,6 @@ class CellServer:
             header.update(threads)
         self._socket.send_multipart(cell_wire.pack(self.key, header, *blobs))
 
-
     def stream(self, parts: list[memoryview]) -> None:
         """The running cell's value in parts, on the socket its reply will follow."""
         sizes = [part.nbytes for part in parts]

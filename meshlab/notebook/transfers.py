@@ -78,9 +78,9 @@ class Transfers:
             if errors and len(missing) == len(errors):
                 raise KeyError(f"{name!r} is not defined on rank(s) {format_ranks(missing)}: "
                                "define it in a %%mesh cell first") from None
-            r, error = next(((r, e) for r, e in errors.items() if e.ename != "NameError"),
+            r, error = next(((r, why) for r, why in errors.items() if why.ename != "NameError"),
                             (None, None))
-            if error is None:
+            if error is None:  # timed out, interrupted, a rank died: as any cell says it
                 raise
             raise ClusterError(f"could not pull {name!r} from rank {r}: {error.ename}: "
                                f"{error.evalue}") from None
