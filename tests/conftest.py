@@ -20,7 +20,7 @@ TEST_PROFILE = """
 [cluster]
 launcher = "local"
 backend = "gloo"
-pg_timeout = 10
+pg_timeout = 6
 start_timeout = 120
 """
 

@@ -22,7 +22,7 @@ ALL_REDUCE = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 @pytest.mark.cluster
 def test_a_rank_failing_inside_collectives_waited_out_is_shown_first_and_the_group_re_forms(
         cluster: Cluster) -> None:
-    # no time limit: the user waits until gloo gives up on rank 2 (the 10 s group timeout)
+    # no time limit: the user waits until gloo gives up on rank 2 (the 6 s group timeout)
     loop = ("for i in range(400):\n    t = torch.ones(1000)\n    dist.all_reduce(t)\n"
             "    if rank == 2 and i == 10:\n        raise MemoryError('out of memory')")
     with pytest.raises(MeshError) as info:
@@ -70,7 +70,7 @@ def test_a_collective_that_times_out_while_the_cell_is_stopped_still_re_forms_th
     # the collective raises 2.5 s in, while meshlab stops the cell its 1 s limit ended (the
     # ladder's first SIGINT waits 2 s): the next cell used to run on the broken group
     profile = tmp_path / "short.toml"
-    profile.write_text(test_profile.read_text().replace("pg_timeout = 10", "pg_timeout = 2.5"))
+    profile.write_text(test_profile.read_text().replace("pg_timeout = 6", "pg_timeout = 2.5"))
     with Cluster(2, profile=profile) as pair:
         with pytest.raises(MeshError) as info:
             pair.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=1)
@@ -170,14 +170,17 @@ def test_ranks_that_ignore_the_stop_signal_too_need_restart_and_the_next_cell_sa
 @pytest.mark.cluster
 def test_the_next_cells_timeout_bounds_its_wait_for_ranks_stuck_in_a_collective(
         cluster: Cluster) -> None:
+    # a group of its own whose timeout outlasts the first cell's stop under any load (the
+    # shared cluster's 6 s could run out before the second cell looked)
+    cluster.run("import datetime\nslow = dist.new_group(timeout=datetime.timedelta(seconds=9))")
     with pytest.raises(MeshError):
-        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=1)
+        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1), group=slow)", timeout=1)
     with pytest.raises(ClusterError) as info:
         cluster.run("rank", timeout=1)
     message = str(info.value)
     assert message.startswith("rank 1 is still stuck in native code (usually a collective) "
-                              "from an earlier cell, at `dist.all_reduce(torch.ones(1))` "
-                              "(Cell In["), message
+                              "from an earlier cell, at `dist.all_reduce(torch.ones(1), "
+                              "group=slow)` (Cell In["), message
     assert "this cell's 1 s time limit ran out" in message and "`--timeout` longer" in message
     assert "`%mesh restart`" in message
     assert not cluster._wedged  # a longer limit still waits it out: both ways on are open
