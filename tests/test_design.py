@@ -128,3 +128,11 @@ def test_one_parallelism_per_file() -> None:
         verbs = [n.name for n in _tree(path).body
                  if isinstance(n, ast.FunctionDef) and n.name.startswith("apply_")]
         assert len(verbs) <= 1, f"{path.name} defines {verbs}: one parallelism per file"
+
+
+def test_no_benchmark_is_named_after_a_standard_library_module() -> None:
+    # `python benchmarks/X.py` puts benchmarks/ first on sys.path: benchmarks/profile.py
+    # shadowed the standard library's `profile`, and dryrun.py's cProfile failed importing it
+    shadowing = [p.name for p in (REPO / "benchmarks").glob("*.py")
+                 if p.stem in sys.stdlib_module_names]
+    assert not shadowing, shadowing

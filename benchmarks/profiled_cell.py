@@ -12,8 +12,8 @@
    through the control channel (NTP's midpoint) with its error bound, which ranks on other
    machines use.
 
-$ python benchmarks/profile.py                  # 5 rounds
-$ python benchmarks/profile.py --rounds 9
+$ python benchmarks/profiled_cell.py                  # 5 rounds
+$ python benchmarks/profiled_cell.py --rounds 9
 """
 
 from __future__ import annotations
