@@ -21,6 +21,39 @@ import pytest
 
 import meshlab
 
+# What an attacker's script (another user, the system's Python) starts with: every TCP socket
+# a uid listens on (any user may read /proc/net/tcp), and reading exactly n bytes from one.
+SOCKETS_OF = r"""
+import ipaddress
+
+
+def listeners(uid):
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or int(fields[7]) != uid:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # little-endian 32-bit words
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
+                                                   for i in range(0, len(raw), 4)))
+                if ip.version == 6 and ip.ipv4_mapped:
+                    ip = ip.ipv4_mapped
+                if ip.is_unspecified:  # every interface: loopback too
+                    ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
+                yield str(ip), int(port, 16)
+
+
+def exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+"""
 SYSTEM_PYTHON = "/usr/bin/python3"  # the intruder cannot enter /root, where ours may live
 REPO = Path(meshlab.__file__).resolve().parents[1]
 

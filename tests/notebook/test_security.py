@@ -26,7 +26,7 @@ import ipyparallel as ipp
 import psutil
 import pytest
 import zmq
-from accounts import as_user, local_user
+from accounts import SOCKETS_OF, as_user, local_user
 from jupyter_client.session import Session
 
 from meshlab import Cluster, runtime
@@ -418,41 +418,13 @@ print("sent", sent)
 # What another user with no torch runs: every TCP socket this uid listens on (any user may
 # read /proc/net/tcp), each spoken to as torch's TCPStore client does: validate, ping, then
 # set a key and read it back. Prints the sockets it tried, and what each that answered said.
-STORE_PROBE = r"""
-import ipaddress, json, os, socket, struct, sys
+STORE_PROBE = SOCKETS_OF + r"""
+import json, os, socket, struct, sys
 from concurrent.futures import ThreadPoolExecutor
 
 VALIDATE, SET, GET, GETNUMKEYS, PING = 0, 1, 3, 7, 13
 MAGIC = 0x3C85F7CE  # torch's TCPStore validation number
 KEY, VALUE = b"/meshlab-intruder", b"written by another user"
-
-
-def listeners(uid):
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or int(fields[7]) != uid:  # 0A: LISTEN
-                    continue
-                address, port = fields[1].split(":")
-                raw = bytes.fromhex(address)  # little-endian 32-bit words
-                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
-                                                   for i in range(0, len(raw), 4)))
-                if ip.version == 6 and ip.ipv4_mapped:
-                    ip = ip.ipv4_mapped
-                if ip.is_unspecified:  # every interface: loopback too
-                    ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
-                yield str(ip), int(port, 16)
-
-
-def exactly(sock, n):
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def sized(data):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from accounts import as_user, local_user, meshlab_as
+from accounts import SOCKETS_OF, as_user, local_user, meshlab_as
 
 INTRUDER, VICTIM = "meshlab-intruder", "meshlab-victim"
 SECRET = "victim-secret"
@@ -110,40 +110,12 @@ sys.stdin.readline()  # the test kills this process here, as a crash kills a ker
 # mechanism (no key). Where the server greets back with NULL: subscribe to everything and
 # read for a while, then send an unsigned message and a 200 MB frame. Where it greets back
 # with another mechanism: the 200 MB frame anyway (it should be cut off at once).
-ATTACK = r"""
-import ipaddress, json, socket, struct, sys, time
+ATTACK = SOCKETS_OF + r"""
+import json, socket, struct, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 UID, SECRET, READ_S = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
 GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
-
-
-def listeners(uid):
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] != "0A" or int(fields[7]) != uid:  # 0A: LISTEN
-                    continue
-                address, port = fields[1].split(":")
-                raw = bytes.fromhex(address)
-                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1]
-                                                   for i in range(0, len(raw), 4)))
-                if ip.version == 6 and ip.ipv4_mapped:
-                    ip = ip.ipv4_mapped
-                if ip.is_unspecified:
-                    ip = ipaddress.ip_address("::1" if ip.version == 6 else "127.0.0.1")
-                yield str(ip), int(port, 16)
-
-
-def exactly(sock, n):
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
 
 
 def ready(kind):
