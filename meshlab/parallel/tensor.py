@@ -246,6 +246,7 @@ def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
@@ -281,5 +282,13 @@ def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),)),
             }
+            if hasattr(block.feed_forward, "router"):
+                # an MoE is not split by tp: it routes the whole sequence as plain tensors
+                # on every tp rank (the same tokens, the same gradients) and hands back this
+                # rank's part of it
+                plan["feed_forward"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                    use_local_input=True, output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),), use_local_output=True)
         parallelize_module(block, tp_mesh, plan)
     return model
