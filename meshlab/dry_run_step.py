@@ -252,10 +252,14 @@ def traffic(records: list[CommRecord], spec: MeshSpec, rank: int) -> list[Traffi
     """The step's collectives summed per (axis, op), each attributed to the mesh axis (or
     flattened view) whose group for ``rank`` has exactly its ranks."""
     names = axis_names(spec, rank)
+    # where ep's group is also a data-parallel axis's (ep = dp_shard), the tokens' all-to-all
+    # is ep's and the gradients' reductions the data axis's
+    data = axis_names(spec, rank, ep=False)
     summed: dict[tuple[str, str], list[int]] = {}
     for r in records:
         group = frozenset(r.group)
-        axis = names.get(group) or ("world" if len(group) == spec.size else "other")
+        named = names if r.op == "all_to_all" else data
+        axis = named.get(group) or ("world" if len(group) == spec.size else "other")
         entry = summed.setdefault((axis, r.op), [0, 0, 0])
         entry[0] += 1
         entry[1] += r.bytes
@@ -264,9 +268,10 @@ def traffic(records: list[CommRecord], spec: MeshSpec, rank: int) -> list[Traffi
             for (a, op), (c, b, w) in sorted(summed.items())]
 
 
-def axis_names(spec: MeshSpec, rank: int) -> dict[frozenset[int], str]:
+def axis_names(spec: MeshSpec, rank: int, *, ep: bool = True) -> dict[frozenset[int], str]:
     """This rank's group on every mesh dimension and view -> its name: the axes it spans
-    joined by "+" (dp_shard+cp), "dp_shard" for both halves of ep's split, "ep" for ep."""
+    joined by "+" (dp_shard+cp), "dp_shard" for both halves of ep's split, "ep" for ep
+    (``ep=False``: ep's group by the data axes it borrows)."""
     dims = spec.mesh_axes()
     spans: dict[str, tuple[str, ...]] = {d: (d,) for d in dims} | spec.views()
     if spec.ep > 1:  # the experts' data ranks (meshlab.parallel.expert's replica group)
@@ -276,17 +281,19 @@ def axis_names(spec: MeshSpec, rank: int) -> dict[frozenset[int], str]:
     for span in sorted(spans.values(), key=len):
         group = frozenset(spec.group_of(rank, span))
         if len(group) > 1:
-            names.setdefault(group, canonical(span, spec))
+            names.setdefault(group, canonical(span, spec, ep=ep))
     return names
 
 
-def canonical(span: tuple[str, ...], spec: MeshSpec) -> str:
+def canonical(span: tuple[str, ...], spec: MeshSpec, *, ep: bool = True) -> str:
     """A group's name from the mesh dimensions it spans (those of size one left out)."""
     dims = spec.mesh_axes()
     kept = [d for d in dims if d in span and dims[d] > 1]
-    if spec.ep > 1 and set(kept) == {d for d in ("dp_shard_in_ep", "cp") if dims.get(d, 1) > 1}:
+    borrowed = {d for d in ("dp_shard_in_ep", "cp") if dims.get(d, 1) > 1}
+    if ep and spec.ep > 1 and set(kept) == borrowed:
         return "ep"
-    if "dp_shard_mod_ep" in kept and "dp_shard_in_ep" in kept:
-        kept = [("dp_shard" if d == "dp_shard_mod_ep" else d) for d in kept
-                if d != "dp_shard_in_ep"]
+    if "dp_shard_in_ep" in kept and ("dp_shard_mod_ep" in kept or not ep):
+        # both halves of ep's split (or, by the data axes, ep's own half) are dp_shard
+        kept = [("dp_shard" if d == "dp_shard_in_ep" else d) for d in kept
+                if d != "dp_shard_mod_ep"]
     return "+".join(kept)

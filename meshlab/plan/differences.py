@@ -47,6 +47,8 @@ class Differences:
             root += m.vocab * m.hidden
         self.root = root / lay.tp
         expert = m.experts * m.expert_params * self.layers / lay.tp / lay.ep if m.experts else 0
+        # meshlab's own MoE is not split by tp: each tp rank holds its ep share whole
+        self.whole_experts = expert * (lay.tp - 1) if dry.family == "meshlab" else 0.0
         dense_layer = m.layer_params - (m.experts * m.expert_params if m.experts else 0)
         self.params = self.layers * dense_layer / lay.tp + self.root + expert
         self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
@@ -87,6 +89,20 @@ class Differences:
                         "in fp32", planner * (4 / dt.grads - 1)))
         elif axis == "tp":
             out += self.tp_terms(planner)
+        elif axis == "ep":
+            out += self.ep_terms(planner)
+        elif lay.ep > 1 and axis not in ("cp", "pp"):
+            size = 4.0 if self.mixed else dt.grads
+            if "dp_shard_mod_ep" in axis and self.whole_experts:
+                out.append(("meshlab's MoE is not split by tp: its experts' gradients are "
+                            "all-reduced whole", planner * (lay.tp - 1)))
+                planner *= lay.tp
+            if self.mixed:
+                out.append(("autocast keeps fp32 weights and gradients: all-reduced in fp32",
+                            planner * (4 / dt.grads - 1)))
+            if lay.tp > 1 and self.first and "dp_shard_mod_ep" not in axis:
+                out.append(("the tp-split embedding's gradient is all-reduced at the whole "
+                            "vocabulary", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
         elif axis == "cp" and self.dry.family == "meshlab" \
                 and lay.context_parallel not in HEAD_SPLIT_CP:  # these move K/V unrepeated
             out.append(("meshlab's Transformer gathers keys and values after GQA repeats them "
@@ -99,6 +115,24 @@ class Differences:
             out.append(("the first stage sends no gradients back, the last no activations on; "
                         "the loss is broadcast", hop * mb * one_way + 8 - planner))
         return [(t, b) for t, b in out if abs(b) > 0.5]
+
+    def ep_terms(self, planner: float) -> list[tuple[str, float]]:
+        lay, out = self.layout, []
+        if self.layers != self.stage.layers:
+            out.append((f"this rank holds {self.layers} layers, the planner's busiest stage "
+                        f"{self.stage.layers}", planner * (self.layers / self.stage.layers - 1)))
+            planner *= self.layers / self.stage.layers
+        if self.whole_experts:
+            out.append(("meshlab's MoE routes the whole sequence on every tp rank: tp times "
+                        "the tokens", planner * (lay.tp - 1)))
+            planner *= lay.tp
+        if self.mixed:
+            # the tokens and their gradients leave in the stream's dtype, the experts' outputs
+            # and theirs return in the matmuls' bf16: half the calls in fp32
+            out.append(("autocast keeps the residual stream in fp32: tokens are dispatched "
+                        "(and their gradients return) in fp32", planner / 2
+                        * (4 / self.dt.activations - 1)))
+        return out
 
     def tp_terms(self, planner: float) -> list[tuple[str, float]]:
         lay, m, dt, mb = self.layout, self.model, self.dt, self.layout.microbatches
@@ -122,6 +156,22 @@ class Differences:
             out.append(("torch reduces each column-parallel projection's input gradient on its "
                         "own (q, k, v; gate, up): 5 all-reduces a layer's backward, where "
                         "Megatron's fused projections do 2", 3.0 * self.layers * self.act * mb))
+        if self.mixed and not self.fsdp:
+            # autocast: the residual stream (embedding, norms) stays fp32; only the matmuls'
+            # outputs and their gradients are bf16
+            fp32 = (2 * (2 * self.layers + ends) if sp else
+                    self.layers * (3 + (0 if m.experts else 2)) + ends)
+            out.append(("autocast keeps the residual stream in fp32: what crosses tp from the "
+                        "embedding and the norms (or back to them) is fp32",
+                        fp32 * self.act * mb * (4 / dt.activations - 1)))
+        if self.whole_experts and sp:
+            out.append(("meshlab's MoE gathers the whole sequence in each way and hands back "
+                        "its part: no reduce-scatter around it",
+                        -2.0 * self.layers * self.act * mb))
+        elif self.whole_experts:
+            out.append(("meshlab's MoE is not split by tp: nothing is all-reduced around it "
+                        "(no gate and up input gradients either)",
+                        -3.0 * self.layers * self.act * mb))
         return out
 
     # -- memory ---------------------------------------------------------------------------
@@ -136,6 +186,11 @@ class Differences:
             out.append(("this rank's stage holds its own share of the parameters, the "
                         "planner's busiest stage more", planner * (share - 1)))
             planner *= share
+        if name in ("params", "grads", "optimizer") and self.whole_experts:
+            whole = (self.params + self.whole_experts) / self.params
+            out.append(("meshlab's MoE is not split by tp: each tp rank holds its share of the "
+                        "experts whole", planner * (whole - 1)))
+            planner *= whole
         factored = factored_state_bytes(self.stage) * share  # Adafactor's, beside K's
         if name == "optimizer" and lay.zero == 1 and self.ddp and lay.shard_group > 1:
             # meshlab's ZeRO-1 shards over the dp axis (dp_replicate x dp_shard)
@@ -163,8 +218,31 @@ class Differences:
             out.append(("meshlab's bf16 keeps fp32 weights and gradients and Adam's two "
                         "moments (4 + 4 + 8 bytes); the planner ZeRO's 2 + 2 + 12",
                         planner * (kept / counted - 1)))
+        if name == "grads" and not self.fsdp:
+            out += self.plain_grad_terms()
         if name == "buffers":
             out += self.buffer_terms(planner)
+        return out
+
+    def plain_grad_terms(self) -> list[tuple[str, float]]:
+        """Gradients autograd keeps in ``.grad`` itself (no FSDP): what it holds beyond one
+        gradient per parameter."""
+        lay, m = self.layout, self.model
+        size = 4.0 if self.mixed else self.dt.grads  # a gradient is its parameter's dtype
+        out: list[tuple[str, float]] = []
+        if lay.tp > 1 and self.first:
+            out.append(("torch hands the tp-split embedding its gradient at the whole "
+                        "vocabulary", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
+        if lay.microbatches > 1:
+            # AccumulateGrad adds a micro-batch's gradient in once it exists whole
+            ffn = m.ffn * (m.experts // lay.ep * (1 if self.whole_experts else 1 / lay.tp)
+                           if m.experts else 1 / lay.tp)
+            largest = max([m.vocab * m.hidden] * self.first
+                          + [m.vocab * m.hidden / lay.tp] * self.last
+                          + [m.hidden * ffn, m.hidden * m.heads * m.head_dim / lay.tp])
+            out.append(("each micro-batch's gradient of a weight exists whole before it is "
+                        "added in: the largest's beside the accumulated ones",
+                        largest * size))
         return out
 
     def weights(self) -> list[int]:

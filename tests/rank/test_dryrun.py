@@ -68,6 +68,9 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
     "cp_chunked": (TINY, "dp_shard=32 cp=2 precision=fp32 cp_impl=chunked cp_chunks=2"),
     "ep": (MOE, "dp_replicate=4 dp_shard=16 ep=4 precision=fp32"),
     "moe": (MOE, "dp_shard=8 dp_replicate=8 precision=fp32"),
+    # the MoE beside tp (sequence parallel) and a pipeline; autocast's fp32 stream in bf16
+    "ep_tp_pp": (MOE, "pp=2 tp=2 dp_shard=8 ep=4 m=2 precision=fp32"),
+    "ep_tp_bf16": (MOE, "tp=2 dp_shard=4 ep=4"),
     "ac_selective": (TINY, "dp_shard=64 ac=selective precision=fp32"),
     "ac_full": (TINY, "dp_shard=64 ac=full precision=fp32"),
     "offload": (TINY, "dp_shard=64 offload_params=1 precision=fp32"),
