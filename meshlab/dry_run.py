@@ -178,7 +178,8 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise ValueError(f"{name}'s step takes a shape from its tensors' values ({e}: e.g. a "
                          "router picking experts per token), and a dry run's fake tensors have "
-                         "no values: meshlab's own MoE (ModelConfig(n_experts=...)) is dry-run "
+                         "no values: meshlab's MoE (ModelConfig(n_experts=...)) and "
+                         "transformers' MoE models (their experts as grouped_mm) are dry-run "
                          "with every expert given an even share; for this model, %mesh plan "
                          "estimates the layout") from None
     if hw is not None:

@@ -23,8 +23,8 @@ from torch import nn
 from meshlab import mesh as meshes
 from meshlab.comms import CommRecord, CommTracer
 from meshlab.dry_run import RankRun, Traffic
+from meshlab.fake_routing import balanced_routing, values_known
 from meshlab.fake_world import (
-    balanced_routing,
     ddp_without_peers,
     step_tracker,
     without_peers,
@@ -76,6 +76,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.size)
     quiet = warnings.catch_warnings()
     quiet.__enter__()
+    known = values_known()  # from the first forward on: parallelize probes one
+    known.__enter__()
     # FSDP warns on every root forward of a model returning a view of its output (meshlab's
     # Transformer returns its logits): once per rank and micro-batch, nothing to act on here
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -87,13 +89,14 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         boundary = _boundary(model, plan, layout, rows, seq, hidden)
         own = isinstance(model, Transformer)
         fsdp = plan.data_parallel in ("zero2", "zero3") and data_parallel_ranks(mesh, plan) > 1
+        balanced_routing(model)  # parallelize may probe a forward: experts that run on shapes
         model, mode = _parallelize_fake(model, mesh, plan, parallelize, fsdp)
         pipeline = getattr(model, "pipeline", None)
         roots = [s.submod for s in pipeline.stages.values()] if pipeline else [model]
         held = _held(model, roots)
         tracer = CommTracer()
         with mode, without_peers(*boundary):
-            balanced_routing(model)
+            balanced_routing(model)  # again: expert parallelism installed its exchange
             buckets = ddp_without_peers(model)
             optimizer = build_optimizer(model, mesh, plan, kind=layout.optimizer)
             _warm(optimizer)
@@ -112,6 +115,7 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
                          "count read with .item()/.tolist(); meshlab's MoE routes evenly in a "
                          "dry run, a model of its own must not branch on values") from None
     finally:
+        known.__exit__(None, None, None)
         quiet.__exit__(None, None, None)
         dist.destroy_process_group()
         meshes.forget_built()

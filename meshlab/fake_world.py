@@ -9,8 +9,7 @@ things in a step need what that world lacks, and this module stands in for each:
   hidden state between blocks, whose shape the caller states; the backward's metadata is
   the gradient of the stage's own outputs, as torch's static mode derives it.
 - Values: a top-k router's choices, and the token counts expert parallelism exchanges,
-  depend on values a fake tensor does not have (``balanced_routing``): every expert gets
-  the same share of the token-expert pairs, the planner's assumption too.
+  depend on values a fake tensor does not have (meshlab.fake_routing).
 - A memory tracker that takes what meshlab builds (``step_tracker``): torch's FSDP tracker
   takes one FSDP root called once, and a pipeline rank holds several roots, each called
   once per micro-batch; both trackers also keep each category's own peak.
@@ -23,8 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from functools import partial
-from types import MethodType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -34,7 +32,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
@@ -271,67 +268,3 @@ def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
 
 
 # -- values: routing ------------------------------------------------------------------------
-
-
-def balanced_routing(model: nn.Module) -> int:
-    """Every meshlab MoE layer of ``model`` routes its token-expert pairs evenly (pair j to
-    expert j mod E), still running its router; under expert parallelism the exchange keeps
-    its two all-to-alls with the sizes that routing gives. The number of layers changed."""
-    from meshlab.models.moe import MoE
-
-    layers = [m for m in model.modules() if isinstance(m, MoE)]
-    for moe in layers:
-        moe.route = MethodType(_route_evenly, moe)  # type: ignore[method-assign]
-        ep = moe.dispatch.keywords if isinstance(moe.dispatch, partial) else None
-        moe.dispatch = partial(_exchange_evenly, group=ep["group"] if ep else None,
-                               ranks=ep["ranks"] if ep else 1)
-    return len(layers)
-
-
-def _route_evenly(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scores = self.router(x).float()  # the router's own work; its choices need values
-    weights, _ = scores.topk(self.top_k, dim=-1)
-    weights = F.softmax(weights, dim=-1).type_as(x)
-    pairs = torch.arange(x.shape[0] * self.top_k, device=x.device)
-    return (pairs % self.n_experts).view(x.shape[0], self.top_k), weights
-
-
-def _shares(pairs: int, parts: int) -> list[int]:
-    """How many of ``pairs`` consecutive pair indices fall on each residue mod ``parts``."""
-    return [pairs // parts + (1 if e < pairs % parts else 0) for e in range(parts)]
-
-
-def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
-                     weights: torch.Tensor, *, group: Any, ranks: int) -> torch.Tensor:
-    """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
-    (every rank sends each expert the same count, so it receives what it sends)."""
-    import torch.distributed as dist
-
-    from meshlab.parallel.expert import all_to_all
-
-    local = moe.n_experts // ranks
-    me = dist.get_rank(group) if ranks > 1 else 0
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)
-    token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
-    per_expert = _shares(flat.numel(), moe.n_experts)  # pairs each global expert gets
-    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
-    mine = per_expert[me * local:(me + 1) * local]  # from every source alike
-    routed = tokens[token_of_pair]
-    arrived = routed
-    if ranks > 1:
-        arrived = all_to_all(routed, send=send, recv=[sum(mine)] * ranks, group=group)
-        received = moe.get_buffer("tokens_received")
-        received.add_(torch.tensor(mine, device=received.device) * ranks)
-    pieces, start = [], 0
-    for _source in range(ranks):
-        for e in range(local):
-            pieces.append(moe.experts(arrived[start:start + mine[e]], e))
-            start += mine[e]
-    done = torch.cat(pieces)
-    returned = done
-    if ranks > 1:
-        returned = all_to_all(done, send=[sum(mine)] * ranks, recv=send, group=group)
-    gate = weights.flatten()[order, None]
-    out = torch.zeros_like(tokens)
-    return out.index_add(0, token_of_pair, (returned * gate).to(out.dtype))

@@ -199,7 +199,8 @@ def _transformers_dispatch(own: Callable[..., torch.Tensor], n_experts: int,
 
     def run(arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ids = torch.arange(local, device=counts.device).repeat(ranks)
-        ids = ids.repeat_interleave(counts.flatten())[:, None]
+        # the length is known: no wait for the counts' values
+        ids = ids.repeat_interleave(counts.flatten(), output_size=arrived.shape[0])[:, None]
         ones = arrived.new_ones(ids.shape)
         if arrived.shape[0]:
             return own(arrived, ids, ones)
@@ -275,6 +276,18 @@ def dispatch_and_combine(moe: MoE, tokens: torch.Tensor, experts: torch.Tensor,
                     received=moe.get_buffer("tokens_received"), group=group, ranks=ranks)
 
 
+def routed_sizes(flat: torch.Tensor, n_experts: int, group: Any, ranks: int
+                 ) -> tuple[list[int], list[int], torch.Tensor]:
+    """(global expert ids, experts, group, ranks) -> the exchange's sizes: rows to each rank,
+    rows from each rank, and rows from each source rank for each local expert. Counted here
+    and told to every rank (a dry run, whose tensors have no values, knows them instead:
+    meshlab.fake_routing)."""
+    counts = torch.bincount(flat, minlength=n_experts).view(ranks, n_experts // ranks)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=group)  # sizes only: no autograd
+    return counts.sum(1).tolist(), received_counts.sum(1).tolist(), received_counts
+
+
 def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, *,
              n_experts: int, run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              received: torch.Tensor, group: Any, ranks: int) -> torch.Tensor:
@@ -283,14 +296,10 @@ def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     ``group``. ``run(arrived, counts)`` runs this rank's experts on the rows that arrived:
     ``counts[source, e]`` rows from each source rank for each local expert, in that order.
     ``received`` (local,) counts the rows each local expert got."""
-    local = n_experts // ranks
     flat = experts.flatten()  # (N * k,) global expert ids
     order = flat.argsort(stable=True)  # group the pairs by expert, hence by owner rank
     token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
-    counts = torch.bincount(flat, minlength=n_experts).view(ranks, local)  # to each rank
-    received_counts = torch.empty_like(counts)
-    dist.all_to_all_single(received_counts, counts, group=group)  # sizes only: no autograd
-    send, recv = counts.sum(1).tolist(), received_counts.sum(1).tolist()
+    send, recv, received_counts = routed_sizes(flat, n_experts, group, ranks)
 
     routed = tokens[token_of_pair]
     arrived = all_to_all(routed, send=send, recv=recv, group=group)

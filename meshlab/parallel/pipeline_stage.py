@@ -303,8 +303,12 @@ def check_split(model: nn.Module, layout: Layout, owned: list[range]) -> None:
     """Chain every stage in this process on a probe batch: their output must be the model's
     own (to its dtype's rounding), else ValueError naming where they part. A model on the
     meta device has no numbers to compare: check="tiny" proves its split on a copy."""
-    if any(p.is_meta for p in model.parameters()):
-        return  # nothing to compute: check="tiny" proves the split on a copy with weights
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(p.is_meta or is_fake(p) for p in model.parameters()):
+        # nothing to compute (a meta model, or a dry run's fake one): check="tiny" proves
+        # the split on a copy with weights
+        return
     stages = [Stage(model, layout, r, first=s == 0, last=s == len(owned) - 1)
               for s, r in enumerate(owned)]
     tokens = probe(model, 8)

@@ -111,6 +111,8 @@ class Differences:
         elif axis == "pp":
             hop = self.act / (lay.tp if lay.tp > 1 and lay.sequence_parallel
                               and self.dry.family == "meshlab" else 1)
+            if self.mixed and not self.fsdp:  # autocast: the stream between stages is fp32
+                hop *= 4 / dt.activations
             one_way = sum((s != self.dry.stages - 1) + (s != 0) for s in self.run.stages)
             out.append(("the first stage sends no gradients back, the last no activations on; "
                         "the loss is broadcast", hop * mb * one_way + 8 - planner))
@@ -122,16 +124,21 @@ class Differences:
             out.append((f"this rank holds {self.layers} layers, the planner's busiest stage "
                         f"{self.stage.layers}", planner * (self.layers / self.stage.layers - 1)))
             planner *= self.layers / self.stage.layers
-        if self.whole_experts:
-            out.append(("meshlab's MoE routes the whole sequence on every tp rank: tp times "
-                        "the tokens", planner * (lay.tp - 1)))
+        if lay.tp > 1:
+            out.append(("the MoE routes the whole sequence on every tp rank (meshlab's gathers "
+                        "it from sequence parallelism): tp times the tokens",
+                        planner * (lay.tp - 1)))
             planner *= lay.tp
-        if self.mixed:
+        if self.mixed and self.dry.family == "meshlab":
             # the tokens and their gradients leave in the stream's dtype, the experts' outputs
             # and theirs return in the matmuls' bf16: half the calls in fp32
             out.append(("autocast keeps the residual stream in fp32: tokens are dispatched "
                         "(and their gradients return) in fp32", planner / 2
                         * (4 / self.dt.activations - 1)))
+        elif self.mixed:
+            out.append(("autocast keeps the residual stream in fp32, and transformers' grouped "
+                        "experts compute in their weights' fp32: every all-to-all is fp32",
+                        planner * (4 / self.dt.activations - 1)))
         return out
 
     def tp_terms(self, planner: float) -> list[tuple[str, float]]:
@@ -159,11 +166,17 @@ class Differences:
         if self.mixed and not self.fsdp:
             # autocast: the residual stream (embedding, norms) stays fp32; only the matmuls'
             # outputs and their gradients are bf16
+            # without sp: q, k, v's input gradients, and the MLP's two (gate and up; a
+            # transformers MoE's output and its gate_up's input gradient, all fp32)
             fp32 = (2 * (2 * self.layers + ends) if sp else
-                    self.layers * (3 + (0 if m.experts else 2)) + ends)
+                    self.layers * (3 + (0 if self.whole_experts else 2)) + ends)
             out.append(("autocast keeps the residual stream in fp32: what crosses tp from the "
                         "embedding and the norms (or back to them) is fp32",
                         fp32 * self.act * mb * (4 / dt.activations - 1)))
+        if m.experts and self.dry.family == "transformers" and not sp:
+            out.append(("transformers' experts hold gate and up in one weight (gate_up_proj): "
+                        "one all-reduce of their input gradient, not two",
+                        -1.0 * self.layers * self.act * mb))
         if self.whole_experts and sp:
             out.append(("meshlab's MoE gathers the whole sequence in each way and hands back "
                         "its part: no reduce-scatter around it",
