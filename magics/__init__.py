@@ -124,6 +124,13 @@ class MeshMagics(Magics):
                                     inputs=args.inputs)
         display(memory_table(frame), memory_chart(frame))
 
+    def _variable(self, option: str, name: str) -> Any:
+        """The notebook variable an option names, or UsageError saying it is not there."""
+        if name not in self.shell.user_ns:
+            raise UsageError(f"--{option} {name}: not defined in the notebook: define {name} "
+                             "first, or leave the option out")
+        return self.shell.user_ns[name]
+
     def _push(self, args: Any) -> None:
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
@@ -234,9 +241,11 @@ class MeshMagics(Magics):
             self.shell.user_ns[args.output] = result
 
     def _dryrun(self, args: Any) -> None:
+        named = {option: self._variable(option, name)
+                 for option, name in (("plan", args.plan), ("init", args.init)) if name}
         dry = self.session.dryrun(
             self.shell.user_ns.get(args.model, args.model), commands.unquote(args.layout) or "",
-            hardware=args.hardware, ranks=args.ranks, batch=args.batch, seq=args.seq)
+            hardware=args.hardware, ranks=args.ranks, batch=args.batch, seq=args.seq, **named)
         display(*dryrun_views(dry, args.hardware))
         if args.output:
             self.shell.user_ns[args.output] = dry

@@ -24,7 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from meshlab.dry_run_plan import describe, model_factory, plan_for, ran, shape_of
+from meshlab.dry_run_plan import (
+    describe,
+    model_factory,
+    plan_for,
+    ran,
+    shape_of,
+    with_model_options,
+)
 from meshlab.mesh import MeshSpec
 from meshlab.plan.hardware import Hardware
 from meshlab.plan.hardware import hardware as find_hardware
@@ -106,14 +113,18 @@ class DryRun:
 
 
 def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
-           plan: ParallelPlan | None = None, batch: int | None = None, seq: int | None = None,
+           plan: ParallelPlan | None = None, init: Callable[[nn.Module], None] | None = None,
+           batch: int | None = None, seq: int | None = None,
            hardware: Hardware | str | None = None, ranks: Sequence[int] | None = None,
            world_size: int | None = None, workers: int | None = None) -> DryRun:
     """One training step of ``model`` (a factory called under ``torch.device("meta")``, a
     ``ModelShape`` or a planner preset name, built as meshlab's Transformer) on ``layout``
     (``"pp=4 dp_shard=32 tp=8 m=8"``: mesh degrees and planner keys), on each of ``ranks``
-    (default: ``representative_ranks``), in this process. ``plan`` defaults to
-    ``plan_for(layout)``; ``batch`` is sequences per data-parallel rank (default mbs x m);
+    (default: ``representative_ranks``), in this process. The layout decides how the model
+    is split (``plan_for(layout)``); ``plan`` gives the model's own options as parallelize
+    takes them (tp_plan, blocks, split_points), ``init`` as parallelize's (a dry run fills
+    nothing: a module without reset_parameters() needs none); ``batch`` is sequences per
+    data-parallel rank (default mbs x m);
     ``world_size``, when given, must be the layout's product. ``workers``: processes that
     run the ranks side by side (default: one per CPU when a factory can be sent to them;
     1 runs them here, one after another)."""
@@ -158,7 +169,10 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
         lay = dataclasses.replace(lay, sequence_parallel=False)
     made, notes = plan_for(lay, seq=seq)
     notes = guessed + notes
-    plan = plan or made
+    plan = with_model_options(made, plan)
+    if init is not None and not callable(init):
+        raise ValueError(f"init={init!r} is not a function: give init(module) filling a "
+                         "module's own tensors, as parallelize takes it")
     lay = ran(lay)
     hw = find_hardware(hardware) if isinstance(hardware, str) else hardware
     chosen = ({r: _role(spec, lay, r) for r in ranks} if ranks is not None
@@ -168,7 +182,8 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
             raise ValueError(f"rank {r} is not in the {spec.size} ranks of {spec}: choose "
                              f"ranks in 0..{spec.size - 1}")
     schedule = _schedule(lay)
-    jobs = [dict(build=build, spec=spec, rank=r, role=role, plan=plan, layout=lay, rows=rows,
+    jobs = [dict(build=build, spec=spec, rank=r, role=role, plan=plan, init=init,
+                 layout=lay, rows=rows,
                  seq=seq, vocab=shape.vocab if shape else None,
                  hidden=shape.hidden if shape else None, usable=hw.usable_bytes if hw else None,
                  stages=schedule.stages_of(r // (spec.size // lay.pp)) if schedule else [0])

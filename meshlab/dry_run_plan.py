@@ -81,6 +81,39 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     return plan, notes
 
 
+MODEL_OPTIONS = ("tp_plan", "blocks", "split_points")
+"""What a ParallelPlan says about the model itself (its TP plan, its blocks, where a
+pipeline splits it): a dry run takes them from the user's plan, the rest from the layout."""
+
+
+def with_model_options(made: ParallelPlan, given: ParallelPlan | None) -> ParallelPlan:
+    """``made`` (the layout's plan) with ``given``'s model options; ValueError where
+    ``given`` sets anything else the layout decides otherwise."""
+    if given is None:
+        return made
+    from meshlab.parallel import ParallelPlan
+
+    if not isinstance(given, ParallelPlan):
+        raise ValueError(f"plan={given!r} is a {type(given).__name__}, not a ParallelPlan: "
+                         "give ParallelPlan(tp_plan=..., blocks=..., split_points=...)")
+
+    default = ParallelPlan()
+    clash = [f.name for f in dataclasses.fields(ParallelPlan)
+             if f.name not in (*MODEL_OPTIONS, "seq_len")
+             and getattr(given, f.name) != getattr(default, f.name)
+             and getattr(given, f.name) != getattr(made, f.name)]
+    if clash:
+        said = ", ".join(f"{n}={getattr(given, n)!r}" for n in clash)
+        decided = ", ".join(f"{n}={getattr(made, n)!r}" for n in clash)
+        raise ValueError(f"plan sets {said}, which the layout decides otherwise ({decided}): "
+                         "a dry run takes the model's options from the plan "
+                         f"({', '.join(MODEL_OPTIONS)}) and the rest from the layout: say "
+                         "them in the layout (zero=, sp=, ac=, m=, ...) or leave them out of "
+                         "the plan")
+    return dataclasses.replace(made, **{k: getattr(given, k) for k in MODEL_OPTIONS
+                                        if getattr(given, k) is not None})
+
+
 def ran(layout: Layout) -> Layout:
     """The layout ``plan_for``'s plan runs, in the planner's words (what it changes: ep's
     gradients reduced without ZeRO; FSDP2's units per block)."""

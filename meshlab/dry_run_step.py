@@ -14,6 +14,7 @@ import inspect
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +63,8 @@ def groups(layout: Layout) -> dict[str, dict[str, str]]:
 
 
 def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: str,
-             plan: ParallelPlan, layout: Layout, *, rows: int, seq: int, vocab: int | None,
+             plan: ParallelPlan, layout: Layout, *, init: Callable[[nn.Module], None] | None,
+             rows: int, seq: int, vocab: int | None,
              hidden: int | None, usable: float | None, stages: list[int]) -> RankRun:
     """``rank``'s step of a ``spec.size``-rank world (see the module's docstring)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -90,7 +92,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         own = isinstance(model, Transformer)
         fsdp = plan.data_parallel in ("zero2", "zero3") and data_parallel_ranks(mesh, plan) > 1
         balanced_routing(model)  # parallelize may probe a forward: experts that run on shapes
-        model, mode = _parallelize_fake(model, mesh, plan, parallelize, fsdp)
+        model, mode = _parallelize_fake(model, mesh, plan, partial(parallelize, init=init),
+                                        fsdp)
         pipeline = getattr(model, "pipeline", None)
         roots = [s.submod for s in pipeline.stages.values()] if pipeline else [model]
         held = _held(model, roots)

@@ -303,6 +303,12 @@ def plan(line: str) -> None:
           "a profile (" + ", ".join(HARDWARE) + ") or a .toml file (default h100-sxm)")
 @argument("--ranks", help="the ranks to run, e.g. 0,1023 (default: one per distinct role, "
           "each pipeline stage)")
+@argument("--plan", metavar="NAME", help="a notebook variable holding a ParallelPlan: its "
+          "model options (tp_plan, blocks, split_points) as parallelize takes them; the "
+          "layout decides the rest")
+@argument("--init", metavar="NAME", help="a notebook function init(module), as "
+          "parallelize(..., init=) takes it (a dry run fills nothing: a module without "
+          "reset_parameters() needs none)")
 @output_option("the DryRun")
 def dryrun(line: str) -> None:
     """%mesh dryrun: one training step of your own model and layout on thousands of fake

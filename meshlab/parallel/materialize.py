@@ -84,6 +84,8 @@ def record(model: nn.Module, init: Init | None = None) -> Origins:
     lacking = []
     for name in shapes:
         found = init or _model_init(modules, name)
+        if found is None and _fake is not None:
+            found = _nothing  # a dry run's fake tensors are filled by nothing
         if found is None:
             lacking.append(f"{name or 'the model'} ({type(modules[name]).__name__}: "
                            f"{', '.join(shapes[name])})")
@@ -114,6 +116,10 @@ def _model_init(modules: dict[str, nn.Module], name: str) -> Init | None:
 
 def _reset(module: nn.Module) -> None:
     module.reset_parameters()  # type: ignore[operator]
+
+
+def _nothing(module: nn.Module) -> None:
+    pass
 
 
 @contextmanager

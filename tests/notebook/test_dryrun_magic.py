@@ -84,3 +84,74 @@ def test_plan_verify_dry_runs_gradient_accumulation_without_fsdp(shell: Any) -> 
                                      '"dp_shard=4 zero=0 mbs=2 m=3" --verify 1 -o accumulated')
     [dry] = shell.user_ns["accumulated"].verified
     assert "microbatches=3" in dry.layout and dry.ranks[0].memory["activations"] > 0
+
+
+NANOGPT = """
+import math
+import torch
+from torch import nn
+from torch.nn import functional as F
+from meshlab.parallel import ParallelPlan
+
+class LayerNorm(nn.Module):  # nanoGPT's, as written: no reset_parameters()
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = LayerNorm(d, True), LayerNorm(d, True)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+class GPT(nn.Module):
+    def __init__(self, vocab=256, d=64, layers=2, heads=4):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": vocab, "hidden_size": d})()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(64, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = LayerNorm(d, True)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+mlp_tp = ParallelPlan(tp_plan={"h.*.c_fc": "colwise", "h.*.mlp_proj": "rowwise"})
+clashing = ParallelPlan(data_parallel="ddp", tp_plan=mlp_tp.tp_plan)
+"""
+
+
+def test_dryrun_magic_takes_a_hand_written_model_and_its_plan(shell: Any) -> None:
+    """nanoGPT as written: a LayerNorm with no reset_parameters() (a dry run fills nothing),
+    its TP plan from a notebook ParallelPlan (--plan); a plan that contradicts the layout is
+    refused naming both."""
+    shell.run_cell(NANOGPT)
+    with capture_output():
+        shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --seq 32 '
+                                     "--plan mlp_tp -o gpt")
+    [run] = shell.user_ns["gpt"].ranks
+    tp = [t for t in run.collectives if t.axis == "tp"]
+    assert tp and run.memory["total"] > 0, run.collectives
+    with pytest.raises(UsageError, match=r"plan sets data_parallel='ddp', which the layout "
+                                         r"decides otherwise \(data_parallel='zero3'\)"):
+        shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --seq 32 '
+                                     "--plan clashing")
+    with pytest.raises(UsageError, match="--plan nothing: not defined in the notebook"):
+        shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --plan nothing')
