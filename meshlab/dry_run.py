@@ -266,8 +266,8 @@ def representative_ranks(layout: Layout, shape: ModelShape | None = None) -> dic
 def _uneven(shape: ModelShape, layout: Layout) -> bool:
     """Whether TP leaves its last rank a smaller part of some weight (FSDP2 pads its shards
     to one size: every rank holds as much)."""
-    rows = [shape.vocab, shape.hidden, shape.ffn, shape.heads * shape.head_dim,
-            shape.n_kv_heads * shape.head_dim]
+    rows = [shape.vocab, shape.hidden, shape.ffn, shape.heads * shape.head_width,
+            shape.n_kv_heads * shape.head_width]
     return any(r % layout.tp for r in rows)
 
 

@@ -169,7 +169,13 @@ def _meshlab_factory(shape: ModelShape, seq: int) -> Callable[[], nn.Module]:
     lacks = [what for what, has in (("a GELU MLP", not shape.gated_ffn),
                                     ("tied embeddings", shape.tied_embeddings),
                                     ("learned positions", shape.learned_positions),
-                                    ("dropout", shape.dropout)) if has]
+                                    ("dropout", shape.dropout),
+                                    (f"heads {shape.head_width} wide on a hidden of "
+                                     f"{shape.hidden}", shape.head_width * shape.heads
+                                     != shape.hidden),
+                                    ("shared experts", shape.shared_ffn),
+                                    ("multi-head latent attention", shape.kv_lora_rank))
+             if has]
     if lacks:
         raise ValueError(f"{shape.name} has {', '.join(lacks)}, which meshlab's Transformer "
                          "(Llama-style) does not: pass a factory that builds the model, e.g. "
@@ -202,17 +208,8 @@ def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
     if c is None:
         return None
     try:
-        experts = int(getattr(c, "num_local_experts", None) or getattr(c, "num_experts", 0)
-                      or 0)
-        return ModelShape(
-            name=getattr(c, "model_type", type(model).__name__), layers=c.num_hidden_layers,
-            hidden=c.hidden_size, heads=c.num_attention_heads,
-            kv_heads=getattr(c, "num_key_value_heads", None),
-            ffn=(getattr(c, "moe_intermediate_size", None) if experts else None)
-            or c.intermediate_size, vocab=c.vocab_size,
-            seq_len=seq or c.max_position_embeddings, experts=experts,
-            top_k=getattr(c, "num_experts_per_tok", 1) if experts else 1,
-            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        return ModelShape.from_transformers(
+            c, seq_len=seq, name=getattr(c, "model_type", None) or type(model).__name__,
             layer_norm=any(isinstance(m, LayerNorm) for m in model.modules()))
     except (AttributeError, TypeError, ValueError):
         return None

@@ -131,7 +131,7 @@ class Communication:
         impl, n = lay.context_parallel, s.layers * lay.microbatches
         found = context_parallel_collectives(
             impl, batch=lay.micro_batch, seq_len=m.seq_len, heads=m.heads // lay.tp,
-            kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_dim, cp=lay.cp,
+            kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_width, cp=lay.cp,
             dtype_bytes=s.dtypes.activations, chunks=lay.cp_chunks)
         # (forward, backward): (critical, overlappable) seconds of a micro-batch
         sums = {False: [0.0, 0.0], True: [0.0, 0.0]}

@@ -24,7 +24,7 @@ def flops_per_token(model: ModelShape, recompute: str, layers: int) -> tuple[flo
     projection: 6N + attention (PaLM), the hardware's with recompute added."""
     layer_model, layer_hw = training_flops_per_token(
         matmul_params=_layer_matmul_params(model), layers=1, seq=model.seq_len,
-        attn_width=model.heads * model.head_dim,
+        attn_width=model.heads * model.head_width,
         recompute="none" if recompute == "op" else recompute)
     if recompute == "op":
         layer_hw += 2.0 * op_recomputed_params(**_op_shape(model))
@@ -176,7 +176,7 @@ def layer_gemms(stage: Stage) -> list[gemm.Gemm]:
     the column-parallel ones and K of the row-parallel ones)."""
     m, lay = stage.model, stage.layout
     tokens, t, h = stage.tokens, lay.tp, m.hidden
-    q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = m.heads * m.head_width, m.n_kv_heads * m.head_width
     up = m.ffn * (2 if m.gated_ffn else 1)
     gemms = [gemm.Gemm("qkv projection", tokens, (q + 2 * kv) // t, h),
              gemm.Gemm("attention output", tokens, h, q // t)]
@@ -196,8 +196,8 @@ def attention_gemms(stage: Stage) -> list[gemm.Gemm]:
     queries (cp splits them) against every key (cp gathers them)."""
     m, lay = stage.model, stage.layout
     heads = lay.micro_batch * m.heads // lay.tp
-    return [gemm.Gemm("attention scores", stage.seq, m.seq_len, m.head_dim, heads),
-            gemm.Gemm("attention values", stage.seq, m.head_dim, m.seq_len, heads)]
+    return [gemm.Gemm("attention scores", stage.seq, m.seq_len, m.head_width, heads),
+            gemm.Gemm("attention values", stage.seq, m.head_width, m.seq_len, heads)]
 
 
 def score_bytes(stage: Stage) -> float:
@@ -228,7 +228,7 @@ def memory_bound_bytes(stage: Stage) -> float:
     residual add and norm together (4 passes, twice), RoPE 2, SwiGLU 3.
     """
     m, lay = stage.model, stage.layout
-    q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+    q, kv = m.heads * m.head_width, m.n_kv_heads * m.head_width
     ffn = m.ffn * (m.top_k if m.experts else 1)
     if lay.fused:
         per_token = 8 * m.hidden + 2 * (q + kv) + (2 * q + 2 * kv) + 3 * ffn
@@ -262,7 +262,7 @@ def qat_bytes(stage: Stage) -> float:
     m, lay = stage.model, stage.layout
     if lay.qat == "none":
         return 0.0
-    q = m.heads * m.head_dim
+    q = m.heads * m.head_width
     experts = m.top_k if m.experts else 1
     weights = m.layer_params / lay.tp
     inputs = 0.0 if lay.qat == "4w" else stage.tokens * (
@@ -290,14 +290,15 @@ def op_recomputed_share(model: ModelShape) -> float:
 
 def _op_shape(model: ModelShape) -> dict[str, Any]:
     m = model
-    return {"hidden": m.hidden, "q_width": m.heads * m.head_dim,
-            "kv_width": m.n_kv_heads * m.head_dim, "ffn": m.ffn * (m.top_k if m.experts else 1),
+    return {"hidden": m.hidden, "q_width": m.heads * m.head_width,
+            "kv_width": m.n_kv_heads * m.head_width, "ffn": m.ffn * (m.top_k if m.experts else 1),
             "gated": m.gated_ffn}
 
 
 def _layer_matmul_params(model: ModelShape) -> int:
     m = model
-    ffn = (m.top_k * m.expert_params + m.hidden * m.experts) if m.experts else m.expert_params
+    ffn = (m.top_k * m.expert_params + m.hidden * m.experts + m.shared_params if m.experts
+           else m.expert_params)
     return m.attention_params + ffn
 
 

@@ -32,7 +32,7 @@ class CpOption:
         m, lay = self.estimate.model, self.estimate.layout
         return context_parallel_bytes(
             self.impl, batch=lay.micro_batch, seq_len=m.seq_len, heads=m.heads // lay.tp,
-            kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_dim, cp=lay.cp,
+            kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_width, cp=lay.cp,
             dtype_bytes=lay.dtypes.activations, chunks=lay.cp_chunks)["wire"] / 2**20
 
     def text(self) -> str:

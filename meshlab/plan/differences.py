@@ -252,7 +252,7 @@ class Differences:
                            if m.experts else 1 / lay.tp)
             largest = max([m.vocab * m.hidden] * self.first
                           + [m.vocab * m.hidden / lay.tp] * self.last
-                          + [m.hidden * ffn, m.hidden * m.heads * m.head_dim / lay.tp])
+                          + [m.hidden * ffn, m.hidden * m.heads * m.head_width / lay.tp])
             out.append(("each micro-batch's gradient of a weight exists whole before it is "
                         "added in: the largest's beside the accumulated ones",
                         largest * size))
@@ -262,7 +262,7 @@ class Differences:
         """The elements of each parameter tensor this rank's model holds (tp-split), in the
         order of a Llama-style model (meshlab's or transformers')."""
         m, t = self.model, self.layout.tp
-        q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+        q, kv = m.heads * m.head_width, m.n_kv_heads * m.head_width
         layer = [m.hidden * q // t, m.hidden * kv // t, m.hidden * kv // t, q * m.hidden // t,
                  m.hidden, m.hidden]
         layer += ([m.hidden * m.ffn // t] * (3 if m.gated_ffn else 2) if not m.experts else

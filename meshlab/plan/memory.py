@@ -24,7 +24,7 @@ def layer_bytes(stage: Stage, recompute: str) -> float:
     lay, m = stage.layout, stage.model
     return layer_activation_bytes(  # counted for 2-byte activations
         seq=stage.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
-        q_width=m.heads * m.head_dim, kv_width=m.n_kv_heads * m.head_dim,
+        q_width=m.heads * m.head_width, kv_width=m.n_kv_heads * m.head_width,
         ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
         tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
         scores=not lay.flash_attention) * stage.dtypes.activations / 2 + cp_bytes(
@@ -45,7 +45,7 @@ def weight_shapes(stage: Stage) -> tuple[list[tuple[int, ...]], list[tuple[int, 
     stacked E x out x in), the counts of ``Stage.params``."""
     m, lay = stage.model, stage.layout
     t, h = lay.tp, m.hidden
-    q, kv = m.heads * m.head_dim // t, m.n_kv_heads * m.head_dim // t
+    q, kv = m.heads * m.head_width // t, m.n_kv_heads * m.head_width // t
     layer: list[tuple[int, ...]] = [(q, h), (kv, h), (kv, h), (h, q), (h,), (h,)]
     experts: list[tuple[int, ...]] = []
     f = m.ffn // t
@@ -84,7 +84,7 @@ def cp_memory(stage: Stage) -> dict[str, float]:
     lay, m = stage.layout, stage.model
     return context_parallel_memory(
         lay.context_parallel, batch=lay.micro_batch, seq_len=m.seq_len,
-        heads=m.heads // lay.tp, kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_dim,
+        heads=m.heads // lay.tp, kv_heads=m.n_kv_heads // lay.tp, head_dim=m.head_width,
         cp=lay.cp, dtype_bytes=stage.dtypes.activations, chunks=lay.cp_chunks,
         offload=lay.cp_offload)
 
@@ -98,7 +98,7 @@ def cp_bytes(stage: Stage, recompute: str) -> dict[str, float]:
     if lay.cp == 1 or recompute == "full":  # full: only the layer's input is kept
         return {"kept": 0.0, "transient": 0.0, "host": 0.0}
     mem, e = cp_memory(stage), stage.dtypes.activations
-    local = 2.0 * lay.micro_batch * stage.seq * (m.n_kv_heads // lay.tp) * m.head_dim * e
+    local = 2.0 * lay.micro_batch * stage.seq * (m.n_kv_heads // lay.tp) * m.head_width * e
     kept, transient = mem["kv_kept"] - local, mem["transient"]
     if not lay.flash_attention and recompute == "none":
         # Korthikanti's 2 (5 with dropout) bytes per 16-bit score, counted for L x L

@@ -27,10 +27,31 @@ class ModelShape:
     vocab: int
     seq_len: int
     """Training sequence length."""
+    head_dim: int = 0
+    """Width of one attention head; 0: hidden // heads (Qwen3, Gemma and MLA models set
+    their own: Qwen3-32B's 64 heads of 128 are 8,192 wide on a hidden of 5,120)."""
     experts: int = 0
     """Experts per MoE layer (every layer); 0: dense."""
     top_k: int = 1
     """Experts each token goes to."""
+    shared_ffn: int = 0
+    """Width of the shared experts every token also passes through (DeepSeek's
+    n_shared_experts x moe_intermediate_size, Qwen2-MoE's shared_expert_intermediate_size)."""
+    dense_layers: int = 0
+    """MoE models' first layers with a plain feed-forward instead (DeepSeek's
+    first_k_dense_replace): counted in the model's totals; a pipeline's busiest stage is
+    sized as MoE layers."""
+    dense_ffn: int = 0
+    """Those layers' feed-forward width (0: ffn)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values through a rank this
+    wide (0: plain attention); ``head_dim`` is then qk_nope_head_dim + qk_rope_head_dim."""
+    q_lora_rank: int = 0
+    """MLA's queries through a rank this wide (0: a full query projection)."""
+    rope_head_dim: int = 0
+    """MLA's rotary part of each head (qk_rope_head_dim), shared by the heads' keys."""
+    v_head_dim: int = 0
+    """MLA's value width per head (0: head_dim)."""
     gated_ffn: bool = True
     """SwiGLU (three matrices) rather than a GELU MLP (two, as in GPT-3)."""
     tied_embeddings: bool = False
@@ -48,9 +69,9 @@ class ModelShape:
         for name in ("layers", "hidden", "heads", "ffn", "vocab", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.name}: {name} must be >= 1")
-        if self.hidden % self.heads:
+        if not self.head_dim and self.hidden % self.heads:
             raise ValueError(f"{self.name}: heads={self.heads} must divide "
-                             f"hidden={self.hidden}")
+                             f"hidden={self.hidden} (or give head_dim)")
         if self.n_kv_heads < 1 or self.heads % self.n_kv_heads:
             raise ValueError(f"{self.name}: kv_heads={self.kv_heads} must divide "
                              f"heads={self.heads}")
@@ -62,14 +83,22 @@ class ModelShape:
         return self.kv_heads or self.heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def head_width(self) -> int:
+        """One attention head's width: ``head_dim``, or hidden // heads."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def attention_params(self) -> int:
-        """Q, K, V and output projections of one layer."""
-        h, d = self.hidden, self.head_dim
-        return 2 * h * self.heads * d + 2 * h * self.n_kv_heads * d
+        """Q, K, V and output projections of one layer (MLA's low-rank ones and their
+        norms)."""
+        h, d, n = self.hidden, self.head_width, self.heads
+        if not self.kv_lora_rank:
+            return 2 * h * n * d + 2 * h * self.n_kv_heads * d
+        q, kv, rope = self.q_lora_rank, self.kv_lora_rank, self.rope_head_dim
+        v = self.v_head_dim or d
+        queries = h * q + q + q * n * d if q else h * n * d
+        keys_values = h * (kv + rope) + kv + kv * n * (d - rope + v)
+        return queries + keys_values + n * v * h
 
     @property
     def expert_params(self) -> int:
@@ -81,7 +110,13 @@ class ModelShape:
         """All feed-forward weights of one layer: every expert plus the router."""
         if not self.experts:
             return self.expert_params
-        return self.experts * self.expert_params + self.hidden * self.experts
+        return (self.experts * self.expert_params + self.hidden * self.experts
+                + self.shared_params)
+
+    @property
+    def shared_params(self) -> int:
+        """The shared experts of one MoE layer (not split by expert parallelism)."""
+        return (3 if self.gated_ffn else 2) * self.hidden * self.shared_ffn
 
     @property
     def layer_params(self) -> int:
@@ -95,17 +130,29 @@ class ModelShape:
         return tables + positions + self.hidden
 
     @property
+    def dense_layer_saving(self) -> int:
+        """What each of the ``dense_layers`` holds fewer than an MoE layer."""
+        if not (self.experts and self.dense_layers):
+            return 0
+        dense = (3 if self.gated_ffn else 2) * self.hidden * (self.dense_ffn or self.ffn)
+        return self.ffn_params - dense
+
+    @property
     def params(self) -> int:
         """Every parameter."""
-        return self.layers * self.layer_params + self.embedding_params
+        return (self.layers * self.layer_params + self.embedding_params
+                - self.dense_layers * self.dense_layer_saving)
 
     @property
     def active_matmul_params(self) -> int:
         """Weights one token multiplies by: the FLOPs count (the embedding lookup is not a
         matmul; the output projection is, tied or not; top_k experts of an MoE layer)."""
-        ffn = (self.top_k * self.expert_params + self.hidden * self.experts
+        ffn = (self.top_k * self.expert_params + self.hidden * self.experts + self.shared_params
                if self.experts else self.expert_params)
-        return self.layers * (self.attention_params + ffn) + self.vocab * self.hidden
+        dense = ((3 if self.gated_ffn else 2) * self.hidden * (self.dense_ffn or self.ffn)
+                 if self.dense_layers else 0)
+        return (self.layers * (self.attention_params + ffn) + self.vocab * self.hidden
+                + self.dense_layers * (dense - ffn) * bool(self.experts))
 
     @classmethod
     def from_config(cls, cfg: Any, *, seq_len: int | None = None,
@@ -115,6 +162,41 @@ class ModelShape:
                    kv_heads=cfg.n_kv_heads, ffn=cfg.ffn_hidden, vocab=cfg.vocab_size,
                    seq_len=seq_len or cfg.max_seq_len, experts=cfg.n_experts,
                    top_k=cfg.top_k if cfg.n_experts else 1)
+
+    @classmethod
+    def from_transformers(cls, config: Any, *, seq_len: int | None = None,
+                          name: str | None = None, layer_norm: bool = False) -> ModelShape:
+        """The shape of a transformers decoder's config (read by attribute: no torch):
+        its own head width, MoE fields under their families' names (experts, top-k, the
+        experts' and shared experts' widths, DeepSeek's first dense layers) and MLA's
+        ranks."""
+        c = config
+        experts = int(_first(c, "num_local_experts", "num_experts", "n_routed_experts") or 0)
+        ffn = (_first(c, "moe_intermediate_size") if experts else None) or c.intermediate_size
+        shared = (_first(c, "shared_expert_intermediate_size")
+                  or (_first(c, "n_shared_experts") or 0) * (ffn if experts else 0))
+        rope = int(_first(c, "qk_rope_head_dim") or 0)
+        mla = int(_first(c, "kv_lora_rank") or 0)
+        head_dim = (int(_first(c, "qk_nope_head_dim") or 0) + rope if mla
+                    else int(_first(c, "head_dim") or 0))
+        return cls(
+            name=name or getattr(c, "model_type", None) or "transformers",
+            layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads,
+            kv_heads=_first(c, "num_key_value_heads"), ffn=ffn, vocab=c.vocab_size,
+            seq_len=seq_len or c.max_position_embeddings, head_dim=head_dim,
+            experts=experts, top_k=int(_first(c, "num_experts_per_tok") or 1) if experts else 1,
+            shared_ffn=int(shared or 0), kv_lora_rank=mla,
+            dense_layers=int(_first(c, "first_k_dense_replace") or 0) if experts else 0,
+            dense_ffn=int(c.intermediate_size) if experts else 0,
+            q_lora_rank=int(_first(c, "q_lora_rank") or 0), rope_head_dim=rope,
+            v_head_dim=int(_first(c, "v_head_dim") or 0) if mla else 0,
+            tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            layer_norm=layer_norm)
+
+
+def _first(config: Any, *names: str) -> Any:
+    """The first of ``names`` the config sets (not None)."""
+    return next((v for n in names if (v := getattr(config, n, None)) is not None), None)
 
 
 # Public architecture numbers. Llama 3: Dubey et al. 2024, "The Llama 3 Herd of Models",
@@ -144,13 +226,15 @@ def model_shape(name_or_shape: str | os.PathLike[str] | ModelShape | Any) -> Mod
         return name_or_shape
     if hasattr(name_or_shape, "n_layers") and hasattr(name_or_shape, "dim"):
         return ModelShape.from_config(name_or_shape)
+    if hasattr(name_or_shape, "num_hidden_layers") and hasattr(name_or_shape, "hidden_size"):
+        return ModelShape.from_transformers(name_or_shape)  # a transformers config
     if isinstance(name_or_shape, os.PathLike) or (
             isinstance(name_or_shape, str) and name_or_shape.strip().endswith(".toml")):
         return load_model(name_or_shape)
     if not isinstance(name_or_shape, str):
         raise ValueError(f"cannot plan a {type(name_or_shape).__name__}: give a preset name "
-                         f"({', '.join(MODELS)}), a .toml file, a ModelShape or a meshlab "
-                         "ModelConfig")
+                         f"({', '.join(MODELS)}), a .toml file, a ModelShape, a meshlab "
+                         "ModelConfig or a transformers config")
     key = name_or_shape.strip().lower()
     if key not in MODELS:
         raise ValueError(f"unknown model {name_or_shape!r}: choose one of {', '.join(MODELS)}, "
@@ -184,7 +268,7 @@ def load_model(path: str | os.PathLike[str]) -> ModelShape:
             raise ValueError(f"{path}: {key} = {json.dumps(value, default=str)} is "
                              f"{_toml_type(value)}, not {expected}: write e.g. "
                              f"{key} = {example}")
-        least = 0 if key == "experts" else 1  # experts = 0: a dense model
+        least = 0 if known[key].default == 0 else 1  # experts = 0: a dense model, ...
         if isinstance(value, int) and not isinstance(value, bool) and value < least:
             raise ValueError(f"{path}: {key} = {value} must be at least {least}: write e.g. "
                              f"{key} = 32")

@@ -91,7 +91,7 @@ class Stage:
         m, lay = self.model, self.layout
         if lay.shard_unit == "layer":
             return [m.layer_params / lay.tp]
-        q, kv = m.heads * m.head_dim, m.n_kv_heads * m.head_dim
+        q, kv = m.heads * m.head_width, m.n_kv_heads * m.head_width
         up = m.ffn * (2 if m.gated_ffn else 1)
         return [m.hidden * w / lay.tp for w in (q + 2 * kv, q, up, m.ffn)]
 

@@ -914,3 +914,38 @@ def test_an_impossible_request_says_how_to_fix_it() -> None:
                                          r"in memory: the smallest, .*, needs \d+\.\d GiB of 76 "
                                          r"GiB usable; add GPUs"):
         search(MODELS["llama3-405b"], gpus=8, hardware=HARDWARE["h100-sxm"], global_batch=8)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mixtral", "DeepSeek-V3"])
+def test_a_transformers_config_counts_its_model(family: str) -> None:
+    """Head width, experts, shared experts, dense first layers and MLA's ranks read from the
+    config: the planner counts every parameter of the model built from it (the matrix's
+    tiny DeepSeek-V3 has all of them)."""
+    import torch
+
+    from tests.rank.families import FAMILIES_SOURCE
+
+    namespace: dict[str, Any] = {}
+    exec(FAMILIES_SOURCE, namespace)
+    with torch.device("meta"):
+        model = namespace["FAMILIES"][family]()
+    assert model_shape(model.config).params == sum(p.numel() for p in model.parameters())
+
+
+def test_published_sizes_from_their_transformers_configs() -> None:
+    """Qwen3-32B (Qwen3 technical report, Table 1: 32.8B; 64 heads of 128 on a hidden of
+    5,120, which hidden / heads would make 30.5B), Mixtral 8x7B (Jiang et al. 2024: 47B, 13B
+    active) and DeepSeek-V3 (its technical report: 671B, 37B activated per token)."""
+    transformers = pytest.importorskip("transformers")
+    qwen3 = model_shape(transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128))
+    assert qwen3.head_width == 128 and qwen3.params == pytest.approx(32.8e9, rel=0.005)
+    mixtral = model_shape(transformers.MixtralConfig())  # its defaults are 8x7B's
+    assert mixtral.params == pytest.approx(46.7e9, rel=0.005)
+    assert mixtral.active_matmul_params == pytest.approx(12.9e9, rel=0.02)
+    deepseek = model_shape(transformers.DeepseekV3Config())  # V3's own defaults
+    assert (deepseek.experts, deepseek.top_k, deepseek.dense_layers) == (256, 8, 3)
+    assert deepseek.params == pytest.approx(671e9, rel=0.005)
+    # activated: the matmuls one token passes plus its embedding row
+    assert deepseek.active_matmul_params + deepseek.hidden == pytest.approx(37e9, rel=0.02)
