@@ -23,6 +23,7 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 COMM_COLUMNS = ("axis", "what", "collective", "ranks", "link", "calls", "mib_each", "seconds",
                 "overlapped")
 STEP_TOKENS = 4 * 2**20  # default batch: ~4M tokens per step, as Llama 3 began with
+NODE = 8  # GPUs a tensor-parallel group fills (one node): one sequence each, at least
 
 
 @dataclass
@@ -144,8 +145,10 @@ class Plan:
 
 
 def default_batch(model: ModelShape, gpus: int) -> int:
-    """Sequences per step: a power of two near 4M tokens, and at least one per GPU."""
-    return 2 ** math.ceil(math.log2(max(STEP_TOKENS / model.seq_len, gpus)))
+    """Sequences per step: a power of two near 4M tokens, and at least one per node of 8
+    GPUs (a data-parallel rank of a layout with tp=8): Llama 3 405B's 16M tokens on 16,384
+    GPUs (Dubey et al. 2024, section 3.4.1), its 8B's 4M on fewer."""
+    return 2 ** math.ceil(math.log2(max(STEP_TOKENS / model.seq_len, gpus / NODE, 1)))
 
 
 def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware = "h100-sxm",
@@ -189,7 +192,11 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top)
-    return Plan(shape, gpus, hw, list(found["estimate"]), tokens)
+    notes = [] if global_batch else [
+        f"global batch not given: {batch:,} sequences of {shape.seq_len:,} tokens "
+        f"({batch * shape.seq_len / 2**20:.0f}M tokens), ~4M tokens or one sequence per "
+        f"{NODE} GPUs where that is more (Llama 3 405B: 16M on 16,384); --batch sets it"]
+    return Plan(shape, gpus, hw, list(found["estimate"]), tokens, notes)
 
 
 def with_batch(layout: Layout, global_batch: int, *, fixed: bool) -> Layout:

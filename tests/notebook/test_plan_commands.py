@@ -82,10 +82,13 @@ def test_plan_without_gpus_uses_the_running_cluster(shell: Any) -> None:
     assert "on 4 x cpu" in shown(cap)
 
 
-def test_default_batch_is_a_power_of_two_near_4m_tokens_and_one_per_gpu() -> None:
-    assert default_batch(MODELS["llama3-405b"], 2048) == 2048  # 512 sequences < 2048 GPUs
+def test_default_batch_is_a_power_of_two_near_4m_tokens_and_one_per_node() -> None:
+    # Llama 3 405B on 16,384 GPUs: 16M tokens of 8,192 (it planned 16,384 sequences, 8x)
+    assert default_batch(MODELS["llama3-405b"], 16384) == 2048
+    assert default_batch(MODELS["llama3-405b"], 2048) == 512  # 4M / 8192 > 2048 / 8
     assert default_batch(MODELS["llama3-8b"], 64) == 512  # 4M / 8192
     assert default_batch(MODELS["gpt3-175b"], 8) == 2048  # 4M / 2048
+    assert default_batch(MODELS["meshlab"], 2) == 2**16  # 4M / 64: tiny sequences
     assert plan("llama3-8b", gpus=8, top=1).best.layout.global_batch == 512
 
 
