@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlab.mesh import AXES
+from meshlab.plan import fsdp_padding as padding
 from meshlab.plan.context_formulas import HEAD_SPLIT_CP
 from meshlab.plan.estimate import Estimate
 from meshlab.plan.layout import Layout
@@ -54,6 +55,19 @@ class Differences:
         self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
         self.ddp = lay.zero <= 1 and lay.dp * lay.cp > 1 and lay.ep == 1
         self.mixed = lay.precision != "fp32"  # meshlab: fp32 weights, gradients reduced in fp32
+        # FSDP2's padding (meshlab.plan.fsdp_padding): this rank's shards over the even split;
+        # a gathered unit (a block), the root unit and the whole stage over their weights
+        self.pad_shard = self.pad_layer = self.pad_root = self.pad_stage = 1.0
+        if self.fsdp:
+            n, layer = lay.shard_group, padding.layer_tensors(m, lay.tp)
+            ends = padding.root_tensors(m, lay.tp, first=self.first, last=self.last)
+            whole = padding.elements(layer) * self.layers + padding.elements(ends)
+            self.pad_shard = (padding.sharded(layer, n) * self.layers
+                              + padding.sharded(ends, n)) / (whole / n)
+            self.pad_layer = padding.gathered(layer, n) / padding.elements(layer)
+            self.pad_root = (padding.gathered(ends, n) / padding.elements(ends) if ends
+                             else 1.0)
+            self.pad_stage = self.pad_shard * n * (whole / n) / whole
 
     # -- bytes per axis -------------------------------------------------------------------
 
@@ -82,6 +96,11 @@ class Differences:
             if self.mixed:
                 out.append(("gradients reduce-scattered in fp32 (reduce_dtype)",
                             g * (4 / dt.grads - 1) * (1 if deferred else mb)))
+            if self.pad_stage > 1 + 1e-9:
+                moved = planner + sum(b for _, b in out)
+                out.append((f"FSDP2 gathers and reduce-scatters padded shards "
+                            f"({self.pad_stage:.3g}x the weights)",
+                            moved * (self.pad_stage - 1)))
         elif axis == "dp_replicate" and self.fsdp and self.mixed:
             out.append(("gradients all-reduced in fp32", planner * (4 / dt.grads - 1)))
         elif axis == axis_name("dp+cp" if lay.cp > 1 else "dp", lay) and self.ddp and self.mixed:
@@ -204,6 +223,16 @@ class Differences:
             out.append(("meshlab's MoE is not split by tp: each tp rank holds its share of the "
                         "experts whole", planner * (whole - 1)))
             planner *= whole
+        if name in ("params", "grads", "optimizer") and self.pad_shard > 1 + 1e-9:
+            extra = planner * (self.pad_shard - 1)
+            if name == "params" and lay.zero == 2:  # the gathered copy, and the shard beside
+                gathered = self.params * (self.pad_stage - 1) * dt.params
+                extra = gathered + self.params / lay.shard_group * (self.pad_shard - 1) * (
+                    4.0 if self.mixed else dt.params)
+            out.append((f"FSDP2 pads each weight's rows to a multiple of the {lay.shard_group} "
+                        f"shards: this rank holds {self.pad_shard:.3g}x an even split",
+                        extra))
+            planner += extra
         factored = factored_state_bytes(self.stage) * share  # Adafactor's, beside K's
         if name == "optimizer" and lay.zero == 1 and self.ddp and lay.shard_group > 1:
             # meshlab's ZeRO-1 shards over the dp axis (dp_replicate x dp_shard)
@@ -274,15 +303,29 @@ class Differences:
 
     def buffer_terms(self, planner: float) -> list[tuple[str, float]]:
         lay, dt = self.layout, self.dt
-        unit = self.stage.shard_unit_params
         out: list[tuple[str, float]] = []
+        unit = self.stage.shard_unit_params
+        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept:
+            padded = self.params * dt.params * (self.pad_stage - 1)
+            what = f"the stage's gathered parameters are {self.pad_stage:.3g}x its weights"
+        elif self.fsdp and lay.zero == 3:
+            padded = 2 * unit * dt.params * (self.pad_layer - 1)
+            what = (f"a block gathered (and the next, prefetched) is {self.pad_layer:.3g}x "
+                    "its weights")
+        else:  # FSDP2 holds a reduce-scatter's input until it issues the next one
+            padded = planner * (self.pad_layer - 1) if self.fsdp else 0.0
+            what = "the last block's reduce-scatter input, held until the next, too"
+        if padded > 0.5:
+            out.append((f"FSDP2 gathers and reduce-scatters padded shards: {what}", padded))
+        unit *= self.pad_layer  # the flat copy a unit's gradients are reduce-scattered from
+        root = self.root
         layer_units = lay.shard_unit == "layer"
         reduced = 4.0 if self.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
         if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and self.mixed:
             out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
                         "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
                         "until they are added in",
-                        self.params * (4 - dt.grads) + self.stage.shard_unit_params * dt.grads))
+                        self.params * (4 - dt.grads) + unit * dt.grads))
         if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and lay.tp > 1 \
                 and self.first:
             m = self.model
@@ -293,11 +336,11 @@ class Differences:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))
             out.append(("and its root unit (embedding, output) gathered from the forward to "
-                        "the backward", self.root * dt.params))
+                        "the backward", root * dt.params))
         elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1:
             out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
                         "last micro-batch, then copies the root unit's out first to "
-                        "reduce-scatter them", (self.params + self.root - unit) * dt.grads))
+                        "reduce-scatter them", (self.params + root - unit) * dt.grads))
         elif self.fsdp and lay.zero == 2 and layer_units:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))

@@ -33,7 +33,8 @@ from meshlab.dry_run_plan import ran
 from meshlab.plan import HARDWARE, Layout, ModelShape
 
 # four blocks: FSDP's steady state needs a block between the first and the last; widths
-# whose rows divide over every shard group here (FSDP2 pads a dim 0 that does not)
+# whose rows divide over the shard groups but the padded cases' (FSDP2 pads a dim 0 that
+# does not)
 TINY = ModelShape(name="tiny", layers=4, hidden=256, heads=8, kv_heads=4, ffn=512,
                   vocab=1024, seq_len=64)
 WIDE = dataclasses.replace(TINY, name="tiny-mha", kv_heads=8)  # tp=8 splits its kv heads
@@ -78,6 +79,9 @@ MATRIX: dict[str, tuple[ModelShape | Callable[[], Any], str]] = {
     "cp_chunked": (TINY, "dp_shard=32 cp=2 precision=fp32 cp_impl=chunked cp_chunks=2"),
     "ep": (MOE, "dp_replicate=4 dp_shard=16 ep=4 precision=fp32"),
     "moe": (MOE, "dp_shard=8 dp_replicate=8 precision=fp32"),
+    # FSDP2 pads rows to the shard group: a 256-row weight over 512 ranks, 8 experts over 64
+    "padded": (TINY, "dp_shard=512"),
+    "padded_experts": (MOE, "dp_shard=64 precision=fp32"),
     # the MoE beside tp (sequence parallel) and a pipeline; autocast's fp32 stream in bf16
     "ep_tp_pp": (MOE, "pp=2 tp=2 dp_shard=8 ep=4 m=2 precision=fp32"),
     "ep_tp_bf16": (MOE, "tp=2 dp_shard=4 ep=4"),
