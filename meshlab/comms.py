@@ -110,10 +110,7 @@ class CommTracer(TorchDispatchMode):
         op, issued = collective_name(name), time.time_ns()
         out = func(*args, **kwargs)
         if op is not None:
-            record = _record(op, func, args, kwargs)
-            record.seq = self._seq.get(key := call_key(dist.get_rank(), record), 0)
-            self._seq[key] = record.seq + 1
-            self.records.append(record)
+            record = self._note(op, func, args, kwargs)
             if self.timed:
                 record.issued_ns = issued
                 self._until_done(record, out)
@@ -122,6 +119,21 @@ class CommTracer(TorchDispatchMode):
             if waited is not None:
                 waited.done_ns = time.time_ns()
         return out
+
+    def observe(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Record ``func`` if it is a collective: for another dispatch mode that runs the
+        ops itself (a dry run's memory tracker), one mode on the stack instead of two."""
+        if func.namespace in ("c10d", "_c10d_functional"):
+            op = collective_name(str(func.overloadpacket.__name__))
+            if op is not None:
+                self._note(op, func, args, kwargs or {})
+
+    def _note(self, op: str, func: Any, args: Any, kwargs: Any) -> CommRecord:
+        record = _record(op, func, args, kwargs)
+        record.seq = self._seq.get(key := call_key(dist.get_rank(), record), 0)
+        self._seq[key] = record.seq + 1
+        self.records.append(record)
+        return record
 
     def _wait_for_results(self, args: Any, kwargs: Any) -> None:
         """An op about to read a functional collective's result waits for it inside the

@@ -107,8 +107,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
             y = torch.randint(0, vocab, (rows, seq // layout.cp))
             if pipeline is not None:
                 pipeline.begin(x, y)  # the pipeline's handshake: the first step's, not this
-            tracker = step_tracker(roots, optimizer, groups(layout))
-            with tracker, tracer:
+            tracker = step_tracker(roots, optimizer, groups(layout), comms=tracer)
+            with tracker:
                 _forward_backward(model, pipeline, plan, x, y, own)
                 optimizer.step()
                 optimizer.zero_grad()

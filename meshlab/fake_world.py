@@ -49,9 +49,17 @@ class _CategoryPeaks:
     peaks: dict[str, int]
     group_peaks: dict[str, int]
     groups: dict[str, str]
+    comms: Any
 
-    def _start_peaks(self, groups: dict[str, str]) -> None:
-        self.peaks, self.group_peaks, self.groups = {}, {}, groups
+    def _start_peaks(self, groups: dict[str, str], comms: Any) -> None:
+        self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
+        if self.comms is not None:  # the collectives too: a second mode costs a sixth
+            self.comms.observe(func, args, kwargs)
+        return out
 
     def _update_snap(self, u_type: Any, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(u_type, *args, **kwargs)  # type: ignore[misc]
@@ -102,13 +110,13 @@ class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
     """torch's FSDP2 memory tracker over several roots, each called once per micro-batch."""
 
     def __init__(self, roots: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
-                 groups: dict[str, str]) -> None:
+                 groups: dict[str, str], comms: Any = None) -> None:
         root = roots[0]
         if len(roots) > 1:  # FSDPModule's __new__ makes a plain ModuleList: cast it after
             root = nn.ModuleList(roots)
             root.__class__ = _FSDPRoots
         super().__init__(root, optimizer)
-        self._start_peaks(groups)
+        self._start_peaks(groups, comms)
 
     def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
         inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
@@ -144,9 +152,9 @@ class StepTracker(_CategoryPeaks, MemTracker):
     """torch's memory tracker for a model without FSDP (DDP, ZeRO-1, TP or EP alone)."""
 
     def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
-                 groups: dict[str, str]) -> None:
+                 groups: dict[str, str], comms: Any = None) -> None:
         super().__init__()
-        self._start_peaks(groups)
+        self._start_peaks(groups, comms)
         # ZeRO-1 (ZeroRedundancyOptimizer) keeps its states in the optimizer it wraps
         inner = getattr(optimizer, "optim", None)
         wrapped = [inner] if isinstance(inner, torch.optim.Optimizer) else []
@@ -163,12 +171,14 @@ class StepTracker(_CategoryPeaks, MemTracker):
 
 
 def step_tracker(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
-                 groups: dict[str, dict[str, str]]) -> FSDPStepTracker | StepTracker:
+                 groups: dict[str, dict[str, str]], comms: Any = None
+                 ) -> FSDPStepTracker | StepTracker:
     """The tracker for these modules (a rank's model, or its pipeline stages);
-    ``groups["fsdp"]`` or ``groups["plain"]`` groups its categories."""
+    ``groups["fsdp"]`` or ``groups["plain"]`` groups its categories; ``comms`` (a
+    meshlab.comms.CommTracer, not entered) records the collectives it sees."""
     if all(isinstance(m, FSDPModule) for m in modules):
-        return FSDPStepTracker(modules, optimizer, groups["fsdp"])
-    return StepTracker(modules, optimizer, groups["plain"])
+        return FSDPStepTracker(modules, optimizer, groups["fsdp"], comms)
+    return StepTracker(modules, optimizer, groups["plain"], comms)
 
 
 # -- peers: DDP's reducer and the pipeline's handshakes ---------------------------------------
