@@ -5,7 +5,7 @@ Each case runs in a child process (so its peak RSS is its own): meshlab.dry_run 
 model on the meta device, parallelizes it for one representative rank per pipeline stage
 and runs a step on fake tensors. Printed per case: the wall time and the child's peak
 resident memory (with its workers, one per CPU, each at its peak) beside the planner's time
-to estimate the same layout (goals: 70B <= 60 s, 405B <= 5 min, <= 8 GiB), then each
+to estimate the same layout (goals: 70B <= 30 s, 405B <= 120 s, <= 8 GiB), then each
 rank's memory by category beside the planner's.
 
 $ python benchmarks/dryrun.py                 # both cases
@@ -24,8 +24,8 @@ import sys
 import time
 
 CASES = {
-    "70b": ("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8", 60),
-    "405b": ("llama3-405b", "pp=16 dp=128 tp=8 m=16", 300),
+    "70b": ("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8", 30),
+    "405b": ("llama3-405b", "pp=16 dp=128 tp=8 m=16", 120),
 }
 GIB = 2**30
 

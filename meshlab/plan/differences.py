@@ -329,9 +329,11 @@ class Differences:
         if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and lay.tp > 1 \
                 and self.first:
             m = self.model
+            # under bf16 FSDP2 accumulates it in fp32 beside, as the stage's other gradients
+            size = dt.grads + (4 if self.mixed else 0)
             out.append(("torch hands the tp-split embedding its gradient at the whole "
                         "vocabulary (laid out unlike its weight), kept unsharded with the "
-                        "stage's", (m.vocab - m.vocab / lay.tp) * m.hidden * dt.grads))
+                        "stage's", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
         if self.fsdp and lay.zero == 3 and not self.stage.fsdp_units_kept and layer_units:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))
