@@ -99,8 +99,8 @@ class Differences:
             if self.pad_stage > 1 + 1e-9:
                 moved = planner + sum(b for _, b in out)
                 out.append((f"FSDP2 gathers and reduce-scatters padded shards "
-                            f"({self.pad_stage:.3g}x the weights)",
-                            moved * (self.pad_stage - 1)))
+                            f"({self.pad_stage:.4g}x the weights)",
+                            moved * (self.padded_traffic() - 1)))
         elif axis == "dp_replicate" and self.fsdp and self.mixed:
             out.append(("gradients all-reduced in fp32", planner * (4 / dt.grads - 1)))
         elif axis == axis_name("dp+cp" if lay.cp > 1 else "dp", lay) and self.ddp and self.mixed:
@@ -160,6 +160,17 @@ class Differences:
                         planner * (4 / self.dt.activations - 1)))
         return out
 
+    def padded_traffic(self) -> float:
+        """What FSDP2's padding makes of its traffic: blocks and the root unit each padded
+        their own way, weighted by what moves of each (ZeRO-3 gathers a block twice a
+        micro-batch, the root unit it keeps once; elsewhere each once)."""
+        lay, dt = self.layout, self.dt
+        twice = lay.zero == 3 and not self.stage.fsdp_units_kept
+        reduced = 4.0 if self.mixed else dt.grads
+        blocks = (self.params - self.root) * ((2 if twice else 1) * dt.params + reduced)
+        root = self.root * (dt.params + reduced)
+        return (blocks * self.pad_layer + root * self.pad_root) / (blocks + root)
+
     def tp_terms(self, planner: float) -> list[tuple[str, float]]:
         lay, m, dt, mb = self.layout, self.model, self.dt, self.layout.microbatches
         out: list[tuple[str, float]] = []
@@ -176,8 +187,9 @@ class Differences:
                         float(mb * self.tokens * m.vocab * dt.activations)))
         if sp:
             norms = 2 * self.layers + self.last
+            size = 4.0 if self.mixed and not self.fsdp else dt.grads  # autocast: fp32 weights
             out.append(("the sequence-parallel norms' weight gradients are all-reduced",
-                        float(norms * m.hidden * dt.grads)))
+                        float(norms * m.hidden * size)))
         else:
             out.append(("torch reduces each column-parallel projection's input gradient on its "
                         "own (q, k, v; gate, up): 5 all-reduces a layer's backward, where "
@@ -230,7 +242,7 @@ class Differences:
                 extra = gathered + self.params / lay.shard_group * (self.pad_shard - 1) * (
                     4.0 if self.mixed else dt.params)
             out.append((f"FSDP2 pads each weight's rows to a multiple of the {lay.shard_group} "
-                        f"shards: this rank holds {self.pad_shard:.3g}x an even split",
+                        f"shards: this rank holds {self.pad_shard:.4g}x an even split",
                         extra))
             planner += extra
         factored = factored_state_bytes(self.stage) * share  # Adafactor's, beside K's
