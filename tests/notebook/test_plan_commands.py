@@ -101,3 +101,16 @@ def test_console_command_prints_the_plan_and_rejects_bad_input() -> None:
     bad = subprocess.run(["meshlab", "plan", "llama3-70b", "--gpus", "64", "--layout", "tp=5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "meshlab plan: the layout tp=5" in bad.stderr
+
+
+def test_a_search_plans_a_transformers_config_and_says_which_batch_it_took() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=4096)
+    found = plan(config, gpus=64, top=1)
+    assert found.model.params == pytest.approx(32.76e9, rel=1e-3)  # 64 heads of 128
+    assert any(n.startswith("global batch not given: 1,024 sequences of 4,096 tokens")
+               for n in found.notes), found.notes
+    assert not plan(config, gpus=64, top=1, global_batch=512).notes
