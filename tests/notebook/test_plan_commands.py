@@ -109,8 +109,9 @@ def test_a_search_plans_a_transformers_config_and_says_which_batch_it_took() -> 
         vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
         num_attention_heads=64, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=4096)
-    found = plan(config, gpus=64, top=1)
+    found = plan(config, gpus=64, top=1, constraints="tp=8 pp=4 zero=1")
     assert found.model.params == pytest.approx(32.76e9, rel=1e-3)  # 64 heads of 128
     assert any(n.startswith("global batch not given: 1,024 sequences of 4,096 tokens")
                for n in found.notes), found.notes
-    assert not plan(config, gpus=64, top=1, global_batch=512).notes
+    assert not plan(config, gpus=64, top=1, constraints="tp=8 pp=4 zero=1",
+                    global_batch=512).notes
