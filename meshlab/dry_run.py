@@ -22,8 +22,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from meshlab.dry_run_compose import probe_microbatches
 from meshlab.dry_run_plan import (
     describe,
     model_factory,
@@ -116,7 +118,8 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
            plan: ParallelPlan | None = None, init: Callable[[nn.Module], None] | None = None,
            batch: int | None = None, seq: int | None = None,
            hardware: Hardware | str | None = None, ranks: Sequence[int] | None = None,
-           world_size: int | None = None, workers: int | None = None) -> DryRun:
+           world_size: int | None = None, workers: int | None = None,
+           compose: bool = True) -> DryRun:
     """One training step of ``model`` (a factory called under ``torch.device("meta")``, a
     ``ModelShape`` or a planner preset name, built as meshlab's Transformer) on ``layout``
     (``"pp=4 dp_shard=32 tp=8 m=8"``: mesh degrees and planner keys), on each of ``ranks``
@@ -127,7 +130,9 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     data-parallel rank (default mbs x m);
     ``world_size``, when given, must be the layout's product. ``workers``: processes that
     run the ranks side by side (default: one per CPU when a factory can be sent to them;
-    1 runs them here, one after another)."""
+    1 runs them here, one after another). ``compose``: a pipeline rank runs a probe step
+    of a few micro-batches and composes the layout's schedule from it (the same figures,
+    meshlab.dry_run_compose); False runs every micro-batch."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -182,8 +187,12 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
             raise ValueError(f"rank {r} is not in the {spec.size} ranks of {spec}: choose "
                              f"ranks in 0..{spec.size - 1}")
     schedule = _schedule(lay)
+    probe = (probe_microbatches(lay.microbatches, partial(_builds, lay))
+             if schedule is not None and compose else None)
+    if probe is not None:  # each rank runs a probe step and composes the schedule from it
+        plan, rows = dataclasses.replace(plan, microbatches=probe), lay.micro_batch * probe
     jobs = [dict(build=build, spec=spec, rank=r, role=role, plan=plan, init=init,
-                 layout=lay, rows=rows,
+                 layout=lay, rows=rows, compose_to=lay.microbatches if probe else None,
                  seq=seq, vocab=shape.vocab if shape else None,
                  hidden=shape.hidden if shape else None, usable=hw.usable_bytes if hw else None,
                  stages=schedule.stages_of(r // (spec.size // lay.pp)) if schedule else [0])
@@ -279,6 +288,17 @@ def _schedule(layout: Layout) -> Any:
         return None
     return build(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
                  virtual=layout.virtual)
+
+
+def _builds(layout: Layout, microbatches: int) -> bool:
+    """Whether ``layout``'s schedule takes that many micro-batches."""
+    from meshlab.schedules import ScheduleError
+
+    try:
+        _schedule(dataclasses.replace(layout, microbatches=microbatches))
+    except (ScheduleError, ValueError):
+        return False
+    return True
 
 
 def _role(spec: MeshSpec, layout: Layout, rank: int) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 from meshlab import mesh as meshes
 from meshlab.comms import CommRecord, CommTracer
 from meshlab.dry_run import RankRun, Traffic
+from meshlab.dry_run_compose import Composed, Recorder, compose
 from meshlab.fake_routing import balanced_routing, values_known
 from meshlab.fake_world import (
     ddp_without_peers,
@@ -65,8 +66,11 @@ def groups(layout: Layout) -> dict[str, dict[str, str]]:
 def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: str,
              plan: ParallelPlan, layout: Layout, *, init: Callable[[nn.Module], None] | None,
              rows: int, seq: int, vocab: int | None,
-             hidden: int | None, usable: float | None, stages: list[int]) -> RankRun:
-    """``rank``'s step of a ``spec.size``-rank world (see the module's docstring)."""
+             hidden: int | None, usable: float | None, stages: list[int],
+             compose_to: int | None = None) -> RankRun:
+    """``rank``'s step of a ``spec.size``-rank world (see the module's docstring); with
+    ``compose_to``, a pipeline's probe step (``plan``'s few micro-batches) composed into
+    the layout's schedule of that many (meshlab.dry_run_compose)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -103,15 +107,24 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
             buckets = ddp_without_peers(model)
             optimizer = build_optimizer(model, mesh, plan, kind=layout.optimizer)
             _warm(optimizer)
-            x = torch.randint(0, vocab, (rows, seq // layout.cp))
-            y = torch.randint(0, vocab, (rows, seq // layout.cp))
+            # a probe step takes its rows from the whole step's batch, which the tracker
+            # counts as the whole step's
+            batch = rows * compose_to // plan.microbatches if compose_to else rows
+            x = torch.randint(0, vocab, (batch, seq // layout.cp))[:rows]
+            y = torch.randint(0, vocab, (batch, seq // layout.cp))[:rows]
             if pipeline is not None:
                 pipeline.begin(x, y)  # the pipeline's handshake: the first step's, not this
             tracker = step_tracker(roots, optimizer, groups(layout), comms=tracer)
+            recorder = None
             with tracker:
+                if compose_to is not None and pipeline is not None:
+                    recorder = Recorder(tracker, tracer, plan.microbatches)
+                    pipeline._perform = recorder.wrap(pipeline._perform)
                 _forward_backward(model, pipeline, plan, x, y, own)
                 optimizer.step()
                 optimizer.zero_grad()
+            if recorder is not None:
+                recorder.finish()
     except DataDependentOutputException as e:
         raise ValueError(f"the step reads a tensor's value ({e}), which a dry run does not "
                          "have (fake tensors hold shapes only): a router's choices or a "
@@ -123,8 +136,10 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         dist.destroy_process_group()
         meshes.forget_built()
         _forget_meshes()
-    raw = tracker.snapshot()
-    peaks = dict(tracker.group_peaks)
+    raw, peaks, records = tracker.snapshot(), dict(tracker.group_peaks), tracer.records
+    if recorder is not None and pipeline is not None:
+        step = composed_step(recorder, layout, pipeline.rank, compose_to)
+        raw, peaks, records = step.peak, step.group_peaks, step.records
     if buckets:  # built with DDP, before the step: the tracker never saw them allocated
         raw["DDP buckets"] = buckets
         raw["Total"] = raw.get("Total", 0) + buckets
@@ -139,9 +154,22 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     memory["total"] = raw.get("Total", 0) - memory.get("host", 0)
     return RankRun(rank=rank, coordinates=spec.coordinates_of(rank), role=role, stages=stages,
                    params=held, memory=memory, peaks=peaks,
-                   raw=raw, collectives=traffic(tracer.records, spec, rank),
+                   raw=raw, collectives=traffic(records, spec, rank),
                    fits=None if usable is None else memory["total"] <= usable,
                    seconds=time.perf_counter() - started)
+
+
+def composed_step(recorder: Recorder, layout: Layout, pp_rank: int, microbatches: Any
+                  ) -> Composed:
+    """The probe's windows composed into this rank's actions of the layout's schedule with
+    ``microbatches``."""
+    from meshlab.schedules import build
+    from meshlab.schedules.validate import lower
+
+    schedule = build(layout.schedule, ranks=layout.pp, microbatches=microbatches,
+                     virtual=layout.virtual)
+    return compose(recorder.kinds, recorder.before, recorder.after,
+                   lower(schedule)[pp_rank], microbatches)
 
 
 def _forget_meshes() -> None:

@@ -81,14 +81,21 @@ def even_sizes(flat: torch.Tensor, n_experts: int, group: Any, ranks: int
                ) -> tuple[list[int], list[int], torch.Tensor]:
     """meshlab.parallel.expert.routed_sizes under even routing: every rank sends each
     expert the same count, so it receives what it sends."""
+    send, mine = _even_split(flat.numel(), n_experts, group, ranks)
+    return send, [sum(mine)] * ranks, torch.tensor([mine] * ranks, device=flat.device)
+
+
+def _even_split(pairs: int, n_experts: int, group: Any, ranks: int
+                ) -> tuple[list[int], list[int]]:
+    """Under even routing: the pairs this rank sends each rank, and those each of its
+    local experts receives from every source alike."""
     import torch.distributed as dist
 
     local = n_experts // ranks
     me = dist.get_rank(group) if ranks > 1 else 0
-    per_expert = _shares(flat.numel(), n_experts)
+    per_expert = _shares(pairs, n_experts)  # pairs each global expert gets
     send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
-    mine = per_expert[me * local:(me + 1) * local]
-    return send, [sum(mine)] * ranks, torch.tensor([mine] * ranks, device=flat.device)
+    return send, per_expert[me * local:(me + 1) * local]
 
 
 def _route_evenly(self: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,18 +115,13 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
                      weights: torch.Tensor, *, group: Any, ranks: int) -> torch.Tensor:
     """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
     (every rank sends each expert the same count, so it receives what it sends)."""
-    import torch.distributed as dist
-
     from meshlab.parallel.expert import all_to_all
 
     local = moe.n_experts // ranks
-    me = dist.get_rank(group) if ranks > 1 else 0
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
-    per_expert = _shares(flat.numel(), moe.n_experts)  # pairs each global expert gets
-    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ranks)]
-    mine = per_expert[me * local:(me + 1) * local]  # from every source alike
+    send, mine = _even_split(flat.numel(), moe.n_experts, group, ranks)
     routed = tokens[token_of_pair]
     arrived = routed
     if ranks > 1:

@@ -50,9 +50,12 @@ class _CategoryPeaks:
     group_peaks: dict[str, int]
     groups: dict[str, str]
     comms: Any
+    window: Any
+    """The running action's meshlab.dry_run_compose.Window, shown what this sees."""
 
     def _start_peaks(self, groups: dict[str, str], comms: Any) -> None:
         self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
+        self.window = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -78,6 +81,8 @@ class _CategoryPeaks:
             for group, value in summed.items():
                 if value > self.group_peaks.get(group, 0):
                     self.group_peaks[group] = value
+        if self.window is not None:
+            self.window.see_update(self._curr_mem_snap)  # type: ignore[attr-defined]
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # torch's version also keeps every module's own peak, walking all of them after
@@ -87,6 +92,8 @@ class _CategoryPeaks:
             if self._peak_mem.get(device, 0) < total:  # type: ignore[attr-defined]
                 self._peak_mem[device] = total  # type: ignore[attr-defined]
                 self._peak_mem_snap[device] = dict(snapshot)  # type: ignore[attr-defined]
+        if self.window is not None:
+            self.window.see_op(self._curr_mem_snap)  # type: ignore[attr-defined]
 
     def snapshot(self) -> dict[str, int]:
         """torch's categories at the step's peak (all devices: a CPU rank has one)."""

@@ -334,3 +334,19 @@ def test_a_pipeline_without_micro_batches_gets_the_fewest_it_runs_and_says_so() 
     run = dryrun(TINY, "pp=2 dp_shard=2", workers=1)
     assert "microbatches=2" in run.planned, run.planned
     assert any(note.startswith("m not given: m=2") for note in run.notes), run.notes
+
+
+@pytest.mark.parametrize("shape, layout", [
+    (TINY, "pp=2 dp_shard=8 tp=2 schedule=interleaved_1f1b v=2 m=6"),
+    (MOE, "pp=2 dp_shard=8 ep=4 zero=2 schedule=gpipe m=5"),
+], ids=["interleaved-tp-bf16", "ep-gpipe"])
+def test_a_composed_pipeline_step_is_the_whole_step(shape: ModelShape, layout: str) -> None:
+    """A pipeline rank runs four micro-batches and composes the schedule's m from them
+    (meshlab.dry_run_compose): every byte of every category, peak and axis as when it runs
+    all m (a second micro-batch's backward, the first to add into gradients, differs from
+    the rest: three were not enough)."""
+    composed = dryrun(shape, layout, workers=1)
+    whole = dryrun(shape, layout, workers=1, compose=False)
+    for a, b in zip(composed.ranks, whole.ranks, strict=True):
+        assert (a.memory, a.peaks, a.raw) == (b.memory, b.peaks, b.raw), a.rank
+        assert a.collectives == b.collectives, a.rank
