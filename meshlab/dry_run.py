@@ -191,14 +191,24 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
              if schedule is not None and compose else None)
     if probe is not None:  # each rank runs a probe step and composes the schedule from it
         plan, rows = dataclasses.replace(plan, microbatches=probe), lay.micro_batch * probe
-    jobs = [dict(build=build, spec=spec, rank=r, role=role, plan=plan, init=init,
+
+    def stages(rank: int) -> list[int]:
+        return schedule.stages_of(rank // (spec.size // lay.pp)) if schedule else [0]
+
+    # ranks whose stages run the same programs share one probe (meshlab's Transformer,
+    # split evenly: a stage's program is its layer count and which ends it holds)
+    alike = (_alike(chosen, stages, spec, schedule.stages, shape) if probe is not None and shape
+             and family == "meshlab" and not plan.split_points else {r: [] for r in chosen})
+    jobs = [dict(build=build, spec=spec, rank=r, role=chosen[r], plan=plan, init=init,
                  layout=lay, rows=rows, compose_to=lay.microbatches if probe else None,
                  seq=seq, vocab=shape.vocab if shape else None,
                  hidden=shape.hidden if shape else None, usable=hw.usable_bytes if hw else None,
-                 stages=schedule.stages_of(r // (spec.size // lay.pp)) if schedule else [0])
-            for r, role in chosen.items()]
+                 stages=stages(r),
+                 alike=[dict(rank=o, role=chosen[o] + f" (composed from rank {r}'s probe)",
+                             stages=stages(o)) for o in others])
+            for r, others in alike.items()]
     try:
-        runs = _run_all(jobs, workers)
+        runs = sorted(_run_all(jobs, workers), key=lambda run: run.rank)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise ValueError(f"{name}'s step takes a shape from its tensors' values ({e}: e.g. a "
                          "router picking experts per token), and a dry run's fake tensors have "
@@ -228,12 +238,12 @@ def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
         workers = (os.cpu_count() or 1) if _can_send(jobs[0]["build"]) else 1
     workers = max(1, min(workers, len(jobs)))
     if workers == 1:
-        return [run_rank(**job) for job in jobs]
+        return [run for job in jobs for run in run_rank(**job)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_run_job, jobs))
+        return [run for runs in pool.map(_run_job, jobs) for run in runs]
 
 
 def _can_send(build: Any) -> bool:
@@ -253,7 +263,7 @@ def _can_send(build: Any) -> bool:
         return False  # a lambda or closure: it runs here
 
 
-def _run_job(job: dict[str, Any]) -> RankRun:
+def _run_job(job: dict[str, Any]) -> list[RankRun]:
     from meshlab.dry_run_step import run_rank
 
     return run_rank(**job)
@@ -288,6 +298,25 @@ def _schedule(layout: Layout) -> Any:
         return None
     return build(layout.schedule, ranks=layout.pp, microbatches=layout.microbatches,
                  virtual=layout.virtual)
+
+
+def _alike(chosen: dict[int, str], stages: Callable[[int], list[int]], spec: MeshSpec,
+           total: int, shape: ModelShape) -> dict[int, list[int]]:
+    """The chosen ranks grouped by the programs they run: the first of each group -> the
+    others. Alike: the same coordinates off the pp axis, and stages of the same layer counts
+    holding the same ends, in order."""
+    from meshlab.schedules.execute import stage_layers
+
+    def program(rank: int) -> tuple[Any, ...]:
+        where = {a: c for a, c in spec.coordinates_of(rank).items() if a != "pp"}
+        held = tuple((len(stage_layers(shape.layers, s, total)), s == 0, s == total - 1)
+                     for s in stages(rank))
+        return held, tuple(sorted(where.items()))
+
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for rank in chosen:
+        groups.setdefault(program(rank), []).append(rank)
+    return {ranks[0]: ranks[1:] for ranks in groups.values()}
 
 
 def _builds(layout: Layout, microbatches: int) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -67,10 +67,13 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
              plan: ParallelPlan, layout: Layout, *, init: Callable[[nn.Module], None] | None,
              rows: int, seq: int, vocab: int | None,
              hidden: int | None, usable: float | None, stages: list[int],
-             compose_to: int | None = None) -> RankRun:
+             compose_to: int | None = None, alike: Sequence[dict[str, Any]] = ()
+             ) -> list[RankRun]:
     """``rank``'s step of a ``spec.size``-rank world (see the module's docstring); with
     ``compose_to``, a pipeline's probe step (``plan``'s few micro-batches) composed into
-    the layout's schedule of that many (meshlab.dry_run_compose)."""
+    the layout's schedule of that many (meshlab.dry_run_compose), and into each of the
+    ``alike`` ranks' (rank, role, stages: stages that run the programs this rank's run, in
+    their order) too. This rank's RankRun first, then theirs."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -136,11 +139,35 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         dist.destroy_process_group()
         meshes.forget_built()
         _forget_meshes()
-    raw, peaks, records = tracker.snapshot(), dict(tracker.group_peaks), tracer.records
-    if recorder is not None and pipeline is not None:
-        step = composed_step(recorder, layout, pipeline.rank, compose_to)
-        raw, peaks, records = step.peak, step.group_peaks, step.records
-    if buckets:  # built with DDP, before the step: the tracker never saw them allocated
+    seconds = time.perf_counter() - started
+
+    def result(who: int, what: str, held_stages: list[int], step: Any) -> RankRun:
+        raw, peaks, records = ((tracker.snapshot(), dict(tracker.group_peaks), tracer.records)
+                               if step is None else (step.peak, step.group_peaks, step.records))
+        memory = by_category(raw, peaks, layout, buckets)
+        # the collectives are named by this rank's groups: an alike rank's axes are the same
+        return RankRun(rank=who, coordinates=spec.coordinates_of(who), role=what,
+                       stages=held_stages, params=held, memory=memory, peaks=peaks, raw=raw,
+                       collectives=traffic(records, spec, rank),
+                       fits=None if usable is None else memory["total"] <= usable,
+                       seconds=seconds if who == rank else 0.0)
+
+    if recorder is None or pipeline is None:
+        return [result(rank, role, stages, None)]
+    per_stage = spec.size // layout.pp
+    return [result(rank, role, stages, composed_step(recorder, layout, pipeline.rank,
+                                                      compose_to))] + [
+        result(other["rank"], other["role"], other["stages"],
+               composed_step(recorder, layout, other["rank"] // per_stage, compose_to,
+                             dict(zip(other["stages"], stages, strict=True))))
+        for other in alike]
+
+
+def by_category(raw: dict[str, int], peaks: dict[str, int], layout: Layout, buckets: int
+                ) -> dict[str, int]:
+    """The planner's categories at the step's peak from torch's tracker's (``raw``), DDP's
+    buckets (built before the step: the tracker never saw them allocated) added to both."""
+    if buckets:
         raw["DDP buckets"] = buckets
         raw["Total"] = raw.get("Total", 0) + buckets
         peaks["buffers"] = peaks.get("buffers", 0) + buckets
@@ -152,24 +179,22 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     # on a CPU rank the offloaded shards share the device's memory; the device's total is
     # what is left when they go to the host
     memory["total"] = raw.get("Total", 0) - memory.get("host", 0)
-    return RankRun(rank=rank, coordinates=spec.coordinates_of(rank), role=role, stages=stages,
-                   params=held, memory=memory, peaks=peaks,
-                   raw=raw, collectives=traffic(records, spec, rank),
-                   fits=None if usable is None else memory["total"] <= usable,
-                   seconds=time.perf_counter() - started)
+    return memory
 
 
-def composed_step(recorder: Recorder, layout: Layout, pp_rank: int, microbatches: Any
-                  ) -> Composed:
-    """The probe's windows composed into this rank's actions of the layout's schedule with
-    ``microbatches``."""
+def composed_step(recorder: Recorder, layout: Layout, pp_rank: int, microbatches: Any,
+                  stages: dict[int, int] | None = None) -> Composed:
+    """The probe's windows composed into pp rank ``pp_rank``'s actions of the layout's
+    schedule with ``microbatches``; ``stages`` maps its stages to the probe's."""
     from meshlab.schedules import build
     from meshlab.schedules.validate import lower
 
     schedule = build(layout.schedule, ranks=layout.pp, microbatches=microbatches,
                      virtual=layout.virtual)
-    return compose(recorder.kinds, recorder.before, recorder.after,
-                   lower(schedule)[pp_rank], microbatches)
+    actions = lower(schedule)[pp_rank]
+    if stages:
+        actions = [a._replace(stage=stages[a.stage]) for a in actions]
+    return compose(recorder.kinds, recorder.before, recorder.after, actions, microbatches)
 
 
 def _forget_meshes() -> None:

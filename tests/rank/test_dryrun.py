@@ -350,3 +350,15 @@ def test_a_composed_pipeline_step_is_the_whole_step(shape: ModelShape, layout: s
     for a, b in zip(composed.ranks, whole.ranks, strict=True):
         assert (a.memory, a.peaks, a.raw) == (b.memory, b.peaks, b.raw), a.rank
         assert a.collectives == b.collectives, a.rank
+
+
+def test_ranks_whose_stages_run_the_same_programs_share_one_probe() -> None:
+    """pp ranks 1 and 2 of four hold a middle stage each, of the same layers: rank 2's step
+    is composed from rank 1's probe, as its own probe gives it."""
+    layout = "pp=4 dp_shard=2 m=5 precision=fp32"
+    run = dryrun(TINY, layout, workers=1)
+    shared = run.ranks[2]
+    assert "(composed from rank 2's probe)" in shared.role and shared.seconds == 0
+    [own] = dryrun(TINY, layout, workers=1, ranks=[shared.rank]).ranks
+    assert (shared.memory, shared.peaks, shared.raw) == (own.memory, own.peaks, own.raw)
+    assert shared.collectives == own.collectives
