@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from meshlab.dry_run_compose import probe_microbatches
+from meshlab.dry_run_compose import probe_schedule
 from meshlab.dry_run_plan import (
     describe,
     model_factory,
@@ -187,10 +187,12 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
             raise ValueError(f"rank {r} is not in the {spec.size} ranks of {spec}: choose "
                              f"ranks in 0..{spec.size - 1}")
     schedule = _schedule(lay)
-    probe = (probe_microbatches(lay.microbatches, partial(_builds, lay))
+    probe = (probe_schedule(lay.schedule, lay.microbatches, schedule.stages == lay.pp,
+                            partial(_builds, lay))
              if schedule is not None and compose else None)
     if probe is not None:  # each rank runs a probe step and composes the schedule from it
-        plan, rows = dataclasses.replace(plan, microbatches=probe), lay.micro_batch * probe
+        plan = dataclasses.replace(plan, pipeline_schedule=probe[0], microbatches=probe[1])
+        rows = lay.micro_batch * probe[1]
 
     def stages(rank: int) -> list[int]:
         return schedule.stages_of(rank // (spec.size // lay.pp)) if schedule else [0]
@@ -319,12 +321,14 @@ def _alike(chosen: dict[int, str], stages: Callable[[int], list[int]], spec: Mes
     return {ranks[0]: ranks[1:] for ranks in groups.values()}
 
 
-def _builds(layout: Layout, microbatches: int) -> bool:
-    """Whether ``layout``'s schedule takes that many micro-batches."""
+def _builds(layout: Layout, schedule: str, microbatches: int) -> bool:
+    """Whether ``schedule`` takes that many micro-batches on ``layout``'s pp ranks."""
     from meshlab.schedules import ScheduleError
 
     try:
-        _schedule(dataclasses.replace(layout, microbatches=microbatches))
+        _schedule(dataclasses.replace(layout, schedule=schedule, microbatches=microbatches,
+                                      virtual=layout.virtual if schedule == layout.schedule
+                                      else 1))
     except (ScheduleError, ValueError):
         return False
     return True

@@ -5,8 +5,8 @@ the forward of micro-batch 2 did, and its backward frees it again. What differs 
 first of each (FSDP gathers a stage's parameters, the gradients are allocated), the second
 (the first to add into them) and the last (gradients reduced), and the order a schedule
 interleaves them in, which decides how many are in flight. So a rank runs a probe step of a
-few micro-batches (``probe_microbatches``: the fewest that hold a first, a second, a middle
-and a last one) under the memory tracker, which records each action's memory (``Window``:
+few micro-batches (``probe_schedule``: the fewest that hold a first, a second, a middle and
+a last one) under the memory tracker, which records each action's memory (``Window``:
 where it started, its own peak, where it ended, by category) and its collectives;
 ``compose`` then walks the real schedule's actions for this rank, each taking the memory
 and collectives its kind took in the probe. The peak, each category's peak and the bytes
@@ -22,18 +22,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+TOTAL = "Total"  # torch's tracker's key for a device's total
+
 PROBE_LEAST = 4
 """A first, a second, a middle and a last micro-batch: the second differs from the rest
 too (its backward is the first to add into gradients that are there)."""
 
 
-def probe_microbatches(microbatches: int, builds: Callable[[int], bool]) -> int | None:
-    """The fewest micro-batches (at least ``PROBE_LEAST``) a schedule ``builds`` with, when
-    fewer than ``microbatches``; None when the step is as short already."""
-    for m in range(PROBE_LEAST, microbatches):
-        if builds(m):
-            return m
-    return None
+def probe_schedule(schedule: str, microbatches: int, one_stage_each: bool,
+                   builds: Callable[[str, int], bool]) -> tuple[str, int] | None:
+    """The probe step: the fewest micro-batches (at least ``PROBE_LEAST``) the schedule
+    ``builds`` with, when fewer than ``microbatches``, or GPipe with ``PROBE_LEAST`` where
+    each rank holds one stage and the schedule needs more (1F1B takes no fewer than the pp
+    ranks: an action's memory is its own, whatever order the schedule runs them in); None
+    when the step is as short already."""
+    own = next((m for m in range(PROBE_LEAST, microbatches) if builds(schedule, m)), None)
+    if own is not None and (own == PROBE_LEAST or not one_stage_each):
+        return schedule, own
+    if one_stage_each and microbatches > PROBE_LEAST and builds("gpipe", PROBE_LEAST):
+        return "gpipe", PROBE_LEAST
+    return (schedule, own) if own is not None else None
 
 
 def phase(microbatch: int, microbatches: int) -> str:
@@ -72,17 +80,21 @@ class Window:
         self.group_top = grouped(self.start, self.groups)
 
     def see_update(self, snapshot: dict[Any, dict[Any, int]]) -> None:
-        for group, value in grouped(flat(snapshot), self.groups).items():
+        summed: dict[str, int] = {}
+        for per_device in snapshot.values():
+            for key, value in per_device.items():
+                group = self.groups.get(getattr(key, "value", key))
+                if group is not None:
+                    summed[group] = summed.get(group, 0) + value
+        for group, value in summed.items():
             if value > self.group_top.get(group, 0):
                 self.group_top[group] = value
 
     def see_op(self, snapshot: dict[Any, dict[Any, int]]) -> None:
-        now = flat(snapshot)
-        if now.get(TOTAL, 0) > self.top.get(TOTAL, 0):
-            self.top = now
-
-
-TOTAL = "Total"
+        # the categories only when the total is a new peak (an op is a few thousand)
+        total = sum(per_device.get(TOTAL, 0) for per_device in snapshot.values())
+        if total > self.top.get(TOTAL, 0):
+            self.top = flat(snapshot)
 
 
 def grouped(categories: dict[str, int], groups: dict[str, str]) -> dict[str, int]:
