@@ -5,7 +5,9 @@ the model (on the meta device), parallelizes it with meshlab's ``parallelize`` o
 fake mode, materializes it as fake tensors, and runs one step: forward, backward (the
 pipeline's schedule where ``parallelize`` split stages) and the optimizer, under torch's
 memory tracker and meshlab's CommTracer. The optimizer's states exist before the step, as in
-every step after the first; the pipeline's metadata handshake runs before it too.
+every step after the first; the pipeline's metadata handshake runs before it too. A pipeline
+rank runs a probe step of a few micro-batches and composes the schedule's from it, for
+itself and for the ranks whose stages run the same programs (meshlab.dry_run_compose).
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         _forget_meshes()
     seconds = time.perf_counter() - started
 
-    def result(who: int, what: str, held_stages: list[int], step: Any) -> RankRun:
+    def result(who: int, what: str, held_stages: list[int], step: Composed | None
+               ) -> RankRun:
         raw, peaks, records = ((tracker.snapshot(), dict(tracker.group_peaks), tracer.records)
                                if step is None else (step.peak, step.group_peaks, step.records))
         memory = by_category(raw, peaks, layout, buckets)

@@ -67,7 +67,7 @@ class Differences:
             self.pad_layer = padding.gathered(layer, n) / padding.elements(layer)
             self.pad_root = (padding.gathered(ends, n) / padding.elements(ends) if ends
                              else 1.0)
-            self.pad_stage = self.pad_shard * n * (whole / n) / whole
+            self.pad_stage = self.pad_shard  # n padded shards gathered: the stage, padded
 
     # -- bytes per axis -------------------------------------------------------------------
 
@@ -300,18 +300,11 @@ class Differences:
         return out
 
     def weights(self) -> list[int]:
-        """The elements of each parameter tensor this rank's model holds (tp-split), in the
-        order of a Llama-style model (meshlab's or transformers')."""
+        """The elements of each parameter tensor this rank's model holds (tp-split)."""
         m, t = self.model, self.layout.tp
-        q, kv = m.heads * m.head_width, m.n_kv_heads * m.head_width
-        layer = [m.hidden * q // t, m.hidden * kv // t, m.hidden * kv // t, q * m.hidden // t,
-                 m.hidden, m.hidden]
-        layer += ([m.hidden * m.ffn // t] * (3 if m.gated_ffn else 2) if not m.experts else
-                  [m.hidden * m.experts] + [m.experts * m.hidden * m.ffn // t] * 3)
-        ends = ([m.vocab * m.hidden // t] if self.first else []) + (
-            [m.hidden] + ([] if m.tied_embeddings and self.first else
-                          [m.vocab * m.hidden // t]) if self.last else [])
-        return ends + layer * self.layers
+        layer = padding.layer_tensors(m, t)
+        ends = padding.root_tensors(m, t, first=self.first, last=self.last)
+        return [rows * row for rows, row in ends + layer * self.layers]
 
     def buffer_terms(self, planner: float) -> list[tuple[str, float]]:
         lay, dt = self.layout, self.dt

@@ -228,9 +228,11 @@ SLOW_NETWORK = dataclasses.replace(HARDWARE["h100-sxm"], name="h100, 100 Gb/s pe
 
 
 def test_diloco_changes_the_best_layout_on_a_slow_network() -> None:
-    every = plan("llama3-8b", gpus=1024, hardware_profile=SLOW_NETWORK, top=1).best
+    # one sequence per GPU: the batch at which DiLoCo's replicas can be plain HSDP
+    every = plan("llama3-8b", gpus=1024, hardware_profile=SLOW_NETWORK, top=1,
+                 global_batch=1024).best
     diloco = plan("llama3-8b", gpus=1024, hardware_profile=SLOW_NETWORK, top=1,
-                  constraints="replica_sync=diloco sync_every=100").best
+                  global_batch=1024, constraints="replica_sync=diloco sync_every=100").best
     # every step: the gradients' trip across nodes dominates, and the search hides it behind
     # a pipeline and TP; with DiLoCo the replicas meet every 100 steps, and plain HSDP wins
     assert every.layout.pp > 1 and every.layout.tp > 1
