@@ -79,13 +79,8 @@ class Window:
         self.top = dict(self.start)
         self.group_top = grouped(self.start, self.groups)
 
-    def see_update(self, snapshot: dict[Any, dict[Any, int]]) -> None:
-        summed: dict[str, int] = {}
-        for per_device in snapshot.values():
-            for key, value in per_device.items():
-                group = self.groups.get(getattr(key, "value", key))
-                if group is not None:
-                    summed[group] = summed.get(group, 0) + value
+    def see_groups(self, summed: dict[str, int]) -> None:
+        """The groups' values now (the tracker sums them on every update)."""
         for group, value in summed.items():
             if value > self.group_top.get(group, 0):
                 self.group_top[group] = value

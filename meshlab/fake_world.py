@@ -81,8 +81,8 @@ class _CategoryPeaks:
             for group, value in summed.items():
                 if value > self.group_peaks.get(group, 0):
                     self.group_peaks[group] = value
-        if self.window is not None:
-            self.window.see_update(self._curr_mem_snap)  # type: ignore[attr-defined]
+            if self.window is not None:  # the running action's own group peaks
+                self.window.see_groups(summed)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         # torch's version also keeps every module's own peak, walking all of them after
@@ -97,12 +97,9 @@ class _CategoryPeaks:
 
     def snapshot(self) -> dict[str, int]:
         """torch's categories at the step's peak (all devices: a CPU rank has one)."""
-        out: dict[str, int] = {}
-        for snapshot in self.get_tracker_snapshot("peak").values():  # type: ignore[attr-defined]
-            for key, value in snapshot.items():
-                name = getattr(key, "value", key)
-                out[name] = out.get(name, 0) + value
-        return out
+        from meshlab.dry_run_compose import flat
+
+        return flat(self.get_tracker_snapshot("peak"))  # type: ignore[attr-defined]
 
 
 class _FSDPRoots(FSDPModule, nn.ModuleList):
