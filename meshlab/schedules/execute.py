@@ -194,7 +194,9 @@ class Executor:
         elif a.kind == "F":
             if not stage.is_first and not previous_here:
                 self._wait(("F", a.stage, m))
-            output = stage.forward_one_chunk(m, self.args[m], {})
+            # the loss is taken here: torch need not keep each micro-batch's output (the
+            # last stage's logits) to merge at the end
+            output = stage.forward_one_chunk(m, self.args[m], {}, save_forward_output=False)
             runtime._maybe_compute_loss(stage, output, self.targets, m)
             if next_here:  # adjacent stages on one rank (V shape) hand over in memory
                 self.stages[a.stage + 1].set_local_fwd_input(output, m)
