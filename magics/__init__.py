@@ -245,7 +245,8 @@ class MeshMagics(Magics):
                  for option, name in (("plan", args.plan), ("init", args.init)) if name}
         dry = self.session.dryrun(
             self.shell.user_ns.get(args.model, args.model), commands.unquote(args.layout) or "",
-            hardware=args.hardware, ranks=args.ranks, batch=args.batch, seq=args.seq, **named)
+            hardware=args.hardware, ranks=args.ranks, batch=args.batch, seq=args.seq,
+            kernels=args.kernels, **named)
         display(*dryrun_views(dry, args.hardware))
         if args.output:
             self.shell.user_ns[args.output] = dry

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
     from meshlab.parallel import ParallelPlan
 
+KERNELS = ("fused", "eager")
+"""Whose activation memory a dry run holds (``dryrun(kernels=)``)."""
+
 __all__ = ["DryRun", "RankRun", "Traffic", "dryrun", "plan_for", "planner_beside",
            "representative_ranks", "shape_of"]
 
@@ -112,6 +115,9 @@ class DryRun:
     ranks: list[RankRun]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    kernels: str = "fused"
+    """Whose memory the activations are: "fused" kernels' (meshlab.fused_memory) or the
+    code's op by op ("eager")."""
 
 
 def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
@@ -119,7 +125,7 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
            batch: int | None = None, seq: int | None = None,
            hardware: Hardware | str | None = None, ranks: Sequence[int] | None = None,
            world_size: int | None = None, workers: int | None = None,
-           compose: bool = True) -> DryRun:
+           compose: bool = True, kernels: str = "fused") -> DryRun:
     """One training step of ``model`` (a factory called under ``torch.device("meta")``, a
     ``ModelShape`` or a planner preset name, built as meshlab's Transformer) on ``layout``
     (``"pp=4 dp_shard=32 tp=8 m=8"``: mesh degrees and planner keys), on each of ``ranks``
@@ -132,7 +138,10 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     run the ranks side by side (default: one per CPU when a factory can be sent to them;
     1 runs them here, one after another). ``compose``: a pipeline rank runs a probe step
     of a few micro-batches and composes the layout's schedule from it (the same figures,
-    meshlab.dry_run_compose); False runs every micro-batch."""
+    meshlab.dry_run_compose); False runs every micro-batch. ``kernels``: "fused" holds the
+    activations fused kernels keep on a GPU (FlashAttention with grouped keys, fused norms
+    and SwiGLU, torch.compile's blocks: meshlab.fused_memory), "eager" what the code keeps
+    run op by op."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -145,6 +154,9 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                          "starts its own fake one per rank; run it in a fresh process (a "
                          "notebook kernel or script without %mesh init), or call "
                          "torch.distributed.destroy_process_group() first")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: give one of {', '.join(KERNELS)} (fused: what "
+                         "fused GPU kernels keep for the backward; eager: the code op by op)")
     started = time.perf_counter()
     lay = Layout.parse(layout)
     spec = lay.mesh_spec
@@ -205,7 +217,7 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                  layout=lay, rows=rows, compose_to=lay.microbatches if probe else None,
                  seq=seq, vocab=shape.vocab if shape else None,
                  hidden=shape.hidden if shape else None, usable=hw.usable_bytes if hw else None,
-                 stages=stages(r),
+                 stages=stages(r), kernels=kernels,
                  alike=[dict(rank=o, role=chosen[o] + f" (composed from rank {r}'s probe)",
                              stages=stages(o)) for o in others])
             for r, others in alike.items()]
@@ -226,7 +238,7 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                   family=family, shape=dataclasses.asdict(shape) if shape else None,
                   batch=rows, seq=seq, stages=schedule.stages if schedule else 1,
                   hardware=hw.name if hw else None, ranks=runs,
-                  seconds=time.perf_counter() - started, notes=notes)
+                  seconds=time.perf_counter() - started, notes=notes, kernels=kernels)
 
 
 def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:

@@ -12,6 +12,7 @@ itself and for the ranks whose stages run the same programs (meshlab.dry_run_com
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 import warnings
@@ -30,9 +31,11 @@ from meshlab.dry_run_compose import Composed, Recorder, compose
 from meshlab.fake_routing import balanced_routing, values_known
 from meshlab.fake_world import (
     ddp_without_peers,
+    dtensor_inference_untracked,
     step_tracker,
     without_peers,
 )
+from meshlab.fused_memory import fused_memory
 from meshlab.mesh import MeshSpec
 from meshlab.plan.layout import Layout
 
@@ -69,8 +72,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
              plan: ParallelPlan, layout: Layout, *, init: Callable[[nn.Module], None] | None,
              rows: int, seq: int, vocab: int | None,
              hidden: int | None, usable: float | None, stages: list[int],
-             compose_to: int | None = None, alike: Sequence[dict[str, Any]] = ()
-             ) -> list[RankRun]:
+             compose_to: int | None = None, alike: Sequence[dict[str, Any]] = (),
+             kernels: str = "fused") -> list[RankRun]:
     """``rank``'s step of a ``spec.size``-rank world (see the module's docstring); with
     ``compose_to``, a pipeline's probe step (``plan``'s few micro-batches) composed into
     the layout's schedule of that many (meshlab.dry_run_compose), and into each of the
@@ -121,11 +124,12 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
                 pipeline.begin(x, y)  # the pipeline's handshake: the first step's, not this
             tracker = step_tracker(roots, optimizer, groups(layout), comms=tracer)
             recorder = None
-            with tracker:
+            with tracker, dtensor_inference_untracked():
                 if compose_to is not None and pipeline is not None:
                     recorder = Recorder(tracker, tracer, plan.microbatches)
                     pipeline._perform = recorder.wrap(pipeline._perform)
-                _forward_backward(model, pipeline, plan, x, y, own)
+                with fused_memory() if kernels == "fused" else contextlib.nullcontext():
+                    _forward_backward(model, pipeline, plan, x, y, own)
                 optimizer.step()
                 optimizer.zero_grad()
             if recorder is not None:

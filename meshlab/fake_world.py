@@ -35,8 +35,41 @@ if not torch.cuda.is_available():
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+class _Propagating:
+    """Whether DTensor is inferring an op's output shape: it runs the op on fake tensors of
+    the global shape (under the dry run's own fake mode, where torch's tracker would count
+    them: a whole-vocabulary embedding gradient on every tp rank)."""
+
+    depth = 0
+
+
+_propagating = _Propagating()
+
+
+@contextlib.contextmanager
+def dtensor_inference_untracked() -> Iterator[None]:
+    """Within: DTensor's output-shape inference is not counted (see ``_Propagating``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    infer = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _propagating.depth += 1
+        try:
+            return infer(self, *args, **kwargs)
+        finally:
+            _propagating.depth -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = infer  # type: ignore[method-assign]
 
 
 class _CategoryPeaks:
@@ -59,6 +92,8 @@ class _CategoryPeaks:
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
+        if _propagating.depth:  # DTensor's shape inference: no device memory in a real run
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)  # type: ignore[misc]
         if self.comms is not None:  # the collectives too: a second mode costs a sixth
             self.comms.observe(func, args, kwargs)
@@ -138,7 +173,11 @@ class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
         inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig)
 
         def labelled(*args: Any, **kwargs: Any) -> Any:
-            out = inner(*args, **kwargs)
+            self._accumulating = True
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self._accumulating = False
             # without gradient sync (a pipeline's micro-batches) and with mixed precision,
             # FSDP2 accumulates the unsharded gradients in the reduce dtype, beside .grad,
             # where torch's tracker does not look: they are unsharded gradients all the same
@@ -150,6 +189,13 @@ class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
             return out
 
         return labelled
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        # what FSDP2's post-backward allocates is gradients (the fp32 accumulators, the
+        # reduce-scatter's input), not a temporary of the model's backward
+        if reftype == _FSDPRefType.TEMP and getattr(self, "_accumulating", False):
+            reftype = _FSDPRefType.UNSHARDED_GRAD
+        super()._track(reftype, t)
 
 
 class StepTracker(_CategoryPeaks, MemTracker):
@@ -163,6 +209,36 @@ class StepTracker(_CategoryPeaks, MemTracker):
         inner = getattr(optimizer, "optim", None)
         wrapped = [inner] if isinstance(inner, torch.optim.Optimizer) else []
         self.track_external(*modules, optimizer, *wrapped)
+        self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        self._grad_hooks: list[Any] = []
+
+    def __enter__(self) -> StepTracker:
+        super().__enter__()
+        # a gradient is a gradient once autograd has put it in .grad (torch's tracker calls
+        # it a temporary until the step ends, an activation at the backward's peak)
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._is_gradient)
+                            for p in self._params]
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for hook in self._grad_hooks:
+            hook.remove()
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if (func._schema.is_mutable and args and type(args[0]) is not DTensor
+                and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage() not in self._WINFO):
+            # written in place, allocated before the step (DDP's buckets, which
+            # ddp_without_peers counts): not a temporary of the backward
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _is_gradient(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD,
+                                                 update_existing=True)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         # torch's tracker refuses a root's second forward (it takes it for a second step);

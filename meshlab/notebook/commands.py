@@ -306,6 +306,9 @@ def plan(line: str) -> None:
 @argument("--plan", metavar="NAME", help="a notebook variable holding a ParallelPlan: its "
           "model options (tp_plan, blocks, split_points) as parallelize takes them; the "
           "layout decides the rest")
+@argument("--kernels", choices=("fused", "eager"), default="fused",
+          help="whose activations: fused GPU kernels' (FlashAttention, fused norms and SwiGLU; "
+               "the default) or the code's op by op (eager)")
 @argument("--init", metavar="NAME", help="a notebook function init(module), as "
           "parallelize(..., init=) takes it (a dry run fills nothing: a module without "
           "reset_parameters() needs none)")
