@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from meshlab.mesh import AXES
 from meshlab.plan import fsdp_padding as padding
+from meshlab.plan.activation_differences import activation_terms
 from meshlab.plan.context_formulas import HEAD_SPLIT_CP
 from meshlab.plan.estimate import Estimate
 from meshlab.plan.layout import Layout
@@ -22,10 +23,9 @@ if TYPE_CHECKING:
 
 
 DDP_BUCKETS = 2.0 * DDP_BUCKET_BYTES
-NOT_COMPARED = ("the model's own ops keep more than Korthikanti's count of a fused "
-                "implementation (norms in fp32, RoPE's copies, GQA's repeated keys and values, "
-                "SwiGLU's separate activation) and the backward's temporaries add to it: the "
-                "planner's figure is a fused kernel's floor")
+NOT_COMPARED = ("run with kernels='eager', the model's own ops keep more than Korthikanti's "
+                "count of fused kernels (norms' fp32 copies, GQA's repeated keys and values, "
+                "SwiGLU's separate activation): compared with kernels='fused' (the default)")
 
 
 class Differences:
@@ -226,7 +226,9 @@ class Differences:
         if lay.offload_params and name in ("params", "grads", "optimizer"):
             return out
         share = self.params / sum(self.stage.params)
-        if name in ("params", "grads", "optimizer", "host") and abs(share - 1) > 1e-9:
+        # FSDP2 keeping a stage gathered (a pipeline): its buffers go with the parameters
+        held = name == "buffers" and self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept
+        if (name in ("params", "grads", "optimizer", "host") or held) and abs(share - 1) > 1e-9:
             out.append(("this rank's stage holds its own share of the parameters, the "
                         "planner's busiest stage more", planner * (share - 1)))
             planner *= share
@@ -276,6 +278,8 @@ class Differences:
             out += self.plain_grad_terms()
         if name == "buffers":
             out += self.buffer_terms(planner)
+        if name == "activations" and self.dry.kernels == "fused":
+            out += activation_terms(self, planner)
         return out
 
     def plain_grad_terms(self) -> list[tuple[str, float]]:

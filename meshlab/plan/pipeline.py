@@ -56,3 +56,13 @@ def _simulate(schedule: str, pp: int, microbatches: int, virtual: int, backward:
     timeline = simulate(built, Costs(forward=1.0, backward=backward, comm=comm),
                         validated=True)
     return timeline.makespan, float(timeline.peak_inflight(0))
+
+
+@lru_cache(maxsize=256)
+def inflight_of(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> int:
+    """Most micro-batch chunks pipeline rank ``rank`` holds activations for at once."""
+    if pp == 1:
+        return 1
+    built = build(schedule, ranks=pp, microbatches=microbatches,
+                  virtual=stages_per_rank(schedule, virtual))
+    return simulate(built, Costs(forward=1.0, backward=2.0), validated=True).peak_inflight(rank)

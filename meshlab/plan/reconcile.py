@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from meshlab.plan.activation_differences import not_reconciled
 from meshlab.plan.differences import NOT_COMPARED, Differences, axis_name, signed
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 MEMORY = ("params", "grads", "optimizer", "activations", "buffers", "total", "host")
 RECEIVED = ("recv",)
+TOTAL = ("the step's peak, where each category is what it is then; explained: the "
+         "categories' explained figures summed, which peak at different moments (an upper "
+         "bound; each category is compared above)")
 """Ops whose bytes are another rank's send (a pipeline hop counts once, at its sender)."""
 
 
@@ -87,10 +91,14 @@ def planner_beside(dry: DryRun, hardware: Hardware | None = None) -> list[Row]:
         known = Differences(dry, est, run)
         memory = {name: run.peaks.get(name, 0) for name in MEMORY}
         memory["total"] = run.memory["total"]
+        explained = 0.0
         for name in MEMORY:
             if name == "host" and not memory[name] and not est.memory[name]:
                 continue
-            rows.append(_row(known, "memory", name, memory[name], est.memory[name]))
+            row = _row(known, "memory", name, memory[name], est.memory[name], explained)
+            if name not in ("total", "host"):
+                explained += row.explained - row.planner
+            rows.append(row)
         sent = dry_bytes(run)
         for axis in sorted(set(sent) | set(planned)):
             rows.append(_row(known, "bytes", axis, sent.get(axis, 0), planned.get(axis, 0.0)))
@@ -118,16 +126,24 @@ def planner_bytes(est: Estimate) -> dict[str, float]:
     return out
 
 
-def _row(known: Differences, what: str, name: str, dry_run: int, planner: float) -> Row:
-    """One figure beside the planner's, with the known differences applied."""
+def _row(known: Differences, what: str, name: str, dry_run: int, planner: float,
+         categories: float = 0.0) -> Row:
+    """One figure beside the planner's, with the known differences applied (for the
+    total, ``categories``: the categories' differences, summed)."""
+    if what == "memory" and name == "total":
+        return Row(rank=known.run.rank, what=what, name=name, dry_run=dry_run,
+                   planner=planner, explained=planner + categories, comparable=False,
+                   difference=TOTAL if known.dry.kernels == "fused" else
+                   "the step's peak, activations included (see activations)")
     terms = (known.bytes_terms(name, planner) if what == "bytes"
              else known.memory_terms(name, planner))
-    comparable = not (what == "memory" and name in ("activations", "total"))
-    if not comparable:
-        terms = [(NOT_COMPARED if name == "activations" else
-                  "the step's peak, activations included (see activations)", 0.0)]
+    why = ""
+    if what == "memory" and name == "activations":
+        why = NOT_COMPARED if known.dry.kernels != "fused" else not_reconciled(known)
+    if why:
+        terms = [(why, 0.0)]
     return Row(rank=known.run.rank, what=what, name=name, dry_run=dry_run, planner=planner,
                explained=planner + sum(b for _, b in terms),
                difference="; ".join(f"{t} ({signed(b)})" if b else t
                                     for t, b in terms),
-               comparable=comparable)
+               comparable=not why)

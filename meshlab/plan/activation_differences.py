@@ -1,0 +1,125 @@
+"""What the planner's activations (Korthikanti's count) and a dry run's with fused kernels
+(meshlab.fused_memory) count differently, each with its bytes, for one rank: the known
+differences meshlab.plan.reconcile applies to the activations row. Each is a fact of the
+schedule or of torch's implementation, computed from the model's shape and the layout.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshlab.plan.pipeline import inflight_of
+
+if TYPE_CHECKING:
+    from meshlab.plan.differences import Differences
+
+
+def not_reconciled(known: Differences) -> str:
+    """Why the activations row of ``known``'s rank is not compared ("" where it is): the
+    layouts whose activations these terms do not yet account for."""
+    lay, m = known.layout, known.model
+    if m.experts:
+        return ("not compared for MoE layers: the router's scores, the tokens dispatched to "
+                "each expert and the exchange's buffers are not yet reconciled")
+    if lay.cp > 1:
+        return ("not compared under context parallelism: the ring's and the gathered keys' "
+                "and values' buffers are not yet reconciled")
+    if lay.recompute != "none" or lay.offload_activations:
+        return ("not compared with recomputation or offloaded activations: the recomputed "
+                "layer's working set is not yet reconciled")
+    return ""
+
+
+def activation_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
+    """The activations row's differences for ``known``'s rank: what it holds at its peak
+    (the micro-batches in flight on its stages, with what torch keeps beside Korthikanti's
+    count), and the one transient the peak falls in (the loss's backward on the last stage,
+    the embedding's gradient on the first, else the MLP's backward)."""
+    lay, m, stage, dt = known.layout, known.model, known.stage, known.dt
+    logits = 8 * stage.tokens * m.vocab / lay.tp  # the planner's, fp32 and their gradient
+    chunk = stage.layers / lay.stages_per_rank
+    pp_rank = known.run.coordinates.get("pp", 0)
+    busiest = inflight_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual, 0)
+    inflight = inflight_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual, pp_rank)
+    layers = known.layers / len(known.run.stages)  # a chunk of this rank's
+    out: list[tuple[str, float]] = []
+    per_layer = (planner - logits) / (chunk * busiest)  # one layer, one micro-batch
+    if (layers, inflight, known.last) != (chunk, busiest, True):
+        mine = per_layer * layers * inflight + logits * known.last
+        out.append((f"this rank holds {inflight} micro-batches of {layers:g} layers"
+                    + (" and the logits" if known.last else "")
+                    + f"; the planner's busiest stage {busiest} of {chunk:g} and the logits",
+                    mine - planner))
+    if lay.recompute != "none":
+        return out
+    tokens = lay.micro_batch * m.seq_len / lay.cp  # a tp rank's, gathered
+    sp = lay.tp > 1 and lay.sequence_parallel
+    act = dt.activations
+    split = lay.tp if sp and known.dry.family == "meshlab" else 1  # the stream between stages
+    received = receive_buffers(known, tokens * m.hidden * act / split)
+    if received:
+        out.append(("torch's pipeline stage allocates a buffer per micro-batch for what it "
+                    "receives: the stage's input, and its output's gradient", received))
+    kept = []  # beside Korthikanti's count, per layer and micro-batch
+    if sp and known.dry.family == "meshlab":
+        kept.append(("torch's sequence parallelism keeps the gathered inputs of the "
+                     "attention's and the MLP's first projections (Megatron re-gathers them "
+                     "in the backward): 4h bytes a token, not 4h/tp",
+                     2 * m.hidden * tokens * act * (1 - 1 / lay.tp)))
+    kept.append(("FlashAttention's log-sum-exp, fp32 per query head and token",
+                 4.0 * m.heads / lay.tp * tokens))
+    kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",
+                 2 * 4.0 * tokens / (lay.tp if sp else 1)))
+    out += [(what, b * layers * inflight) for what, b in kept]
+    ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
+    mlp = mlp_backward_bytes(known, tokens, ffn)
+    # the last stage's peak: the loss's backward, over before the MLP's begins
+    logit = 12 + (act if lay.pp > 1 else 0)  # a pipeline stage keeps its output too
+    loss = tokens * m.vocab * logit if known.last else 0.0  # tp gathers them whole
+    # the first stage's: the embedding's gradient (FSDP holds it until its post-backward;
+    # torch hands a tp-split one the whole vocabulary), its micro-batch's layers freed
+    one = (per_layer + sum(b for _, b in kept)) * layers
+    embedding = m.vocab * m.hidden * dt.grads - one if known.first and known.fsdp else 0.0
+    peak = max(mlp, loss, embedding)
+    if peak == loss:
+        out.append((f"the loss's backward on {'the gathered ' if lay.tp > 1 else ''}logits: "
+                    "their fp32 log-probabilities, its gradient and theirs"
+                    + (", and the logits the stage keeps" if lay.pp > 1 else "")
+                    + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
+                    loss - logits))
+    elif peak == embedding:
+        out.append(("the embedding's gradient at the whole vocabulary, before FSDP takes it, "
+                    "its micro-batch's layers freed", embedding - logits * known.last))
+    else:
+        out.append(("the backward at its peak, in the MLP: the gradients it makes before it "
+                    "frees what it read (mlp_backward_bytes)", mlp - logits * known.last))
+    return out
+
+
+def mlp_backward_bytes(known: Differences, tokens: float, ffn: float) -> float:
+    """The most the MLP's backward holds at once beyond what the forward saved, op by op:
+    after the down projection and the product's backward (its weight's gradient, the
+    product's, the activation recomputed, the gate's and the up projection's), or at the
+    end (every weight's gradient, the input's gradient from each first projection, the
+    gate's). Weight gradients count where FSDP holds them until its post-backward (torch's
+    tracker calls them temporaries until then); elsewhere they are in .grad at once."""
+    m, dt = known.model, known.dt
+    h, f, t, act = m.hidden, ffn, tokens, dt.activations
+    weights = dt.grads if known.fsdp else 0.0
+    if m.gated_ffn:
+        product = h * f * weights + 4 * t * f * act
+        end = 3 * h * f * weights + (2 * t * h + t * f) * act
+    else:
+        product = h * f * weights + 2 * t * f * act
+        end = 2 * h * f * weights + (t * h + t * f) * act
+    return max(product, end)
+
+
+def receive_buffers(known: Differences, boundary: float) -> float:
+    """Bytes of the buffers torch's pipeline stages on this rank receive into: one per
+    micro-batch for each stage's input (unless the stage before is on this rank) and for
+    its output's gradient (unless the stage after is); ``boundary``: one of them."""
+    stages, last = known.run.stages, known.dry.stages - 1
+    ends = sum((s > 0 and s - 1 not in stages) + (s < last and s + 1 not in stages)
+               for s in stages)
+    return ends * known.layout.microbatches * boundary
