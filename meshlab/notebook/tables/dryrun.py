@@ -92,7 +92,7 @@ def _beside(rows: list[Row], what: str, name: str, caption: str) -> Table:
     shown = in_byte_unit(frame, ["dry run", "planner", "planner, differences applied"])
     return Table(shown.frame, caption=caption, formats={**shown.formats, "left over": _percent},
                  note="left over: the planner with the differences applied, against the dry "
-                      "run (blank where the dry run cannot run what the planner counts)")
+                      "run (blank where a row is not compared: it says why)")
 
 
 def _percent(value: Any) -> str:
