@@ -198,18 +198,19 @@ def _transformer(cfg: Any) -> nn.Module:
 
 def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
     """The planner's shape of a meshlab Transformer or a transformers decoder (from its
-    config); None for a model whose shape it cannot read."""
+    config), or of a hand-written one (from its modules: meshlab.shape_from_modules); None
+    for a model whose shape it cannot read."""
     from torch.nn import LayerNorm  # the model is a torch module: torch is loaded
 
     cfg = getattr(model, "cfg", None)
     if cfg is not None and hasattr(cfg, "n_layers"):
         return ModelShape.from_config(cfg, seq_len=seq, name=type(model).__name__)
     c: Any = getattr(model, "config", None)
-    if c is None:
-        return None
     try:
         return ModelShape.from_transformers(
             c, seq_len=seq, name=getattr(c, "model_type", None) or type(model).__name__,
             layer_norm=any(isinstance(m, LayerNorm) for m in model.modules()))
     except (AttributeError, TypeError, ValueError):
-        return None
+        from meshlab.shape_from_modules import shape_from_modules
+
+        return shape_from_modules(model, seq)  # a hand-written model

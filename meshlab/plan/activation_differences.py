@@ -14,10 +14,17 @@ if TYPE_CHECKING:
     from meshlab.plan.differences import Differences
 
 
+HAND_WRITTEN = ("not compared for a hand-written model: its shape is read from its modules, "
+                "and its own code (its TP plan, its root modules, its loss) is not yet "
+                "reconciled with the planner's")
+
+
 def not_reconciled(known: Differences) -> str:
     """Why the activations row of ``known``'s rank is not compared ("" where it is): the
     layouts whose activations these terms do not yet account for."""
     lay, m = known.layout, known.model
+    if known.dry.family == "other":
+        return HAND_WRITTEN
     if m.experts:
         return ("not compared for MoE layers: the router's scores, the tokens dispatched to "
                 "each expert and the exchange's buffers are not yet reconciled")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshlab.plan.activation_differences import not_reconciled
+from meshlab.plan.activation_differences import HAND_WRITTEN, not_reconciled
 from meshlab.plan.differences import NOT_COMPARED, Differences, axis_name, signed
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware
@@ -140,6 +140,8 @@ def _row(known: Differences, what: str, name: str, dry_run: int, planner: float,
     why = ""
     if what == "memory" and name == "activations":
         why = NOT_COMPARED if known.dry.kernels != "fused" else not_reconciled(known)
+    elif what == "memory" and name == "buffers" and known.dry.family == "other":
+        why = HAND_WRITTEN
     if why:
         terms = [(why, 0.0)]
     return Row(rank=known.run.rank, what=what, name=name, dry_run=dry_run, planner=planner,

@@ -11,7 +11,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from meshlab.dry_run import DryRun
+from meshlab.dry_run import DryRun, planner_beside
 from meshlab.plan import Layout
 from meshlab.plan.report import Plan
 
@@ -149,6 +149,15 @@ def test_dryrun_magic_takes_a_hand_written_model_and_its_plan(shell: Any) -> Non
     [run] = shell.user_ns["gpt"].ranks
     tp = [t for t in run.collectives if t.axis == "tp"]
     assert tp and run.memory["total"] > 0, run.collectives
+    # the planner's shape read from its modules: its parameters are the model's but its
+    # biases (the planner's shape has none)
+    dry = shell.user_ns["gpt"]
+    assert dry.shape is not None and (dry.shape["hidden"], dry.shape["heads"],
+                                      dry.shape["ffn"], dry.shape["gated_ffn"]) == (64, 4, 256,
+                                                                                   False)
+    rows = {r.name: r for r in planner_beside(dry) if r.what == "memory"}
+    assert rows["params"].comparable and rows["params"].planner > 0
+    assert not rows["activations"].comparable and "hand-written" in rows["buffers"].difference
     with pytest.raises(UsageError, match=r"plan sets data_parallel='ddp', which the layout "
                                          r"decides otherwise \(data_parallel='zero3'\)"):
         shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --seq 32 '

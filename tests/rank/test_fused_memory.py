@@ -15,8 +15,6 @@ import contextlib
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from meshlab.fused_memory import fused_memory
 from meshlab.models import ModelConfig, Transformer
@@ -25,6 +23,12 @@ from meshlab.plan.formulas import layer_activation_bytes
 CFG = ModelConfig(dim=256, n_heads=8, n_kv_heads=2, ffn_hidden=512, n_layers=1,
                   vocab_size=512, max_seq_len=64)
 BATCH, SEQ = 2, 64
+
+
+def fake() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
@@ -42,6 +46,8 @@ def held_after_forward(block: Any, x: torch.Tensor, *args: Any, fused: bool,
                        **kwargs: Any) -> int:
     """Bytes the block's forward leaves allocated (what it keeps for the backward, and its
     output), as torch's memory tracker counts them."""
+    from torch.distributed._tools.mem_tracker import MemTracker  # imports triton: not early
+
     tracker = MemTracker()
     tracker.track_external(block)
     with tracker:
@@ -53,7 +59,7 @@ def held_after_forward(block: Any, x: torch.Tensor, *args: Any, fused: bool,
     return held
 
 
-def _activations(tracker: MemTracker) -> int:
+def _activations(tracker: Any) -> int:
     return sum(v for per in tracker.get_tracker_snapshot("current").values()
                for k, v in per.items() if str(getattr(k, "value", k)) == "Activation")
 
@@ -68,7 +74,7 @@ def korthikanti(*, hidden: int, heads: int, kv_heads: int, ffn: int) -> float:
 def test_meshlab_block_keeps_korthikanti_count_with_fused_kernels() -> None:
     tokens, h, f = BATCH * SEQ, CFG.dim, CFG.ffn_hidden
     q, kv = h, CFG.n_kv_heads * CFG.head_dim
-    with FakeTensorMode(allow_non_fake_inputs=True), bf16_by_default():
+    with fake(), bf16_by_default():
         model = Transformer(CFG)
         block = model.layers["0"]
         x = torch.randn(BATCH, SEQ, h, dtype=torch.bfloat16, requires_grad=True)
@@ -94,7 +100,7 @@ def test_transformers_llama_block_keeps_korthikanti_count_with_fused_kernels() -
                          intermediate_size=512, num_hidden_layers=1, vocab_size=512,
                          max_position_embeddings=SEQ, attn_implementation="sdpa")
     tokens = BATCH * SEQ
-    with FakeTensorMode(allow_non_fake_inputs=True), bf16_by_default():
+    with fake(), bf16_by_default():
         block = LlamaDecoderLayer(config, 0)
         rope = LlamaRotaryEmbedding(config)
         x = torch.randn(BATCH, SEQ, 256, dtype=torch.bfloat16, requires_grad=True)
