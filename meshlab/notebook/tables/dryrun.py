@@ -39,7 +39,9 @@ def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
     lines = [f"{dry.model} on {dry.world_size:,} fake ranks ({dry.planned}), {dry.batch} "
              f"sequences of {dry.seq:,} tokens per data-parallel rank: "
              f"{len(dry.ranks)} representative rank{'s' if len(dry.ranks) > 1 else ''} ran a "
-             f"training step in {dry.seconds:.1f} s"]
+             f"training step in {dry.seconds:.1f} s; activations as "
+             + ("fused GPU kernels hold them (--kernels eager: the code op by op)"
+                if dry.kernels == "fused" else "the code holds them op by op")]
     from meshlab.notebook.charts import byte_unit
 
     for run in dry.ranks:
