@@ -330,16 +330,16 @@ class Differences:
         root = self.root
         layer_units = lay.shard_unit == "layer"
         reduced = 4.0 if self.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
-        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and self.mixed:
+        kept = self.fsdp and ((lay.zero == 3 and self.stage.fsdp_units_kept)
+                              or (lay.zero == 2 and lay.pp > 1))  # unsharded all step
+        if accumulated := kept and self.mixed:  # the planner: ZeRO-2 a unit's, ZeRO-3 all
+            counted = self.params * dt.grads if lay.zero == 3 else 0.0
             out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
                         "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
                         "until they are added in",
-                        self.params * (4 - dt.grads) + unit * dt.grads))
-        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept and lay.tp > 1 \
-                and self.first:
-            m = self.model
-            # under bf16 FSDP2 accumulates it in fp32 beside, as the stage's other gradients
-            size = dt.grads + (4 if self.mixed else 0)
+                        self.params * 4 - counted + unit * dt.grads * (lay.zero == 3)))
+        if kept and lay.tp > 1 and self.first:  # under bf16 also accumulated in fp32
+            m, size = self.model, dt.grads + (4 if self.mixed else 0)
             out.append(("torch hands the tp-split embedding its gradient at the whole "
                         "vocabulary (laid out unlike its weight), kept unsharded with the "
                         "stage's", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
@@ -348,11 +348,11 @@ class Differences:
                         unit * reduced))
             out.append(("and its root unit (embedding, output) gathered from the forward to "
                         "the backward", root * dt.params))
-        elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1:
+        elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1 and not self.mixed:
             out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
                         "last micro-batch, then copies the root unit's out first to "
                         "reduce-scatter them", (self.params + root - unit) * dt.grads))
-        elif self.fsdp and lay.zero == 2 and layer_units:
+        elif self.fsdp and lay.zero == 2 and layer_units and not accumulated:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))
         elif self.ddp:
