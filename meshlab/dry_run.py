@@ -5,8 +5,10 @@ For each representative rank, torch's fake process group stands in for the world
 collective returns at once) and fake tensors for memory (shapes, no storage): the model is
 built on the meta device, parallelized by meshlab's own ``parallelize`` exactly as on a
 cluster, materialized as fake tensors, and runs one step (forward, backward, optimizer)
-under torch's memory tracker and meshlab's CommTracer. What the report holds is what that
-rank would allocate and send; meshlab.plan.reconcile sets the planner's prediction beside it.
+under torch's memory tracker and meshlab's CommTracer, what it saves for the backward held
+as fused GPU kernels would hold it (meshlab.fused_memory; ``kernels="eager"``: op by op).
+What the report holds is what that rank would allocate and send; meshlab.plan.reconcile
+sets the planner's prediction beside it.
 
     >>> run = dryrun("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8")
     >>> run.ranks[0].memory["total"] / 2**30
