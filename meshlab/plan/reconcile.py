@@ -5,8 +5,9 @@
 mesh axis, the dry run's figure, the planner's, and the planner's with each known
 difference applied (``explained``), each named with its bytes. A difference is a fact of
 how torch (or meshlab) does a thing that the planner counts as Megatron or a fused kernel
-would; where the dry run cannot show what the planner counts (a fused kernel's activations
-on a GPU), the row says so and is not compared. Pure Python (the DryRun is plain data).
+would; where the named differences do not yet account for a category (MoE layers'
+activations, ...), the row says so and is not compared. Pure Python (the DryRun is plain
+data).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ if TYPE_CHECKING:
 
 MEMORY = ("params", "grads", "optimizer", "activations", "buffers", "total", "host")
 RECEIVED = ("recv",)
+"""Ops whose bytes are another rank's send (a pipeline hop counts once, at its sender)."""
 TOTAL = ("the step's peak, where each category is what it is then; explained: the "
          "categories' explained figures summed, which peak at different moments (an upper "
          "bound; each category is compared above)")
-"""Ops whose bytes are another rank's send (a pipeline hop counts once, at its sender)."""
 
 
 @dataclass(kw_only=True, slots=True)
