@@ -165,7 +165,7 @@ class FusedMemory(TorchDispatchMode):
         return saved
 
     def _copied_from(self, st: Any) -> torch.Tensor | None:
-        """Rule 1: the source of a copy that takes fewer bytes than ``st``."""
+        """Rule 1: the source of a copy that takes no more bytes than ``st``."""
         if st in self.repeated:
             return self.repeated[st]
         record = self.record_of.get(st)

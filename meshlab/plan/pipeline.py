@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from meshlab.schedules import BREADTH_FIRST, Costs, build, stages_per_rank
-from meshlab.schedules.simulate import simulate
+from meshlab.schedules.simulate import Timeline, simulate
 
 SIMULATED_ACTIONS = 512  # forwards per step simulated exactly; longer steps extrapolated
 # Interleaved 1F1B runs its micro-batches in rounds (torch requires the rounds to divide
@@ -50,11 +50,7 @@ def pipeline_time(schedule: str, pp: int, microbatches: int, virtual: int, t_f: 
 def _simulate(schedule: str, pp: int, microbatches: int, virtual: int, backward: float,
               comm: float) -> tuple[float, float]:
     """(makespan in units of t_F, peak micro-batch chunks in flight on the first rank)."""
-    virtual = stages_per_rank(schedule, virtual)
-    built = build(schedule, ranks=pp, microbatches=microbatches, virtual=virtual)
-    # the builders' schedules are validated by their own tests: the planner runs thousands
-    timeline = simulate(built, Costs(forward=1.0, backward=backward, comm=comm),
-                        validated=True)
+    timeline = _timeline(schedule, pp, microbatches, virtual, backward, comm)
     return timeline.makespan, float(timeline.peak_inflight(0))
 
 
@@ -63,6 +59,13 @@ def inflight_of(schedule: str, pp: int, microbatches: int, virtual: int, rank: i
     """Most micro-batch chunks pipeline rank ``rank`` holds activations for at once."""
     if pp == 1:
         return 1
+    return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0).peak_inflight(rank)
+
+
+def _timeline(schedule: str, pp: int, microbatches: int, virtual: int, backward: float,
+              comm: float) -> Timeline:
+    """The schedule simulated in units of t_F."""
     built = build(schedule, ranks=pp, microbatches=microbatches,
                   virtual=stages_per_rank(schedule, virtual))
-    return simulate(built, Costs(forward=1.0, backward=2.0), validated=True).peak_inflight(rank)
+    # the builders' schedules are validated by their own tests: the planner runs thousands
+    return simulate(built, Costs(forward=1.0, backward=backward, comm=comm), validated=True)
