@@ -44,19 +44,21 @@ def train(steps, rotate=0):
 """
 STEPS = 8
 THROTTLED = 2
+# slow enough that its lateness stands out of 4 ranks sharing 2 cores under a loaded CI
+FACTOR = 10
 SLEPT = "import meshlab.throttle\nmeshlab.throttle.slept()"
 
 
 @pytest.fixture(scope="module")
 def runs(shell: Any) -> Iterator[dict[str, Any]]:
-    """Profiles of the same training steps: rank 2 throttled x3 (sync DP), then a moving
+    """Profiles of the same training steps: rank 2 throttled x10 (sync DP), then a moving
     straggler under sync DP and under local SGD; and what the ranks said in between."""
     session: Session = shell.magics_manager.registry["MeshMagics"].session
     out: dict[str, Any] = {"session": session}
     try:
         session.init("dp_replicate=4")
         session.run(SETUP + "prepare('every_step')")
-        out["said"] = session.throttle(str(THROTTLED), 3)
+        out["said"] = session.throttle(str(THROTTLED), FACTOR)
         out["steady"] = session.run(f"train({STEPS})", profile=True).profile
         out["slept"] = session.run(SLEPT, keep_values=True).values
         out["status"] = session.status()
@@ -85,7 +87,7 @@ def test_the_throttled_rank_sleeps_inside_its_compute(runs: dict[str, Any]) -> N
     # the sleeps happen inside compute ops, so the profile counts them as compute
     compute_ms = runs["steady"].summary()["compute"]
     assert compute_ms[THROTTLED] >= 1e3 * slept[THROTTLED], (compute_ms.to_dict(), slept)
-    assert "rank 2 x3" in runs["said"]
+    assert f"rank 2 x{FACTOR}" in runs["said"]
 
 
 @pytest.mark.cluster
@@ -98,13 +100,13 @@ def test_stragglers_name_the_throttled_rank_in_synchronous_dp(runs: dict[str, An
 
 @pytest.mark.cluster
 def test_status_shows_the_throttled_rank(runs: dict[str, Any]) -> None:
-    assert runs["status"]["throttle"].to_dict() == {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0}
+    assert runs["status"]["throttle"].to_dict() == {0: 1.0, 1: 1.0, 2: FACTOR, 3: 1.0}
     assert runs["status_off"]["throttle"].to_dict() == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
 
 
 @pytest.mark.cluster
 def test_the_throttle_stays_on_across_cells(runs: dict[str, Any]) -> None:
-    assert runs["later"] == {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0}
+    assert runs["later"] == {0: 1.0, 1: 1.0, 2: FACTOR, 3: 1.0}
 
 
 @pytest.mark.cluster
