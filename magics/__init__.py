@@ -227,7 +227,7 @@ class MeshMagics(Magics):
             hardware_profile=args.hardware, layout=commands.unquote(args.layout),
             constraints=commands.unquote(args.where), global_batch=args.batch,
             precision=args.precision or ("fp32" if args.measure else "bf16"), top=args.top,
-            tokens=args.tokens, verify=args.verify or 0,
+            tokens=args.tokens, verify=args.verify or 0, implementation=args.implementation,
             measure=commands.unquote(args.measure), steps=args.steps)
         if isinstance(result, Table):  # --measure: the planner's terms beside the step's
             display(result)

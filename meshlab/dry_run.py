@@ -39,7 +39,8 @@ from meshlab.dry_run_plan import (
 from meshlab.mesh import MeshSpec
 from meshlab.plan.hardware import Hardware
 from meshlab.plan.hardware import hardware as find_hardware
-from meshlab.plan.layout import Layout, check
+from meshlab.plan.layout import Layout
+from meshlab.plan.layout_check import check
 from meshlab.plan.reconcile import planner_beside
 from meshlab.plan.shapes import ModelShape
 

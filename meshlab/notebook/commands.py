@@ -14,7 +14,7 @@ from typing import Any
 
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from meshlab.plan import HARDWARE, MODELS, PRECISIONS
+from meshlab.plan import HARDWARE, IMPLEMENTATIONS, MODELS, PRECISIONS
 from meshlab.schedules import BUILDERS
 
 Parser = Callable[[str], None]
@@ -274,6 +274,9 @@ def calibrate(line: str) -> None:
 @argument("--precision", choices=list(PRECISIONS),
           help="compute precision (default bf16; with --measure fp32, as CPU ranks train)")
 @argument("--tokens", type=amount, help="training tokens, for days and GPU-hours (e.g. 15e12)")
+@argument("--implementation", choices=list(IMPLEMENTATIONS), default="meshlab",
+          help="whose code the memory is counted for (default meshlab: what %%mesh dryrun "
+          "measures; megatron: Megatron-LM's)")
 @argument("--measure", metavar="STEP", help='with --layout, the live mesh\'s: run STEP (e.g. '
           '"train_step()", one training step the ranks know) profiled and show each term the '
           "planner predicts (compute, host time, exposed communication per axis, bubble, "

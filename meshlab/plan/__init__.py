@@ -8,11 +8,12 @@ hardware=...)`` ranks the layouts that fit. Models are ``ModelShape`` (presets i
 
 from meshlab.plan.estimate import Collective, Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware, Link, hardware, load, save
-from meshlab.plan.layout import Layout, check
+from meshlab.plan.layout import IMPLEMENTATIONS, Layout
+from meshlab.plan.layout_check import check
 from meshlab.plan.precision import PRECISIONS, Precision
 from meshlab.plan.search import search
 from meshlab.plan.shapes import MODELS, ModelShape, model_shape
 
-__all__ = ["HARDWARE", "MODELS", "PRECISIONS", "Collective", "Estimate", "Hardware", "Layout",
-           "Link", "ModelShape", "Precision", "check", "estimate", "hardware", "load",
-           "model_shape", "save", "search"]
+__all__ = ["HARDWARE", "IMPLEMENTATIONS", "MODELS", "PRECISIONS", "Collective", "Estimate",
+           "Hardware", "Layout", "Link", "ModelShape", "Precision", "check", "estimate",
+           "hardware", "load", "model_shape", "save", "search"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshlab.plan.memory import loss_bytes
 from meshlab.plan.pipeline import inflight_of
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     count), and the one transient the peak falls in (the loss's backward on the last stage,
     the embedding's gradient on the first, else the MLP's backward)."""
     lay, m, stage, dt = known.layout, known.model, known.stage, known.dt
-    logits = 8 * stage.tokens * m.vocab / lay.tp  # the planner's, fp32 and their gradient
+    logits = loss_bytes(stage)  # the planner's
     chunk = stage.layers / lay.stages_per_rank
     pp_rank = known.run.coordinates.get("pp", 0)
     busiest = inflight_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual, 0)
@@ -68,7 +69,7 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         out.append(("torch's pipeline stage allocates a buffer per micro-batch for what it "
                     "receives: the stage's input, and its output's gradient", received))
     kept = []  # beside Korthikanti's count, per layer and micro-batch
-    if sp and known.dry.family == "meshlab":
+    if sp and known.dry.family == "meshlab" and lay.sp_regather:  # else the planner's
         kept.append(("torch's sequence parallelism keeps the gathered inputs of the "
                      "attention's and the MLP's first projections (Megatron re-gathers them "
                      "in the backward): 4h bytes a token, not 4h/tp",
@@ -88,12 +89,13 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     one = (per_layer + sum(b for _, b in kept)) * layers
     embedding = m.vocab * m.hidden * dt.grads - one if known.first and known.fsdp else 0.0
     peak = max(mlp, loss, embedding)
-    if peak == loss:
-        out.append((f"the loss's backward on {'the gathered ' if lay.tp > 1 else ''}logits: "
-                    "their fp32 log-probabilities, its gradient and theirs"
-                    + (", and the logits the stage keeps" if lay.pp > 1 else "")
-                    + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
-                    loss - logits))
+    if peak == loss:  # without loss_parallel the planner counts it as torch holds it
+        if lay.loss_parallel:
+            out.append((f"the loss's backward on {'the gathered ' if lay.tp > 1 else ''}"
+                        "logits: their fp32 log-probabilities, its gradient and theirs"
+                        + (", and the logits the stage keeps" if lay.pp > 1 else "")
+                        + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
+                        loss - logits))
     elif peak == embedding:
         out.append(("the embedding's gradient at the whole vocabulary, before FSDP takes it, "
                     "its micro-batch's layers freed", embedding - logits * known.last))

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from meshlab.plan.hardware import HARDWARE
+from meshlab.plan.layout import IMPLEMENTATIONS
 from meshlab.plan.precision import PRECISIONS
 from meshlab.plan.report import plan
 from meshlab.plan.shapes import MODELS, ModelShape, load_model, model_shape
@@ -37,6 +38,9 @@ def add_command(commands: Any) -> None:
                      help="global batch in sequences (default ~4M tokens, >= 1 per GPU; with "
                      "--layout: sets m, or must equal mbs x m x dp where the layout gives m)")
     cmd.add_argument("--precision", default="bf16", choices=list(PRECISIONS))
+    cmd.add_argument("--implementation", default="meshlab", choices=list(IMPLEMENTATIONS),
+                     help="whose code the memory is counted for (default meshlab: what its "
+                     "dry run measures; megatron: Megatron-LM's)")
     cmd.add_argument("--tokens", type=float, help="training tokens, for days and GPU-hours")
     cmd.add_argument("--top", type=int, default=10)
     cmd.add_argument("--json", action="store_true",
@@ -94,7 +98,8 @@ def run_command(args: Any, parser: Any) -> int:
     try:
         result = plan(chosen_model(args), gpus=args.gpus, hardware_profile=args.hardware,
                       layout=args.layout, constraints=args.where, global_batch=args.batch,
-                      precision=args.precision, top=args.top, tokens=args.tokens)
+                      precision=args.precision, top=args.top, tokens=args.tokens,
+                      implementation=args.implementation)
     except ValueError as e:
         parser.exit(2, f"meshlab plan: {e}\n")
     if args.json:

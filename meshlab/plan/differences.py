@@ -269,11 +269,14 @@ class Differences:
             kept = {"params": 4.0, "grads": 4.0, "optimizer": 8.0}[name]
             counted = float({"params": dt.params, "grads": dt.grads,
                              "optimizer": dt.optimizer}[name])
-            if name == "params" and lay.zero == 2 and self.fsdp:
-                counted = kept  # the gathered copy is the planner's: only the shard differs
-            out.append(("meshlab's bf16 keeps fp32 weights and gradients and Adam's two "
-                        "moments (4 + 4 + 8 bytes); the planner ZeRO's 2 + 2 + 12",
-                        planner * (kept / counted - 1)))
+            if name == "params" and lay.zero == 2 and self.fsdp:  # the gathered copy agrees
+                out.append(("FSDP2 keeps its fp32 shard beside the gathered copy: the "
+                            "planner's master weights, counted in its optimizer",
+                            self.params / lay.shard_group * 4))
+            else:
+                out.append(("meshlab's bf16 keeps fp32 weights and gradients and Adam's two "
+                            "moments (4 + 4 + 8 bytes); the planner ZeRO's 2 + 2 + 12",
+                            planner * (kept / counted - 1)))
         if name == "grads" and not self.fsdp:
             out += self.plain_grad_terms()
         if name == "buffers":
@@ -332,17 +335,28 @@ class Differences:
         reduced = 4.0 if self.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
         kept = self.fsdp and ((lay.zero == 3 and self.stage.fsdp_units_kept)
                               or (lay.zero == 2 and lay.pp > 1))  # unsharded all step
-        if accumulated := kept and self.mixed:  # the planner: ZeRO-2 a unit's, ZeRO-3 all
+        counts = kept and lay.pipeline_grads_unsharded  # the planner counts what follows
+        if counts and lay.zero == 2 and abs(self.params - sum(self.stage.params)) > 0.5:
+            out.append(("this rank's stage accumulates its own parameters' gradients, the "
+                        "planner's busiest stage more", (self.params - sum(self.stage.params))
+                        * reduced))
+        if (accumulated := kept and self.mixed) and not counts:
+            # the planner: ZeRO-2 a unit's, ZeRO-3 all
             counted = self.params * dt.grads if lay.zero == 3 else 0.0
             out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
                         "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
                         "until they are added in",
                         self.params * 4 - counted + unit * dt.grads * (lay.zero == 3)))
-        if kept and lay.tp > 1 and self.first:  # under bf16 also accumulated in fp32
-            m, size = self.model, dt.grads + (4 if self.mixed else 0)
+        m, size = self.model, dt.grads + (4 if self.mixed else 0)  # bf16, accumulated in fp32
+        embedding = (m.vocab - m.vocab / lay.tp) * m.hidden * size
+        if kept and lay.tp > 1 and self.first and not counts:
             out.append(("torch hands the tp-split embedding its gradient at the whole "
                         "vocabulary (laid out unlike its weight), kept unsharded with the "
-                        "stage's", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
+                        "stage's", embedding))
+        elif counts and lay.tp > 1 and not self.first:
+            out.append(("the planner counts the first stage's whole-vocabulary embedding "
+                        "gradient for its busiest stage, an end stage: not this rank's",
+                        -embedding))
         if self.fsdp and lay.zero == 3 and not self.stage.fsdp_units_kept and layer_units:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))
@@ -351,7 +365,8 @@ class Differences:
         elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1 and not self.mixed:
             out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
                         "last micro-batch, then copies the root unit's out first to "
-                        "reduce-scatter them", (self.params + root - unit) * dt.grads))
+                        "reduce-scatter them",
+                        (self.params * (not counts) + root - unit) * dt.grads))
         elif self.fsdp and lay.zero == 2 and layer_units and not accumulated:
             out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                         unit * reduced))

@@ -37,7 +37,8 @@ from meshlab.plan.compute import (
     with_host,
 )
 from meshlab.plan.hardware import GIB, Hardware
-from meshlab.plan.layout import Layout, check
+from meshlab.plan.layout import Layout
+from meshlab.plan.layout_check import check
 from meshlab.plan.memory import DDP_BUCKET_BYTES, memory_per_gpu
 from meshlab.plan.pipeline import SIMULATED_ACTIONS, pipeline_time
 from meshlab.plan.shapes import ModelShape

@@ -104,7 +104,7 @@ def activation_bytes_per_layer(*, seq: int, batch: int, hidden: int, heads: int,
 def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_width: int,
                            kv_width: int, ffn: int, gated: bool, dropout: bool, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           scores: bool = True) -> float:
+                           scores: bool = True, regather: bool = True) -> float:
     """Activation bytes one layer keeps for its backward, per device, in 16 bits: Korthikanti
     et al.'s section 4 count, term by term, for any attention width, grouped-query keys
     and values, a gated (SwiGLU) or plain MLP, with or without dropout.
@@ -118,8 +118,10 @@ def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_w
     = h, f = 4h, GELU, dropout) gives Korthikanti's 34h + 5as.
 
     TP shards all but the norms' and the projections' inputs and the dropout masks (10h
-    with dropout, Korthikanti's 10); sequence parallelism shards those too. Selective
-    recompute drops the scores; full recompute keeps the layer's input, 2h (sharded by SP).
+    with dropout, Korthikanti's 10); sequence parallelism shards those too, the projections'
+    inputs only where the backward gathers them again (``regather``, Megatron's; torch's
+    SequenceParallel keeps them gathered: 4h whole). Selective recompute drops the scores;
+    full recompute keeps the layer's input, 2h (sharded by SP).
     """
     if recompute not in PLANNED_RECOMPUTE:
         raise ValueError(f"recompute must be one of {PLANNED_RECOMPUTE}, got {recompute!r}")
@@ -140,7 +142,8 @@ def layer_activation_bytes(*, seq: int, batch: int, hidden: int, heads: int, q_w
     sharded = 2 * q_width + 4 * kv_width + 2 * q_width + (6 if gated else 4) * ffn
     if scores and recompute == "none":
         sharded += (5 if dropout else 2) * heads * seq
-    return sb * (replicated / (t if sp else 1) + sharded / t)
+    gathered = 0 if regather or not sp else 4 * h  # the QKV's and the MLP's inputs, whole
+    return sb * ((replicated - gathered) / (t if sp else 1) + gathered + sharded / t)
 
 
 def op_matmuls(*, hidden: int, q_width: int, kv_width: int, ffn: int,

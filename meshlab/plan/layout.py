@@ -15,7 +15,7 @@ from typing import Any
 
 from meshlab.mesh import ALIASES as MESH_ALIASES
 from meshlab.mesh import AXES, OPTIONS, MeshSpec
-from meshlab.plan.context_formulas import CONTIGUOUS_CP, CP_IMPLEMENTATIONS, cp_refusal
+from meshlab.plan.context_formulas import CONTIGUOUS_CP, CP_IMPLEMENTATIONS
 from meshlab.plan.formulas import (
     EVERY_H,
     OPTIMIZER_KINDS,
@@ -25,8 +25,7 @@ from meshlab.plan.formulas import (
 )
 from meshlab.plan.hardware import ATTENTION_KERNELS
 from meshlab.plan.precision import PRECISIONS, Precision
-from meshlab.plan.shapes import ModelShape
-from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, check_virtual, stages_per_rank
+from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, stages_per_rank
 
 OPTIMIZERS = OPTIMIZER_KINDS
 """build_optimizer's kinds: the optimizer's state bytes per parameter, zero_bytes' K
@@ -45,6 +44,13 @@ ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "rec
            "cp_impl": "context_parallel"}
 """Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's
 (without a pipeline, the micro-batches are gradient accumulation's micro-steps)."""
+IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
+    "meshlab": {"sp_regather": False, "reduce_fp32": True, "pipeline_grads_unsharded": True,
+                "loss_parallel": False},
+    "megatron": {}}
+"""Whose code a plan counts, as the Layout fields that differ from the defaults (Megatron-LM's
+counts): meshlab runs torch's sequence parallelism, reduces in fp32 under bf16, under a
+pipeline FSDP2 accumulates a stage's gradients unsharded, and the loss sees whole logits."""
 # whole numbers >= 1
 _COUNTS = ("virtual", "micro_batch", "microbatches", "sync_every", "cp_chunks")
 
@@ -72,6 +78,17 @@ class Layout:
     sequence_parallel: bool = True
     """With tp > 1: norms and dropout run on sequence shards (all-gather / reduce-scatter
     instead of all-reduce, same bytes)."""
+    sp_regather: bool = True
+    """With sequence parallelism: the attention's and the MLP's first projections keep their
+    input's sequence shard and gather it again in the backward (Megatron-LM). Off: they keep
+    the gathered input, 4h bytes a token where Megatron keeps 4h/tp (torch's
+    SequenceParallel, as meshlab runs it)."""
+    loss_parallel: bool = True
+    """The loss on the vocabulary's shards (Megatron's vocab-parallel cross-entropy): fp32
+    logits and their gradient, 8 bytes a logit over tp. Off: on the whole vocabulary on
+    every tp rank, its backward holding the fp32 log-probabilities, their gradient and the
+    logits', 12 bytes a logit, and a pipeline stage's own output beside (meshlab's: the
+    user's loss runs on plain tensors)."""
     schedule: str = DEFAULT_SCHEDULE
     virtual: int = 1
     """Pipeline stages per rank, for the schedules that take it (meshlab.schedules'
@@ -118,6 +135,12 @@ class Layout:
     """Gradients reduced across data-parallel ranks in fp32 (Megatron-LM with bf16 forces
     it; torchtitan's FSDP reduce_dtype default; meshlab's own mixed precision): twice a
     16-bit gradient's bytes on the wire."""
+    pipeline_grads_unsharded: bool = False
+    """With a pipeline and ZeRO-2/3: each stage accumulates its gradients unsharded, in the
+    dtype they are reduced in, from its first micro-batch to its last, the first stage its
+    tp-split embedding's at the whole vocabulary (FSDP2 under torch's PipelineStage, as
+    meshlab runs it). Off: ZeRO-2 holds a unit's at a time (Llama 3's FSDP, as the paper
+    gives it)."""
     async_tp: bool = False
     """Tensor-parallel collectives run behind the GEMMs they feed (torchtitan's async TP,
     Megatron's --tp-comm-overlap): what the GEMMs cannot hide is exposed. Off: on the
@@ -287,7 +310,8 @@ class Layout:
         return math.prod(getattr(self, a) for a in AXES[AXES.index(axis) + 1:])
 
     def describe(self) -> str:
-        """``pp=4 dp_shard=8 tp=8 zero=1 mbs=1 m=16`` (the degrees > 1 and the choices)."""
+        """``pp=4 dp_shard=8 tp=8 zero=1 mbs=1 m=16`` (the degrees > 1 and the choices; not
+        whose code holds the memory, which a Plan says once)."""
         parts = [f"{a}={getattr(self, a)}" for a in OPTIONS if getattr(self, a) > 1]
         parts.append(f"zero={self.zero}")
         if self.pp > 1:
@@ -367,33 +391,3 @@ class Layout:
                 raise ValueError(f"layout {token!r}: {key} takes 1/0, true/false, yes/no or "
                                  "on/off") from None
         return values
-
-
-def check(model: ModelShape, layout: Layout) -> None:
-    """Raise ValueError naming what the layout cannot do with this model."""
-    t = layout.tp
-    for name, value in (("heads", model.heads), ("kv_heads", model.n_kv_heads),
-                        ("ffn", model.ffn)):
-        if value % t:
-            raise ValueError(f"tp={t} must divide {name}={value} of {model.name}")
-    check_virtual(layout.schedule, layout.virtual)  # a ScheduleError is a ValueError
-    stages = layout.pp * layout.stages_per_rank
-    if stages > model.layers:
-        raise ValueError(f"pp={layout.pp} x {layout.stages_per_rank} stages per rank = {stages} "
-                         f"stages, but {model.name} has {model.layers} layers")
-    if model.seq_len % (2 * layout.cp if layout.cp > 1 else 1):
-        raise ValueError(f"cp={layout.cp}: the sequence ({model.seq_len}) must split into "
-                         f"2 x cp = {2 * layout.cp} chunks (load-balanced causal attention)")
-    refused = cp_refusal(layout.context_parallel, heads=model.heads, kv_heads=model.n_kv_heads,
-                         tp=t, cp=layout.cp)
-    if refused:
-        raise ValueError(f"{model.name}: {refused}")
-    if layout.context_parallel == "chunked" and layout.cp > 1 and \
-            model.seq_len % layout.cp_chunks:
-        raise ValueError(f"cp_chunks={layout.cp_chunks} must divide the sequence "
-                         f"({model.seq_len}) of {model.name}: use a power of two")
-    if layout.ep > 1 and (not model.experts or model.experts % layout.ep):
-        raise ValueError(f"ep={layout.ep} must divide the experts ({model.experts}) of "
-                         f"{model.name}")
-    if layout.pp == 1 and (layout.schedule != DEFAULT_SCHEDULE or layout.virtual != 1):
-        raise ValueError("a schedule and virtual stages need pp > 1")

@@ -22,13 +22,13 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
 def layer_bytes(stage: Stage, recompute: str) -> float:
     """Activations one layer saves for backward, per micro-batch on one GPU."""
     lay, m = stage.layout, stage.model
-    return layer_activation_bytes(  # counted for 2-byte activations
+    counted = layer_activation_bytes(  # for 2-byte activations
         seq=stage.seq, batch=lay.micro_batch, hidden=m.hidden, heads=m.heads,
         q_width=m.heads * m.head_width, kv_width=m.n_kv_heads * m.head_width,
         ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
         tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
-        scores=not lay.flash_attention) * stage.dtypes.activations / 2 + cp_bytes(
-        stage, recompute)["kept"]
+        scores=not lay.flash_attention, regather=lay.sp_regather)
+    return counted * stage.dtypes.activations / 2 + cp_bytes(stage, recompute)["kept"]
 
 
 def optimizer_k(stage: Stage) -> float:
@@ -119,11 +119,41 @@ def sharded_params(stage: Stage) -> float:
     return (dense / lay.shard_group + expert / (lay.shard_group // lay.ep)) * stage.dtypes.params
 
 
+def loss_bytes(stage: Stage) -> float:
+    """What the loss's backward holds on the last stage (``Layout.loss_parallel``)."""
+    lay, tokens, vocab = stage.layout, stage.tokens, stage.model.vocab
+    if lay.loss_parallel:  # fp32 logits and their gradient, vocab-parallel
+        return 2 * 4 * tokens * vocab / lay.tp
+    return tokens * vocab * (12 + (stage.dtypes.activations if lay.pp > 1 else 0))
+
+
+def pipeline_gradients(stage: Stage) -> float:
+    """What FSDP2 under torch's PipelineStage holds beside the planner's ZeRO-2/3 buffers
+    (``Layout.pipeline_grads_unsharded``; meshlab's expert parallelism reduces in hooks of
+    its own): the stage's gradients accumulated unsharded in the dtype they are reduced in
+    (ZeRO-3 counted them unsharded, in theirs, and keeps a unit's beside until added in),
+    and the first stage's tp-split embedding gradient at the whole vocabulary, in both
+    (torch lays it out unlike its weight; counted for the busiest stage, an end stage, as
+    its parameters are)."""
+    lay, dt, m = stage.layout, stage.dtypes, stage.model
+    if not (lay.pipeline_grads_unsharded and lay.pp > 1 and lay.zero >= 2
+            and lay.shard_group > 1 and lay.ep == 1) or (lay.zero == 3
+                                                          and not stage.fsdp_units_kept):
+        return 0.0
+    reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
+    if lay.zero == 2:
+        held = params * reduced
+    else:
+        held = params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider
+    embedding = m.vocab * m.hidden * (1 - 1 / lay.tp)
+    return float(held + embedding * (dt.grads + reduced * wider))
+
+
 def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     """Bytes per GPU: params, grads, optimizer, activations, buffers and their total on the
     device, and what offloading keeps in host memory (``host``); ``inflight`` is the peak of
     micro-batch chunks in flight (from the pipeline simulation)."""
-    lay, dt, m = stage.layout, stage.dtypes, stage.model
+    lay, dt = stage.layout, stage.dtypes
     dense, expert = stage.params
     kw: dict[str, Any] = dict(stage=lay.zero, param_bytes=dt.params, grad_bytes=dt.grads,
               optimizer_bytes=optimizer_k(stage))
@@ -157,8 +187,7 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
         activations += layer_bytes(stage, "none")
     elif lay.recompute == "op":  # and what per-op checkpointing recomputes, for one layer
         activations += layer_bytes(stage, "none") - layer_bytes(stage, "op")
-    # fp32 logits and their gradient for the loss, on the last stage (vocab-parallel)
-    activations += 2 * 4 * stage.tokens * m.vocab / lay.tp
+    activations += loss_bytes(stage)
     unit, layer_units = stage.shard_unit_params, lay.shard_unit == "layer"
     if lay.zero == 3 and stage.fsdp_units_kept:
         # under a pipeline the stage stays gathered and its gradients unsharded all step
@@ -174,6 +203,7 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
             states["params"] += sharded_params(stage)
     else:  # DDP buckets
         buffers = 2.0 * DDP_BUCKET_BYTES
+    buffers += pipeline_gradients(stage)
     if lay.reduce_once and lay.fsdp_accumulation:
         # the gradients accumulate unsharded, in the dtype they are reduced in (Megatron's
         # fp32 grad buffer under bf16), until the step's one reduce-scatter

@@ -12,7 +12,8 @@ from meshlab.plan.context import SEARCHED_CP, best_cp
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.formulas import ZERO_STAGES
 from meshlab.plan.hardware import GIB, Hardware, hardware
-from meshlab.plan.layout import Layout, check
+from meshlab.plan.layout import IMPLEMENTATIONS, Layout
+from meshlab.plan.layout_check import check
 from meshlab.plan.search import search
 from meshlab.plan.shapes import ModelShape, model_shape
 
@@ -38,6 +39,8 @@ class Plan:
     """Training tokens, for days and GPU-hours."""
     notes: list[str] = field(default_factory=list)
     """What ``plan`` assumed that the caller did not say (e.g. the ZeRO stage)."""
+    implementation: str = "meshlab"
+    """Whose code the memory is counted for (``IMPLEMENTATIONS``)."""
     verified: list[Any] = field(default_factory=list)
     """Dry runs (meshlab.dry_run.DryRun) of the best layouts, where asked for: what torch
     allocates and sends for them, beside these estimates."""
@@ -114,7 +117,7 @@ class Plan:
                 "gpu_hours": e.gpu_hours(self.tokens) if self.tokens else None}
         return {"model": {**dataclasses.asdict(self.model), "params": self.model.params},
                 "gpus": self.gpus, "hardware": self.hardware.name,
-                "usable_gib": self.hardware.usable_bytes / GIB,
+                "implementation": self.implementation, "usable_gib": self.hardware.usable_bytes / GIB,
                 "global_batch": e.layout.global_batch, "seq_len": self.model.seq_len,
                 "tokens": self.tokens, "best": best,
                 "layouts": [{**row, "days": row.get("days"), "gpu_hours": row.get("gpu_hours")}
@@ -130,6 +133,7 @@ class Plan:
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU"
                  + (f" + {e.memory['host'] / GIB:.3g} GiB of host memory" if host else "")
+                 + f" as {self.implementation}'s code holds it"
                  + f" ({'fits' if e.fits else 'does NOT fit'} in "
                  f"{self.hardware.usable_bytes / GIB:.0f} GiB"
                  + (f" + {self.hardware.host_memory_gib:.0f} GiB" if host else "")
@@ -154,19 +158,24 @@ def default_batch(model: ModelShape, gpus: int) -> int:
 def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware = "h100-sxm",
          layout: str | Layout | None = None, constraints: str | None = None,
          global_batch: int | None = None, precision: str = "bf16", top: int = 10,
-         tokens: float | None = None) -> Plan:
+         tokens: float | None = None, implementation: str = "meshlab") -> Plan:
     """Estimate ``layout`` (its degrees must multiply to ``gpus``; ``global_batch`` sets its
     micro-batches where it states none), or search the best ``top`` layouts meeting
-    ``constraints`` (e.g. "tp<=8 pp=16")."""
+    ``constraints`` (e.g. "tp<=8 pp=16"), counting memory as ``implementation``'s code holds
+    it (``IMPLEMENTATIONS``: meshlab's, what a dry run measures, or Megatron-LM's)."""
     shape, hw = model_shape(model), hardware(hardware_profile)
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of "
+                         f"{', '.join(IMPLEMENTATIONS)}")
+    code = IMPLEMENTATIONS[implementation]
     if layout is not None:
         notes = []
         stated = {f.name for f in dataclasses.fields(Layout)}  # a Layout states everything
         if isinstance(layout, str):
             given = Layout.stated(layout)
-            layout, stated = Layout(**{"precision": precision, **given}), set(given)
+            layout, stated = Layout(**{"precision": precision, **code, **given}), set(given)
         if "zero" not in stated:
             notes.append(f"zero not given: zero={layout.zero} assumed (FSDP: parameters, "
                          "gradients and optimizer states sharded); pass "
@@ -187,16 +196,17 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
             if best is None:
                 raise ValueError(f"no context-parallel implementation runs "
                                  f"{layout.describe()} on {hw.name}: see cp_impl's options")
-            return Plan(shape, gpus, hw, [best], tokens, notes)
-        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes)
+            return Plan(shape, gpus, hw, [best], tokens, notes, implementation)
+        return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes,
+                    implementation)
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
-                        constraints=constraints, precision=precision, top=top)
+                        constraints=constraints, precision=precision, top=top, settings=code)
     notes = [] if global_batch else [
         f"global batch not given: {batch:,} sequences of {shape.seq_len:,} tokens "
         f"({batch * shape.seq_len / 2**20:.0f}M tokens), ~4M tokens or one sequence per "
         f"{NODE} GPUs where that is more (Llama 3 405B: 16M on 16,384); --batch sets it"]
-    return Plan(shape, gpus, hw, list(found["estimate"]), tokens, notes)
+    return Plan(shape, gpus, hw, list(found["estimate"]), tokens, notes, implementation)
 
 
 def with_batch(layout: Layout, global_batch: int, *, fixed: bool) -> Layout:

@@ -9,7 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from meshlab.plan import HARDWARE, MODELS, Layout, estimate, save
+from meshlab.plan import HARDWARE, IMPLEMENTATIONS, MODELS, Layout, estimate, save
 from meshlab.plan.report import Plan, default_batch, plan
 
 
@@ -22,8 +22,9 @@ def test_plan_magic_estimates_one_layout_with_a_table_and_two_charts(shell: Any)
     with capture_output() as cap:
         shell.run_line_magic("mesh", 'plan llama3-405b --gpus 2048 --layout "tp=8 pp=16 dp=16 '
                                      'zero=1 mbs=1 m=128" --tokens 15.6e12 -o chosen')
-    expected = estimate(MODELS["llama3-405b"], Layout.parse("tp=8 pp=16 dp=16 zero=1 mbs=1 "
-                                                            "m=128"), HARDWARE["h100-sxm"])
+    expected = estimate(MODELS["llama3-405b"], Layout.parse(
+        "tp=8 pp=16 dp=16 zero=1 mbs=1 m=128", **IMPLEMENTATIONS["meshlab"]),
+        HARDWARE["h100-sxm"])
     assert "llama3-405b (405.9B parameters) on 2048 x h100-sxm" in shown(cap)
     assert f"step {expected.step_s:.3g} s" in shown(cap)
     assert "days" in shown(cap) and "GPU-hours" in shown(cap)

@@ -159,7 +159,7 @@ def test_batch_that_mbs_times_dp_does_not_divide_is_refused() -> None:
 
 def test_a_layout_that_gives_zero_needs_no_note() -> None:
     result = plan("llama3-8b", gpus=8, layout="dp=8 zero=1")
-    assert "dp_shard=8 zero=1 mbs=1 m=1: " in result.text()
+    assert "dp_shard=8 zero=1 mbs=1 m=1 reduce_fp32=1: " in result.text()
     assert "zero not given" not in result.text() and result.notes == []
 
 
@@ -206,8 +206,10 @@ def test_the_console_plans_a_model_from_flags_as_json() -> None:
     done = console(*SHAPE_FLAGS, "--gpus", "8", "--top", "3", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)  # the whole of stdout is one JSON object
-    assert list(out) == ["model", "gpus", "hardware", "usable_gib", "global_batch", "seq_len",
-                         "tokens", "best", "layouts", "collectives", "notes"]
+    assert list(out) == ["model", "gpus", "hardware", "implementation", "usable_gib",
+                         "global_batch", "seq_len", "tokens", "best", "layouts", "collectives",
+                         "notes"]
+    assert out["implementation"] == "meshlab"
     assert out["model"] == {**dataclasses.asdict(dataclasses.replace(MY_SHAPE,
                                                                      name="custom")),
                             "params": MY_SHAPE.params}

@@ -19,7 +19,8 @@ from meshlab.plan.context_formulas import (
 from meshlab.plan.estimate import estimate
 from meshlab.plan.formulas import bus_factor, sharded_state_bytes, zero_bytes
 from meshlab.plan.hardware import HARDWARE
-from meshlab.plan.layout import Layout, check
+from meshlab.plan.layout import Layout
+from meshlab.plan.layout_check import check
 from meshlab.plan.report import plan
 from meshlab.plan.search import search
 from meshlab.plan.shapes import MODELS, ModelShape

@@ -237,5 +237,5 @@ def test_diloco_changes_the_best_layout_on_a_slow_network() -> None:
     # a pipeline and TP; with DiLoCo the replicas meet every 100 steps, and plain HSDP wins
     assert every.layout.pp > 1 and every.layout.tp > 1
     assert diloco.layout.describe() == ("dp_replicate=128 dp_shard=8 zero=3 mbs=1 m=1 "
-                                        "replica_sync=diloco sync_every=100")
+                                        "reduce_fp32=1 replica_sync=diloco sync_every=100")
     assert diloco.tokens_per_s > 1.5 * every.tokens_per_s
