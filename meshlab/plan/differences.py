@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 from meshlab.mesh import AXES
 from meshlab.plan import fsdp_padding as padding
 from meshlab.plan.activation_differences import activation_terms
+from meshlab.plan.buffer_differences import buffer_terms
 from meshlab.plan.context_formulas import HEAD_SPLIT_CP
 from meshlab.plan.estimate import Estimate
 from meshlab.plan.layout import Layout
-from meshlab.plan.memory import DDP_BUCKET_BYTES, factored_state_bytes, optimizer_k
+from meshlab.plan.memory import factored_state_bytes, optimizer_k
 from meshlab.plan.stage import Stage
 
 if TYPE_CHECKING:
     from meshlab.dry_run import DryRun, RankRun
 
 
-DDP_BUCKETS = 2.0 * DDP_BUCKET_BYTES
 NOT_COMPARED = ("run with kernels='eager', the model's own ops keep more than Korthikanti's "
                 "count of fused kernels (norms' fp32 copies, GQA's repeated keys and values, "
                 "SwiGLU's separate activation): compared with kernels='fused' (the default)")
@@ -55,6 +55,8 @@ class Differences:
         self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
         self.ddp = lay.zero <= 1 and lay.dp * lay.cp > 1 and lay.ep == 1
         self.mixed = lay.precision != "fp32"  # meshlab: fp32 weights, gradients reduced in fp32
+        # what reducing in fp32 adds to the planner's reductions (none where it counts them)
+        self.widen = 4 / self.stage.reduce_bytes - 1 if self.mixed else 0.0
         # FSDP2's padding (meshlab.plan.fsdp_padding): this rank's shards over the even split;
         # a gathered unit (a block), the root unit and the whole stage over their weights
         self.pad_shard = self.pad_layer = self.pad_root = self.pad_stage = 1.0
@@ -93,19 +95,24 @@ class Differences:
                 out.append(("gradients reduce-scattered once, after the last micro-batch "
                             "(torch's pipeline stages, meshlab's accumulation)",
                             -(mb - 1) * g))
-            if self.mixed:
+            if self.widen:
                 out.append(("gradients reduce-scattered in fp32 (reduce_dtype)",
-                            g * (4 / dt.grads - 1) * (1 if deferred else mb)))
+                            g * self.widen * (1 if deferred else mb)))
             if self.pad_stage > 1 + 1e-9:
                 moved = planner + sum(b for _, b in out)
                 out.append((f"FSDP2 gathers and reduce-scatters padded shards "
                             f"({self.pad_stage:.4g}x the weights)",
                             moved * (self.padded_traffic() - 1)))
-        elif axis == "dp_replicate" and self.fsdp and self.mixed:
-            out.append(("gradients all-reduced in fp32", planner * (4 / dt.grads - 1)))
+        elif axis == "dp_replicate" and self.fsdp and self.widen:
+            out.append(("gradients all-reduced in fp32", planner * self.widen))
         elif axis == axis_name("dp+cp" if lay.cp > 1 else "dp", lay) and self.ddp and self.mixed:
-            out.append(("autocast keeps fp32 weights and gradients: all-reduced and gathered "
-                        "in fp32", planner * (4 / dt.grads - 1)))
+            # the planner's gather is of its 16-bit weights, its all-reduce as it reduces
+            gathered = sum(c.nbytes * c.calls for c in self.est.collectives
+                           if c.collective == "all_gather" and axis_name(c.axis, lay) == axis)
+            if self.widen or dt.params != 4:
+                out.append(("autocast keeps fp32 weights and gradients: all-reduced and "
+                            "gathered in fp32", (planner - gathered) * self.widen
+                            + gathered * (4 / dt.params - 1)))
         elif axis == "tp":
             out += self.tp_terms(planner)
         elif axis == "ep":
@@ -116,9 +123,9 @@ class Differences:
                 out.append(("meshlab's MoE is not split by tp: its experts' gradients are "
                             "all-reduced whole", planner * (lay.tp - 1)))
                 planner *= lay.tp
-            if self.mixed:
+            if self.widen:
                 out.append(("autocast keeps fp32 weights and gradients: all-reduced in fp32",
-                            planner * (4 / dt.grads - 1)))
+                            planner * self.widen))
             if lay.tp > 1 and self.first and "dp_shard_mod_ep" not in axis:
                 out.append(("the tp-split embedding's gradient is all-reduced at the whole "
                             "vocabulary", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
@@ -280,7 +287,7 @@ class Differences:
         if name == "grads" and not self.fsdp:
             out += self.plain_grad_terms()
         if name == "buffers":
-            out += self.buffer_terms(planner)
+            out += buffer_terms(self, planner)
         if name == "activations" and self.dry.kernels == "fused":
             out += activation_terms(self, planner)
         return out
@@ -312,75 +319,6 @@ class Differences:
         layer = padding.layer_tensors(m, t)
         ends = padding.root_tensors(m, t, first=self.first, last=self.last)
         return [rows * row for rows, row in ends + layer * self.layers]
-
-    def buffer_terms(self, planner: float) -> list[tuple[str, float]]:
-        lay, dt = self.layout, self.dt
-        out: list[tuple[str, float]] = []
-        unit = self.stage.shard_unit_params
-        if self.fsdp and lay.zero == 3 and self.stage.fsdp_units_kept:
-            padded = self.params * dt.params * (self.pad_stage - 1)
-            what = f"the stage's gathered parameters are {self.pad_stage:.3g}x its weights"
-        elif self.fsdp and lay.zero == 3:
-            padded = 2 * unit * dt.params * (self.pad_layer - 1)
-            what = (f"a block gathered (and the next, prefetched) is {self.pad_layer:.3g}x "
-                    "its weights")
-        else:  # FSDP2 holds a reduce-scatter's input until it issues the next one
-            padded = planner * (self.pad_layer - 1) if self.fsdp else 0.0
-            what = "the last block's reduce-scatter input, held until the next, too"
-        if padded > 0.5:
-            out.append((f"FSDP2 gathers and reduce-scatters padded shards: {what}", padded))
-        unit *= self.pad_layer  # the flat copy a unit's gradients are reduce-scattered from
-        root = self.root
-        layer_units = lay.shard_unit == "layer"
-        reduced = 4.0 if self.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
-        kept = self.fsdp and ((lay.zero == 3 and self.stage.fsdp_units_kept)
-                              or (lay.zero == 2 and lay.pp > 1))  # unsharded all step
-        counts = kept and lay.pipeline_grads_unsharded  # the planner counts what follows
-        if counts and lay.zero == 2 and abs(self.params - sum(self.stage.params)) > 0.5:
-            out.append(("this rank's stage accumulates its own parameters' gradients, the "
-                        "planner's busiest stage more", (self.params - sum(self.stage.params))
-                        * reduced))
-        if (accumulated := kept and self.mixed) and not counts:
-            # the planner: ZeRO-2 a unit's, ZeRO-3 all
-            counted = self.params * dt.grads if lay.zero == 3 else 0.0
-            out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
-                        "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
-                        "until they are added in",
-                        self.params * 4 - counted + unit * dt.grads * (lay.zero == 3)))
-        m, size = self.model, dt.grads + (4 if self.mixed else 0)  # bf16, accumulated in fp32
-        embedding = (m.vocab - m.vocab / lay.tp) * m.hidden * size
-        if kept and lay.tp > 1 and self.first and not counts:
-            out.append(("torch hands the tp-split embedding its gradient at the whole "
-                        "vocabulary (laid out unlike its weight), kept unsharded with the "
-                        "stage's", embedding))
-        elif counts and lay.tp > 1 and not self.first:
-            out.append(("the planner counts the first stage's whole-vocabulary embedding "
-                        "gradient for its busiest stage, an end stage: not this rank's",
-                        -embedding))
-        if self.fsdp and lay.zero == 3 and not self.stage.fsdp_units_kept and layer_units:
-            out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
-                        unit * reduced))
-            out.append(("and its root unit (embedding, output) gathered from the forward to "
-                        "the backward", root * dt.params))
-        elif self.fsdp and lay.zero == 2 and layer_units and lay.pp > 1 and not self.mixed:
-            out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
-                        "last micro-batch, then copies the root unit's out first to "
-                        "reduce-scatter them",
-                        (self.params * (not counts) + root - unit) * dt.grads))
-        elif self.fsdp and lay.zero == 2 and layer_units and not accumulated:
-            out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
-                        unit * reduced))
-        elif self.ddp:
-            out.append(("torch DDP's buckets are a copy of the gradients "
-                        "(gradient_as_bucket_view=False), not two 25 MiB buckets in flight",
-                        self.params * (4 if self.mixed else dt.grads) - DDP_BUCKETS))
-        elif lay.ep > 1 and lay.zero <= 1:
-            out.append(("meshlab's expert parallel all-reduces each gradient in its own hook: "
-                        "no buckets", -DDP_BUCKETS))
-        held = self.run.raw.get("Buffer", 0)
-        if held:
-            out.append(("the model's own buffers (RoPE table, routing counts)", float(held)))
-        return out
 
 
 def zero1_share(sizes: list[int], ranks: int, index: int) -> float:

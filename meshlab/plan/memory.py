@@ -14,6 +14,8 @@ from meshlab.plan.formulas import (
     sharded_state_bytes,
     zero_bytes,
 )
+from meshlab.plan.layout import Layout
+from meshlab.plan.pipeline import accumulating_of
 from meshlab.plan.stage import Stage
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb
@@ -127,26 +129,40 @@ def loss_bytes(stage: Stage) -> float:
     return tokens * vocab * (12 + (stage.dtypes.activations if lay.pp > 1 else 0))
 
 
+def accumulating_share(lay: Layout, pp_rank: int) -> float:
+    """The share of its stages pipeline rank ``pp_rank`` accumulates gradients for at once."""
+    return accumulating_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual,
+                           pp_rank) / lay.stages_per_rank
+
+
 def pipeline_gradients(stage: Stage) -> float:
     """What FSDP2 under torch's PipelineStage holds beside the planner's ZeRO-2/3 buffers
     (``Layout.pipeline_grads_unsharded``; meshlab's expert parallelism reduces in hooks of
-    its own): the stage's gradients accumulated unsharded in the dtype they are reduced in
-    (ZeRO-3 counted them unsharded, in theirs, and keeps a unit's beside until added in),
-    and the first stage's tp-split embedding gradient at the whole vocabulary, in both
-    (torch lays it out unlike its weight; counted for the busiest stage, an end stage, as
-    its parameters are)."""
+    its own), for the busiest stage, an end stage: the stage's gradients accumulated
+    unsharded in the dtype they are reduced in, the tp-split embedding's at the whole
+    vocabulary (torch lays its gradient out unlike its weight), and the peak's transient.
+    Under ZeRO-2 that is the largest of a unit's 16-bit gradients before they are added in
+    (the planner's own count), the root unit's flat copy reduce-scattered first while the
+    others are held, and the embedding's 16-bit gradient at the whole vocabulary. ZeRO-3
+    counted the gradients unsharded, in their dtype, and keeps a unit's beside."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
     if not (lay.pipeline_grads_unsharded and lay.pp > 1 and lay.zero >= 2
             and lay.shard_group > 1 and lay.ep == 1) or (lay.zero == 3
                                                           and not stage.fsdp_units_kept):
         return 0.0
     reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
-    if lay.zero == 2:
-        held = params * reduced
-    else:
-        held = params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider
-    embedding = m.vocab * m.hidden * (1 - 1 / lay.tp)
-    return float(held + embedding * (dt.grads + reduced * wider))
+    whole = m.vocab * m.hidden
+    root = whole / lay.tp
+    if lay.zero == 2:  # the stages accumulating at once (each, then the embedding's)
+        unit = stage.shard_unit_params * dt.grads
+        held = (params - root) * accumulating_share(lay, 0) + root
+        # 16-bit gradients are added into fp32 ones, each unit's (the embedding's at the
+        # whole vocabulary) first apart; without mixed precision they are added in as they come
+        apart = max(unit, whole * dt.grads) if wider else 0.0
+        return float(held * reduced + (whole - root) * reduced
+                     + max(apart, root * reduced) - unit)
+    held = params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider
+    return float(held + (whole - root) * (dt.grads + reduced * wider))
 
 
 def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:

@@ -62,6 +62,16 @@ def inflight_of(schedule: str, pp: int, microbatches: int, virtual: int, rank: i
     return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0).peak_inflight(rank)
 
 
+def accumulating_of(schedule: str, pp: int, microbatches: int, virtual: int,
+                    rank: int) -> int:
+    """Most stages pipeline rank ``rank`` accumulates weight gradients for at once (all its
+    stages, unless the schedule runs each one's backwards before the next one's: interleaved
+    1F1B with as many micro-batches as ranks)."""
+    if pp == 1:
+        return 1
+    return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0).peak_accumulating(rank)
+
+
 def _timeline(schedule: str, pp: int, microbatches: int, virtual: int, backward: float,
               comm: float) -> Timeline:
     """The schedule simulated in units of t_F."""

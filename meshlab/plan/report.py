@@ -117,7 +117,8 @@ class Plan:
                 "gpu_hours": e.gpu_hours(self.tokens) if self.tokens else None}
         return {"model": {**dataclasses.asdict(self.model), "params": self.model.params},
                 "gpus": self.gpus, "hardware": self.hardware.name,
-                "implementation": self.implementation, "usable_gib": self.hardware.usable_bytes / GIB,
+                "implementation": self.implementation,
+                "usable_gib": self.hardware.usable_bytes / GIB,
                 "global_batch": e.layout.global_batch, "seq_len": self.model.seq_len,
                 "tokens": self.tokens, "best": best,
                 "layouts": [{**row, "days": row.get("days"), "gpu_hours": row.get("gpu_hours")}

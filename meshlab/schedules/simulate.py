@@ -124,6 +124,22 @@ class Timeline:
             peak = max(peak, level)
         return peak
 
+    def peak_accumulating(self, rank: int) -> int:
+        """Most stages accumulating weight gradients at once on ``rank``: from the start of a
+        stage's first backward (B, or W when split) to the end of its last, after which its
+        gradients are reduced and freed."""
+        spans: dict[int, tuple[float, float]] = {}
+        for t in self.timed:
+            if t.rank == rank and t.action.kind in ("B", "W"):
+                start, end = spans.get(t.action.stage, (t.start, t.end))
+                spans[t.action.stage] = (min(start, t.start), max(end, t.end))
+        changes = [(a, 1) for a, _ in spans.values()] + [(b, -1) for _, b in spans.values()]
+        level = peak = 0
+        for _, delta in sorted(changes):  # frees first on ties
+            level += delta
+            peak = max(peak, level)
+        return peak
+
     @property
     def per_rank(self) -> pd.DataFrame:
         """rank, busy, idle, bubble_fraction, peak_inflight."""

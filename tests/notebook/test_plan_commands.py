@@ -48,6 +48,21 @@ def test_plan_magic_searches_under_constraints(shell: Any) -> None:
     assert found.best.layout.describe() in shown(cap)
 
 
+def test_plan_magic_counts_whose_code_it_is_told(shell: Any) -> None:
+    layout = '--layout "pp=16 dp=128 tp=8 zero=2 m=16"'  # Llama 3 405B's published
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", f"plan llama3-405b --gpus 16384 {layout} -o ours")
+        shell.run_line_magic("mesh", f"plan llama3-405b --gpus 16384 {layout} "
+                                     "--implementation megatron -o theirs")
+    ours, theirs = shell.user_ns["ours"], shell.user_ns["theirs"]
+    # meshlab's torch keeps SP's gathered inputs and the stage's fp32 gradients: no fit
+    assert theirs.best.fits and not ours.best.fits
+    assert "as meshlab's code holds it (does NOT fit" in shown(cap)
+    assert "as megatron's code holds it (fits" in shown(cap)
+    with pytest.raises(UsageError, match="megatron"):
+        shell.run_line_magic("mesh", "plan llama3-8b --gpus 8 --implementation deepspeed")
+
+
 def test_plan_magic_takes_a_model_config_from_the_notebook(shell: Any) -> None:
     shell.run_cell("from meshlab.models import ModelConfig\nmine = ModelConfig(n_layers=4)")
     with capture_output():

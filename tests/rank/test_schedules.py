@@ -106,6 +106,20 @@ def test_interleaving_divides_the_bubble_by_v(p: int, m: int, v: int) -> None:
     assert interleaved.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
 
 
+def test_a_rank_accumulates_every_stage_at_once_unless_their_backwards_run_one_by_one() -> None:
+    # interleaved 1F1B runs micro-batches in rounds of p: with m = p one round, so each of a
+    # rank's stages runs all its backwards before the next begins (FSDP2 reduces and frees
+    # its gradients in between); with more rounds all its stages accumulate together
+    def accumulating(m: int, v: int) -> list[int]:
+        timeline = build("interleaved_1f1b", ranks=4, microbatches=m, virtual=v).simulate(UNIT)
+        return [timeline.peak_accumulating(r) for r in range(4)]
+
+    assert accumulating(4, 2) == accumulating(4, 4) == [1] * 4
+    assert accumulating(8, 2) == [2] * 4 and accumulating(16, 4) == [4] * 4
+    one = build("1f1b", ranks=4, microbatches=8).simulate(UNIT)
+    assert [one.peak_accumulating(r) for r in range(4)] == [1] * 4
+
+
 @pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 16), (8, 16)])
 def test_zb_h1_has_a_third_of_the_1f1b_bubble(p: int, m: int) -> None:
     one_f_one_b = build("1f1b", ranks=p, microbatches=m).simulate(Costs(forward=1, backward=2))
