@@ -38,6 +38,7 @@ def _pipeline_transient(known: Differences, reduced: float) -> list[tuple[str, f
                     mine - planned))
     return out
 
+
 def _accumulating(known: Differences, share: float) -> float:
     """Parameters of ``known``'s stages accumulating gradients at its peak: all of them, or
     (``share`` < 1: the schedule runs a stage's backwards before the next one's) as many as

@@ -257,7 +257,7 @@ def test_planning_notebook_answers_the_classic_exercises(executed: Any) -> None:
     assert row("+ full recompute, interleaved v=2", "22.662", "True", "59.372", "0.056", "0.179",
                "362.250", "0.366")
     assert ("pp=16 dp_shard=16 tp=8 zero=1 interleaved_1f1b/v2 mbs=1 m=128 ac=full: 22.7 GiB per "
-            "GPU (fits in 76 GiB)") in everything
+            "GPU as megatron's code holds it (fits in 76 GiB)") in everything
     # left free, the search keeps Llama 3's tp 8 x pp 16 with its ZeRO-2 (the markdown says why)
     assert "best of the free search: pp=16 dp_shard=16 tp=8 zero=2 1f1b" in everything
     # 4. all-reduce of 70B bf16 gradients on 256 GPUs at 12.5 GB/s
