@@ -22,14 +22,17 @@ a step holds what those kernels hold, by three rules on each tensor autograd sav
 
 A tensor not held comes back from the backward as an empty one of its shape (its values
 are never read: fake tensors only); the backward allocates it there, as a fused kernel
-computes it there. Plain torch, rank side.
+computes it there. Activation checkpointing's recomputation holds what the rules decide
+too. Plain torch, rank side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import defaultdict
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +41,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.clone.default}
+LOOKS = {torch.ops.aten.detach.default, torch.ops.prim.device.default}
+"""Ops that look at a tensor without computing on it (a checkpoint's recomputation detaches
+what it saves): not the op that saved it."""
 PENDING_OPS = 64
 """Ops a saved input waits for the op that saved it to read it (a DTensor's own first)."""
 FOLLOWED = 16
@@ -92,10 +98,11 @@ class Saved:
 
 class Made(NamedTuple):
     """How a tensor's memory was made: the op, and its tensor inputs as (the input's own
-    record, or -1 for one made before; its elements; its storage's owner, weakly)."""
+    record, or -1 for one made before; its elements; its storage's owner and its storage,
+    weakly)."""
 
     func: Any
-    inputs: list[tuple[int, int, weakref.ref[torch.Tensor]]]
+    inputs: list[tuple[int, int, weakref.ref[torch.Tensor], weakref.ref[Any]]]
 
 
 class FusedMemory(TorchDispatchMode):
@@ -112,6 +119,9 @@ class FusedMemory(TorchDispatchMode):
         # (GQA's repeat drops the keys' only other name): rule 1 holds it in the copy's place
         self.repeated: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.pending: list[tuple[Saved, int]] = []  # saved inputs, ops since
+        # a live tensor on each storage seen: a recomputation reads tensors through aliases
+        # that go before their storage does
+        self.owner: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -125,7 +135,7 @@ class FusedMemory(TorchDispatchMode):
             waiting = []
             for saved, age in self.pending:
                 st = _local(saved.tensor).untyped_storage() if saved.tensor is not None else None
-                if st is not None and any(st is s for s in storages):
+                if st is not None and any(st is s for s in storages) and func not in LOOKS:
                     self._decide(saved, func)
                 elif age < PENDING_OPS:
                     waiting.append((saved, age + 1))
@@ -134,19 +144,23 @@ class FusedMemory(TorchDispatchMode):
             self.pending = waiting
         out = func(*args, **(kwargs or {}))
         made = Made(func, [(self.record_of.get(st, -1), t.numel(),
-                            weakref.ref(t if t._base is None else t._base))
+                            weakref.ref(t if t._base is None else t._base), weakref.ref(st))
                            for t, st in zip(inputs, storages, strict=True)])
+        for (_, _, owner, _), st in zip(made.inputs, storages, strict=True):
+            self._own(st, owner)
         new = False
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             st = _local(t).untyped_storage()
+            local = _local(t)
+            self._own(st, weakref.ref(local if local._base is None else local._base))
             if all(st is not s for s in storages):  # not a view of an input: new memory
                 self.record_of[st] = len(self.records)
                 new = True
                 if (func in COPIES and torch.is_grad_enabled() and 0 in inputs[0].stride()
                         and storages[0].nbytes() < st.nbytes()):
-                    self.repeated[st] = made.inputs[0][2]()
+                    self.repeated[st] = self._alive(made.inputs[0])
         if new:
             self.records.append(made)
         return out
@@ -171,7 +185,7 @@ class FusedMemory(TorchDispatchMode):
         record = self.record_of.get(st)
         if record is None or self.records[record].func not in COPIES:
             return None
-        source = self.records[record].inputs[0][2]()
+        source = self._alive(self.records[record].inputs[0])
         return source if source is not None and _nbytes(source) <= st.nbytes() else None
 
     def _decide(self, saved: Saved, saver: Any) -> None:
@@ -194,6 +208,20 @@ class FusedMemory(TorchDispatchMode):
                 return
         self.held[st] = True
 
+    def _own(self, storage: Any, owner: weakref.ref[torch.Tensor]) -> None:
+        """``owner`` among ``storage``'s live aliases."""
+        known = [ref for ref in self.owner.get(storage, ()) if ref() is not None]
+        new = all(ref() is not owner() for ref in known)
+        self.owner[storage] = [*known, owner] if new else known
+
+    def _alive(self, made_input: tuple[int, int, Any, Any]) -> torch.Tensor | None:
+        """The tensor an op read, or a live one on its storage where that alias is gone."""
+        tensor, storage = made_input[2](), made_input[3]()
+        if tensor is None and storage is not None:
+            tensor = next((t for ref in self.owner.get(storage, ()) if (t := ref()) is not None),
+                          None)
+        return tensor
+
     def _chain_inputs(self, record: int, numel: int, budget: int
                       ) -> list[torch.Tensor] | None:
         """What a fused kernel reads to recompute the tensor ``record`` made (``numel``
@@ -205,11 +233,11 @@ class FusedMemory(TorchDispatchMode):
         full = [i for i in made.inputs if i[1] == numel]
         if len(full) != 1:
             return None
-        small = [ref() for _, n, ref in made.inputs if n != numel]
-        back, _, ref = full[0]
+        small = [self._alive(i) for i in made.inputs if i[1] != numel]
+        back = full[0][0]
         chain = self._chain_inputs(back, numel, budget - 1) if back >= 0 else None
         if chain is None:
-            chain = [ref()]  # type: ignore[list-item]
+            chain = [self._alive(full[0])]  # type: ignore[list-item]
         held = chain + small
         return None if any(h is None for h in held) else held  # type: ignore[return-value]
 
@@ -220,10 +248,65 @@ def _fake(t: torch.Tensor) -> bool:
     return isinstance(_local(t), FakeTensor)
 
 
+class _Recomputed(weakref.WeakKeyDictionary):
+    """A checkpoint's recomputed tensors, held as the fused kernels' forward would hold them
+    (torch's checkpoint saves them under hooks of its own, which the mode's never see)."""
+
+    def __init__(self, mode: FusedMemory) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def __setitem__(self, handle: Any, tensor: torch.Tensor) -> None:
+        super().__setitem__(handle, self.mode.pack(tensor))
+
+    def __getitem__(self, handle: Any) -> torch.Tensor:
+        return super().__getitem__(handle).unpack()
+
+
+@contextlib.contextmanager
+def _fused_recomputation(mode: FusedMemory) -> Iterator[None]:
+    """Within: activation checkpointing's recomputed forward holds what fused kernels keep
+    too. Its check that the recomputed tensors match the saved ones is left out (it would
+    allocate each tensor a fused kernel does not keep, to read its shape)."""
+    from torch.utils import checkpoint
+
+    frame, hook = checkpoint._CheckpointFrame, checkpoint._recomputation_hook
+    original = frame.__init__
+
+    def init(self: Any, recompute_fn: Any, early_stop: Any, unpack_error_cb: Any,
+             metadata_fn: Any) -> None:
+        original(self, recompute_fn, early_stop, unpack_error_cb, metadata_fn)
+        self.recomputed = defaultdict(partial(_Recomputed, mode))
+        self.check_recomputed_tensors_match = lambda gid: None
+
+    class Recomputation(hook):  # type: ignore[misc, valid-type]
+        """Stores what the recomputation saves in the frame, and nothing in the
+        recomputation's own graph, which no backward runs through."""
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            store: Any = getattr(self, "pack_hook")  # noqa: B009 (set by the base)
+
+            def pack(x: torch.Tensor) -> None:
+                store(x)
+
+            self.pack_hook = pack
+
+    frame.__init__ = init  # type: ignore[method-assign]
+    setattr(checkpoint, "_recomputation_hook", Recomputation)  # noqa: B010 (a class)
+    try:
+        yield
+    finally:
+        frame.__init__ = original  # type: ignore[method-assign]
+        setattr(checkpoint, "_recomputation_hook", hook)  # noqa: B010
+
+
 @contextlib.contextmanager
 def fused_memory() -> Iterator[FusedMemory]:
-    """Within: autograd saves what fused kernels keep (the module's docstring); on fake
-    tensors only (a real tensor is saved as it is)."""
+    """Within: autograd saves what fused kernels keep (the module's docstring), in the
+    forward and in a checkpoint's recomputation; on fake tensors only (a real tensor is
+    saved as it is)."""
     mode = FusedMemory()
-    with mode, torch.autograd.graph.saved_tensors_hooks(mode.pack, Saved.unpack):
+    with mode, torch.autograd.graph.saved_tensors_hooks(mode.pack, Saved.unpack), \
+            _fused_recomputation(mode):
         yield mode
