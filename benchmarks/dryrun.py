@@ -1,5 +1,6 @@
 """A dry run at full scale beside the planner: Llama-3 70B on 1,024 fake ranks and 405B on
-16,384, one process each, no cluster.
+16,384, one process each, no cluster; each in a fixed layout, and in the planner's first
+choice for it (counting meshlab's code: whether that fits where it runs).
 
 Each case runs in a child process (so its peak RSS is its own): meshlab.dry_run builds the
 model on the meta device, parallelizes it for one representative rank per pipeline stage
@@ -8,7 +9,7 @@ resident memory (with its workers, one per CPU, each at its peak) beside the pla
 to estimate the same layout (goals: 70B <= 30 s, 405B <= 120 s, <= 8 GiB), then each
 rank's memory by category beside the planner's.
 
-$ python benchmarks/dryrun.py                 # both cases
+$ python benchmarks/dryrun.py                 # every case
 $ python benchmarks/dryrun.py --case 70b      # one
 $ python benchmarks/dryrun.py --profile 70b   # where a case's time goes (cProfile, top 25)
 """
@@ -23,18 +24,32 @@ import subprocess
 import sys
 import time
 
-CASES = {
+CASES: dict[str, tuple[str, str | int, float]] = {
     "70b": ("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8", 30),
     "405b": ("llama3-405b", "pp=16 dp=128 tp=8 m=16", 120),
+    # the planner's first choice on that many GPUs, counting meshlab's code: does it fit?
+    "70b-pick": ("llama3-70b", 1024, 30),
+    "405b-pick": ("llama3-405b", 16384, 120),
 }
 GIB = 2**30
+
+
+def case_layout(case: str) -> tuple[str, str, float]:
+    """The case's model, layout (a pick's: the planner's first choice) and time goal."""
+    model, layout, goal = CASES[case]
+    if isinstance(layout, int):
+        from meshlab.dry_run_plan import describe
+        from meshlab.plan.report import plan
+
+        layout = describe(plan(model, gpus=layout, top=1).best.layout)
+    return model, layout, goal
 
 
 def one(case: str) -> dict[str, object]:
     """Run one case here; what the parent prints."""
     from meshlab.dry_run import dryrun, planner_beside
 
-    model, layout, _ = CASES[case]
+    model, layout, _ = case_layout(case)
     started = time.perf_counter()
     run = dryrun(model, layout, hardware="h100-sxm", workers=os.cpu_count())  # a script: say so
     wall = time.perf_counter() - started
@@ -52,7 +67,7 @@ def one(case: str) -> dict[str, object]:
 def planner_seconds(case: str) -> float:
     from meshlab.plan import HARDWARE, Layout, estimate, model_shape
 
-    model, layout, _ = CASES[case]
+    model, layout, _ = case_layout(case)
     shape, lay = model_shape(model), Layout.parse(layout)
     started = time.perf_counter()
     estimate(shape, lay, HARDWARE["h100-sxm"])
@@ -60,7 +75,7 @@ def planner_seconds(case: str) -> float:
 
 
 def report(case: str, result: dict[str, object]) -> None:
-    model, layout, goal = CASES[case]
+    model, layout, goal = case_layout(case)
     wall, rss = float(result["wall_s"]), int(result["rss"])  # type: ignore[arg-type]
     plan_s = planner_seconds(case)
     print(f"\n{model} on {layout}")
