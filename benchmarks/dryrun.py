@@ -47,7 +47,7 @@ def case_layout(case: str) -> tuple[str, str, float]:
 
 def one(case: str) -> dict[str, object]:
     """Run one case here; what the parent prints."""
-    from meshlab.dry_run import dryrun, planner_beside
+    from meshlab.dry_run import dryrun, planner_beside, processes_for
 
     model, layout, _ = case_layout(case)
     started = time.perf_counter()
@@ -57,7 +57,8 @@ def one(case: str) -> dict[str, object]:
     # host holds this process and the workers together at most
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    rss = own + min(len(run.ranks), os.cpu_count() or 1) * worker
+    probed = [r for r in run.ranks if "composed from" not in r.role]
+    rss = own + processes_for(len(probed), os.cpu_count() or 1) * worker
     rows = [r.as_dict() for r in planner_beside(run) if r.what == "memory"]
     return {"wall_s": wall, "rss": rss, "ranks": [
         {"rank": r.rank, "role": r.role, "seconds": r.seconds, "memory": r.memory,

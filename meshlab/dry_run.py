@@ -137,9 +137,10 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     takes them (tp_plan, blocks, split_points), ``init`` as parallelize's (a dry run fills
     nothing: a module without reset_parameters() needs none); ``batch`` is sequences per
     data-parallel rank (default mbs x m);
-    ``world_size``, when given, must be the layout's product. ``workers``: processes that
-    run the ranks side by side (default: one per CPU when a factory can be sent to them;
-    1 runs them here, one after another). ``compose``: a pipeline rank runs a probe step
+    ``world_size``, when given, must be the layout's product. ``workers``: the CPUs that
+    run the ranks side by side, in as many processes as finish them soonest
+    (``processes_for``; default: every CPU when a factory can be sent to them; 1 runs them
+    here, one after another). ``compose``: a pipeline rank runs a probe step
     of a few micro-batches and composes the layout's schedule from it (the same figures,
     meshlab.dry_run_compose); False runs every micro-batch. ``kernels``: "fused" holds the
     activations fused kernels keep on a GPU (FlashAttention with grouped keys, fused norms
@@ -253,7 +254,7 @@ def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
 
     if workers is None:
         workers = (os.cpu_count() or 1) if _can_send(jobs[0]["build"]) else 1
-    workers = max(1, min(workers, len(jobs)))
+    workers = processes_for(len(jobs), workers)
     if workers == 1:
         return [run for job in jobs for run in run_rank(**job)]
     import multiprocessing
@@ -261,6 +262,14 @@ def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
 
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         return [run for runs in pool.map(_run_job, jobs) for run in runs]
+
+
+def processes_for(jobs: int, cpus: int) -> int:
+    """Processes to run ``jobs`` ranks on ``cpus`` CPUs: the fewest that run them in the
+    least time, up to two per CPU. Three alike jobs on two CPUs take two rounds in two
+    processes; in three, time-sharing the two, one and a half."""
+    cpus = max(1, min(cpus, jobs))
+    return min(range(cpus, min(jobs, 2 * cpus) + 1), key=lambda n: -(-jobs // n) * n)
 
 
 def _can_send(build: Any) -> bool:

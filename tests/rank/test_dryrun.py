@@ -241,6 +241,14 @@ def test_published_layouts_agree_with_the_planner_on_every_category(case: str) -
     assert "accumulates the stage's unsharded gradients in fp32" in first["buffers"]
 
 
+def test_ranks_run_in_as_many_processes_as_finish_them_soonest() -> None:
+    from meshlab.dry_run import processes_for
+
+    # three probes on two CPUs: time-shared in three, one and a half rounds, not two
+    assert [processes_for(jobs, 2) for jobs in range(1, 10)] == [1, 2, 3, 2, 2, 2, 2, 2, 3]
+    assert processes_for(3, 1) == 1 and processes_for(16, 4) == 4  # even rounds: one a CPU
+
+
 def test_each_pipeline_stage_is_a_rank_of_its_own() -> None:
     dry = run("pp_1f1b")
     assert [r.rank for r in dry.ranks] == [0, 32]  # the first rank of each stage
