@@ -146,14 +146,14 @@ def pipeline_gradients(stage: Stage) -> float:
     others are held, and the embedding's 16-bit gradient at the whole vocabulary. ZeRO-3
     counted the gradients unsharded, in their dtype, and keeps a unit's beside."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
-    if not (lay.pipeline_grads_unsharded and lay.pp > 1 and lay.zero >= 2
-            and lay.shard_group > 1 and lay.ep == 1) or (lay.zero == 3
-                                                          and not stage.fsdp_units_kept):
+    kept = lay.zero == 2 or (lay.zero == 3 and stage.fsdp_units_kept)  # unsharded all step
+    if not (lay.pipeline_grads_unsharded and lay.pp > 1 and kept and lay.shard_group > 1
+            and lay.ep == 1):
         return 0.0
     reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
     whole = m.vocab * m.hidden
     root = whole / lay.tp
-    if lay.zero == 2:  # the stages accumulating at once (each, then the embedding's)
+    if lay.zero == 2:  # the stages accumulating at once, the embedding's among them
         unit = stage.shard_unit_params * dt.grads
         held = (params - root) * accumulating_share(lay, 0) + root
         # 16-bit gradients are added into fp32 ones, each unit's (the embedding's at the
