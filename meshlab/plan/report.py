@@ -20,6 +20,9 @@ from meshlab.plan.shapes import ModelShape, model_shape
 if TYPE_CHECKING:  # pandas only when a table is asked for: ranks import the planner
     import pandas as pd
 
+# the settings that decide whose code a plan's memory counts (reduce_fp32 is also Megatron's)
+COUNTED = ("sp_regather", "loss_parallel", "pipeline_grads_unsharded")
+
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 COMM_COLUMNS = ("axis", "what", "collective", "ranks", "link", "calls", "mib_each", "seconds",
                 "overlapped")
@@ -40,7 +43,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     """What ``plan`` assumed that the caller did not say (e.g. the ZeRO stage)."""
     implementation: str = "meshlab"
-    """Whose code the memory is counted for (``IMPLEMENTATIONS``)."""
+    """Whose code the memory is counted for (``IMPLEMENTATIONS``), as the best layout's
+    settings say: "mixed" where they are some of each."""
     verified: list[Any] = field(default_factory=list)
     """Dry runs (meshlab.dry_run.DryRun) of the best layouts, where asked for: what torch
     allocates and sends for them, beside these estimates."""
@@ -134,7 +138,8 @@ class Plan:
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU"
                  + (f" + {e.memory['host'] / GIB:.3g} GiB of host memory" if host else "")
-                 + f" as {self.implementation}'s code holds it"
+                 + (f" as {self.implementation}'s code holds it"
+                    if self.implementation in IMPLEMENTATIONS else " as its settings count it")
                  + f" ({'fits' if e.fits else 'does NOT fit'} in "
                  f"{self.hardware.usable_bytes / GIB:.0f} GiB"
                  + (f" + {self.hardware.host_memory_gib:.0f} GiB" if host else "")
@@ -197,9 +202,9 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
             if best is None:
                 raise ValueError(f"no context-parallel implementation runs "
                                  f"{layout.describe()} on {hw.name}: see cp_impl's options")
-            return Plan(shape, gpus, hw, [best], tokens, notes, implementation)
+            return Plan(shape, gpus, hw, [best], tokens, notes, whose(best.layout))
         return Plan(shape, gpus, hw, [estimate(shape, layout, hw)], tokens, notes,
-                    implementation)
+                    whose(layout))
     batch = global_batch or default_batch(shape, gpus)
     found: Any = search(shape, gpus=gpus, hardware=hw, global_batch=batch,
                         constraints=constraints, precision=precision, top=top, settings=code)
@@ -208,6 +213,15 @@ def plan(model: str | ModelShape, *, gpus: int, hardware_profile: str | Hardware
         f"({batch * shape.seq_len / 2**20:.0f}M tokens), ~4M tokens or one sequence per "
         f"{NODE} GPUs where that is more (Llama 3 405B: 16M on 16,384); --batch sets it"]
     return Plan(shape, gpus, hw, list(found["estimate"]), tokens, notes, implementation)
+
+
+def whose(layout: Layout) -> str:
+    """The implementation whose memory ``layout``'s settings count, or "mixed"."""
+    for name, settings in IMPLEMENTATIONS.items():
+        if all(getattr(layout, key) == settings.get(key, Layout.__dataclass_fields__[key].default)
+               for key in COUNTED):
+            return name
+    return "mixed"
 
 
 def with_batch(layout: Layout, global_batch: int, *, fixed: bool) -> Layout:

@@ -14,11 +14,12 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from meshlab.notebook.cli import main
-from meshlab.plan import ModelShape, model_shape
+from meshlab.plan import Layout, ModelShape, model_shape
 from meshlab.plan.report import plan
 from meshlab.plan.shapes import load_model
 
@@ -161,6 +162,20 @@ def test_a_layout_that_gives_zero_needs_no_note() -> None:
     result = plan("llama3-8b", gpus=8, layout="dp=8 zero=1")
     assert "dp_shard=8 zero=1 mbs=1 m=1 reduce_fp32=1: " in result.text()
     assert "zero not given" not in result.text() and result.notes == []
+
+
+def test_the_summary_says_whose_code_the_layouts_settings_count() -> None:
+    def said(**options: Any) -> str:
+        return plan("llama3-8b", gpus=8, **options).text().splitlines()[1]
+
+    assert "as meshlab's code holds it" in said(layout="tp=4 dp=2")
+    assert "as megatron's code holds it" in said(layout="tp=4 dp=2", implementation="megatron")
+    # a Layout states every setting: its defaults are Megatron's
+    assert "as megatron's code holds it" in said(layout=Layout.parse("tp=4 dp=2"))
+    assert "as its settings count it" in said(layout="tp=4 dp=2 sp_regather=1")
+    with pytest.raises(ValueError, match="implementation='deepspeed': expected one of "
+                                         "meshlab, megatron"):
+        said(implementation="deepspeed")
 
 
 def test_searched_layouts_state_their_zero_stage() -> None:
