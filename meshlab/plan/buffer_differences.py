@@ -4,9 +4,15 @@ what the planner counts (meshlab.plan.memory), each difference with its bytes.""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
-from meshlab.plan.memory import DDP_BUCKET_BYTES, accumulating_share
+from meshlab.plan.memory import (
+    DDP_BUCKET_BYTES,
+    accumulated_params,
+    accumulating_share,
+    accumulation_transient,
+)
 
 if TYPE_CHECKING:
     from meshlab.plan.differences import Differences
@@ -17,19 +23,17 @@ DDP_BUCKETS = 2.0 * DDP_BUCKET_BYTES
 def _pipeline_transient(known: Differences, reduced: float) -> list[tuple[str, float]]:
     """ZeRO-2 under a pipeline, where the planner counts the accumulated gradients
     (memory.pipeline_gradients) for an end stage: what this rank's stage holds instead."""
-    m, dt, out = known.model, known.dt, []
+    m, out = known.model, []
     whole = m.vocab * m.hidden
-    root, unit = whole / known.layout.tp, known.stage.shard_unit_params * dt.grads
+    root = whole / known.layout.tp
     if not known.first:
         out.append(("the planner counts the first stage's embedding gradient at the whole "
                     "vocabulary, accumulated in fp32: not this rank's",
                     -(whole - root) * reduced))
-    # 16-bit gradients are added into fp32 ones, each unit's (the embedding's at the whole
-    # vocabulary) first apart; without mixed precision they are added in as they come
-    apart = unit if known.mixed else 0.0
-    whole_apart = whole * dt.grads if known.mixed else 0.0
-    planned = max(apart, root * reduced, whole_apart)
-    mine = max(apart, known.root * reduced, whole_apart * known.first)
+    peak = partial(accumulation_transient, unit=known.stage.shard_unit_params,
+                   grads=known.dt.grads, reduced=reduced, mixed=known.mixed)
+    planned = peak(root=root, whole=whole)
+    mine = peak(root=known.root, whole=whole * known.first)
     if abs(mine - planned) > 0.5:
         out.append(("the peak's transient, of a unit's 16-bit gradients before they are "
                     "added in, the root unit's flat copy reduce-scattered first while the "
@@ -80,8 +84,7 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                            or (lay.zero == 2 and lay.pp > 1))  # unsharded all step
     counts = kept and lay.pipeline_grads_unsharded  # the planner counts what follows
     if counts and lay.zero == 2:  # each's stages, those accumulating at once
-        end = known.model.vocab * known.model.hidden / lay.tp  # the planner's end stage's root
-        planned = (sum(known.stage.params) - end) * accumulating_share(lay, 0) + end
+        planned = accumulated_params(known.stage)
         mine = _accumulating(known, accumulating_share(lay, known.run.coordinates.get("pp", 0)))
         if abs(mine - planned) > 0.5:
             out.append(("this rank's stages accumulate their own parameters' gradients, "

@@ -135,6 +135,25 @@ def accumulating_share(lay: Layout, pp_rank: int) -> float:
                            pp_rank) / lay.stages_per_rank
 
 
+def accumulated_params(stage: Stage) -> float:
+    """Parameters whose gradients the busiest stage, an end stage, accumulates at once: those
+    of the stages accumulating together (``accumulating_share``), its root unit (the
+    embedding or the output) among them."""
+    root = stage.model.vocab * stage.model.hidden / stage.layout.tp
+    return (sum(stage.params) - root) * accumulating_share(stage.layout, 0) + root
+
+
+def accumulation_transient(*, unit: float, root: float, whole: float, grads: int,
+                           reduced: float, mixed: bool) -> float:
+    """Bytes of the largest transient beside gradients accumulated under a pipeline: a
+    unit's 16-bit gradients (``unit`` elements) before they are added into the fp32 ones,
+    the embedding's at the whole vocabulary (``whole``; 0 off the first stage) likewise, and
+    the root unit's flat copy (``root``) reduce-scattered first while the others are held.
+    Without mixed precision gradients are added in as they come: the flat copy alone."""
+    apart = max(unit, whole) * grads if mixed else 0.0
+    return max(apart, root * reduced)
+
+
 def pipeline_gradients(stage: Stage) -> float:
     """What FSDP2 under torch's PipelineStage holds beside the planner's ZeRO-2/3 buffers
     (``Layout.pipeline_grads_unsharded``; meshlab's expert parallelism reduces in hooks of
@@ -153,14 +172,11 @@ def pipeline_gradients(stage: Stage) -> float:
     reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
     whole = m.vocab * m.hidden
     root = whole / lay.tp
-    if lay.zero == 2:  # the stages accumulating at once, the embedding's among them
-        unit = stage.shard_unit_params * dt.grads
-        held = (params - root) * accumulating_share(lay, 0) + root
-        # 16-bit gradients are added into fp32 ones, each unit's (the embedding's at the
-        # whole vocabulary) first apart; without mixed precision they are added in as they come
-        apart = max(unit, whole * dt.grads) if wider else 0.0
-        return float(held * reduced + (whole - root) * reduced
-                     + max(apart, root * reduced) - unit)
+    if lay.zero == 2:  # a unit's 16-bit gradients are the planner's own count
+        peak = accumulation_transient(unit=stage.shard_unit_params, root=root, whole=whole,
+                                      grads=dt.grads, reduced=reduced, mixed=wider)
+        return float((accumulated_params(stage) + whole - root) * reduced + peak
+                     - stage.shard_unit_params * dt.grads)
     held = params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider
     return float(held + (whole - root) * (dt.grads + reduced * wider))
 

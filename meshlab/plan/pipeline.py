@@ -54,12 +54,11 @@ def _simulate(schedule: str, pp: int, microbatches: int, virtual: int, backward:
     return timeline.makespan, float(timeline.peak_inflight(0))
 
 
-@lru_cache(maxsize=256)
 def inflight_of(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> int:
     """Most micro-batch chunks pipeline rank ``rank`` holds activations for at once."""
     if pp == 1:
         return 1
-    return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0).peak_inflight(rank)
+    return _step(schedule, pp, microbatches, virtual).peak_inflight(rank)
 
 
 def accumulating_of(schedule: str, pp: int, microbatches: int, virtual: int,
@@ -69,7 +68,14 @@ def accumulating_of(schedule: str, pp: int, microbatches: int, virtual: int,
     1F1B with as many micro-batches as ranks)."""
     if pp == 1:
         return 1
-    return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0).peak_accumulating(rank)
+    return _step(schedule, pp, microbatches, virtual).peak_accumulating(rank)
+
+
+@lru_cache(maxsize=256)
+def _step(schedule: str, pp: int, microbatches: int, virtual: int) -> Timeline:
+    """The schedule's order of work (a backward twice a forward, no hops): the one
+    simulation a planner's search asks of each schedule for memory, however many layouts."""
+    return _timeline(schedule, pp, microbatches, virtual, 2.0, 0.0)
 
 
 def _timeline(schedule: str, pp: int, microbatches: int, virtual: int, backward: float,
