@@ -208,13 +208,11 @@ class CellRun:
                 found.update(self.cluster.stop_ignored(late))  # signals those that caught it
                 # A rank still busy with something else (a probe, a push) when the SIGINT came
                 # starts the cell after it, uninterrupted: once more. A rank stuck in native
-                # code still holds the first, and the two count as one; one in a collective
-                # holds it until the process-group timeout, so waiting for it is no use.
-                again = [r for r in late if _state(found, r) not in ("ignored", "collective")]
+                # code still holds the first, and the two count as one.
+                again = [r for r in late if _state(found, r) != "ignored"]
                 if again:
                     self.cluster.interrupt(again)
-                if any(_state(found, r) != "collective" for r in late):
-                    self.cluster.cell_channel.wait(self.sent, GRACE)
+                self.cluster.cell_channel.wait(self.sent, GRACE)
                 # one that was not in the cell yet may since have caught this SIGINT
                 late = [r for r in again if not self._done(r) and _state(found, r) == "no cell"]
         self._in_collective = {r for r in running if _state(found, r) == "collective"}
