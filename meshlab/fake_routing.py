@@ -115,9 +115,8 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
                      weights: torch.Tensor, *, group: Any, ranks: int) -> torch.Tensor:
     """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
     (every rank sends each expert the same count, so it receives what it sends)."""
-    from meshlab.parallel.expert import all_to_all
+    from meshlab.parallel.expert import all_to_all, run_local_experts
 
-    local = moe.n_experts // ranks
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     token_of_pair = (torch.arange(flat.numel(), device=flat.device) // experts.shape[1])[order]
@@ -128,12 +127,7 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
         arrived = all_to_all(routed, send=send, recv=[sum(mine)] * ranks, group=group)
         received = moe.get_buffer("tokens_received")
         received.add_(torch.tensor(mine, device=received.device) * ranks)
-    pieces, start = [], 0
-    for _source in range(ranks):
-        for e in range(local):
-            pieces.append(moe.experts(arrived[start:start + mine[e]], e))
-            start += mine[e]
-    done = torch.cat(pieces)
+    done = run_local_experts(moe, arrived, [mine] * ranks)
     returned = done
     if ranks > 1:
         returned = all_to_all(done, send=[sum(mine)] * ranks, recv=send, group=group)

@@ -264,16 +264,35 @@ def dispatch_and_combine(moe: MoE, tokens: torch.Tensor, experts: torch.Tensor,
     ``ranks`` of ``group`` (each holding ``local`` experts), run it there, bring it back."""
 
     def run(arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        pieces, start = [], 0
-        for source in range(ranks):  # each source sent its pairs sorted by expert
-            for e in range(local):
-                n = int(counts[source, e])
-                pieces.append(moe.experts(arrived[start:start + n], e))
-                start += n
-        return torch.cat(pieces) if pieces else arrived
+        return run_local_experts(moe, arrived, counts.tolist())
 
     return exchange(tokens, experts, weights, n_experts=moe.n_experts, run=run,
                     received=moe.get_buffer("tokens_received"), group=group, ranks=ranks)
+
+
+def run_local_experts(moe: MoE, arrived: torch.Tensor, counts: list[list[int]]
+                      ) -> torch.Tensor:
+    """Rows that arrived from each source, ``counts[source][e]`` for each local expert e in
+    that order -> each row's expert output, in the same order. Each expert runs once on the
+    rows of every source: autocast keeps a 16-bit copy of the weights of each call for its
+    backward, so one call per source would keep ``ranks`` copies of every expert."""
+    ranks, local = len(counts), len(counts[0])
+    starts, at = [], 0
+    for row in counts:
+        starts.append([at + sum(row[:e]) for e in range(local)])
+        at += sum(row)
+    if ranks == 1:
+        index = None
+        grouped = arrived
+    else:  # source-major -> expert-major
+        index = torch.cat([torch.arange(starts[s][e], starts[s][e] + counts[s][e])
+                           for e in range(local) for s in range(ranks)]).to(arrived.device)
+        grouped = arrived[index]
+    sizes = [sum(counts[s][e] for s in range(ranks)) for e in range(local)]
+    done = torch.cat([moe.experts(rows, e) for e, rows in enumerate(grouped.split(sizes))])
+    if index is None:
+        return done
+    return done[index.argsort()]
 
 
 def routed_sizes(flat: torch.Tensor, n_experts: int, group: Any, ranks: int

@@ -441,3 +441,15 @@ def test_a_composed_pipeline_step_is_the_whole_step(shape: ModelShape, layout: s
     if "pp=8" in layout:
         assert sum("composed from rank 2's probe" in r.role for r in composed.ranks) == 5
 
+
+
+def test_expert_parallel_keeps_one_copy_of_each_local_expert_however_many_ranks_send() -> None:
+    """Autocast keeps a 16-bit copy of an expert's weights for each call's backward: each
+    local expert runs once on the rows of every source rank, so two local experts hold the
+    same activations whether two ranks send them tokens or four (one call per source kept
+    four copies: 12.7 MB more here, 352 MiB a layer at Mixtral's widths)."""
+    shape = dataclasses.replace(MOE, layers=2, ffn=1024)
+    held = [dryrun(dataclasses.replace(shape, experts=2 * ep), f"dp_shard=4 ep={ep}",
+                   ranks=[0], workers=1).ranks[0].peaks["activations"] for ep in (2, 4)]
+    one_copy = 3 * shape.hidden * shape.ffn * 2
+    assert abs(held[0] - held[1]) < one_copy / 8
