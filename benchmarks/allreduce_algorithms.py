@@ -1,5 +1,5 @@
 """All-reduce algorithms side by side: ring, halving-doubling, tree and hierarchical
-(``meshlab.allreduce``, written on send/recv) beside the backend's own ``dist.all_reduce``,
+(``meshlab.measure.allreduce``, written on send/recv) beside the backend's own ``dist.all_reduce``,
 over message sizes; each algorithm's time over the backend's and over ring's, and the size
 below which each beats ring, measured and as the planner predicts it from the links a
 calibration fits (the all-reduce on the mesh's axes, not these points).

@@ -13,7 +13,7 @@ import statistics
 from functools import partial
 
 from meshlab import Cluster
-from meshlab.timing import interleaved_times
+from meshlab.measure.timing import interleaved_times
 
 CELL = """
 for _ in range(200):

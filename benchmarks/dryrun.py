@@ -2,7 +2,7 @@
 16,384, one process each, no cluster; each in a fixed layout, and in the planner's first
 choice for it (counting meshlab's code: whether that fits where it runs).
 
-Each case runs in a child process (so its peak RSS is its own): meshlab.dry_run builds the
+Each case runs in a child process (so its peak RSS is its own): meshlab.dry_run.run builds the
 model on the meta device, parallelizes it for one representative rank per pipeline stage
 and runs a step on fake tensors. Printed per case: the wall time and the child's peak
 resident memory (with its workers, one per CPU, each at its peak) beside the planner's time
@@ -38,7 +38,7 @@ def case_layout(case: str) -> tuple[str, str, float]:
     """The case's model, layout (a pick's: the planner's first choice) and time goal."""
     model, layout, goal = CASES[case]
     if isinstance(layout, int):
-        from meshlab.dry_run_plan import describe
+        from meshlab.dry_run.plan import describe
         from meshlab.plan.report import plan
 
         layout = describe(plan(model, gpus=layout, top=1).best.layout)
@@ -47,13 +47,13 @@ def case_layout(case: str) -> tuple[str, str, float]:
 
 def one(case: str) -> dict[str, object]:
     """Run one case here; what the parent prints."""
-    from meshlab.dry_run import dryrun, planner_beside, processes_for
+    from meshlab.dry_run.run import dryrun, planner_beside, processes_for
 
     model, layout, _ = case_layout(case)
     started = time.perf_counter()
     run = dryrun(model, layout, hardware="h100-sxm", workers=os.cpu_count())  # a script: say so
     wall = time.perf_counter() - started
-    # the ranks run in worker processes (meshlab.dry_run's workers) beside this one: the
+    # the ranks run in worker processes (meshlab.dry_run.run's workers) beside this one: the
     # host holds this process and the workers together at most
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024

@@ -33,7 +33,7 @@ from IPython import get_ipython
 from IPython.testing.globalipapp import start_ipython
 
 from meshlab import Cluster
-from meshlab.timing import interleaved_times
+from meshlab.measure.timing import interleaved_times
 
 
 class Meshlab:

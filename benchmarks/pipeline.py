@@ -16,9 +16,9 @@ import statistics
 import time
 
 from meshlab import Cluster
+from meshlab.measure.timing import step_times
 from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.schedules import build
-from meshlab.timing import step_times
 
 # every schedule meshlab builds (the executor is meshlab's one pipeline runtime), with torch's
 # class for it; v: stages per rank for the looped ones

@@ -27,7 +27,7 @@ from meshlab import Cluster
 SETUP = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import train
+from meshlab.verify.compare import train
 torch.set_num_threads(1)
 cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                   vocab_size=1024, max_seq_len=128)

@@ -28,7 +28,7 @@ from IPython.utils.capture import capture_output
 SETUP = """%%mesh
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
+from meshlab.verify.compare import data_rank, train
 
 torch.manual_seed(0)
 cfg = ModelConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=384)
@@ -91,7 +91,7 @@ def main() -> None:
         returned = timed(shell, f"%mesh checkpoint save {ckpt}-async --async")
         times["async save (returns)"].append(returned)
         times["async save (on disk)"].append(returned + timed(
-            shell, "%%mesh\nimport meshlab.checkpoint\nmeshlab.checkpoint.wait()"))
+            shell, "%%mesh\nimport meshlab.checkpoint.sharded\nmeshlab.checkpoint.sharded.wait()"))
         times["checkpoint load"].append(timed(shell, f"%mesh checkpoint load {ckpt}"))
         cell(shell, "%%mesh\nfit(2)")
 

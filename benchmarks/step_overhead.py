@@ -21,14 +21,14 @@ import tempfile
 from pathlib import Path
 
 from meshlab import Cluster
+from meshlab.measure.timing import step_times
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export import Journal, export
-from meshlab.timing import step_times
 
 SETUP = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank
+from meshlab.verify.compare import data_rank
 from meshlab.models.llama import loss_fn
 
 torch.manual_seed(0)
@@ -47,7 +47,7 @@ def train_step():
 """
 
 TIMED = """
-from meshlab.timing import step_times
+from meshlab.measure.timing import step_times
 # every rank starts each step together; a step ends when the slowest rank is done
 times = step_times(train_step, {steps}, warmup=2, before=dist.barrier, after=dist.barrier)
 if rank == 0:

@@ -1,6 +1,6 @@
 """What a moving straggler costs synchronous data parallel beside local SGD, on 4 CPU ranks.
 
-Each step one rank (a different one each step) computes 4 times slower (`meshlab.throttle`).
+Each step one rank (a different one each step) computes 4 times slower (`meshlab.measure.throttle`).
 Synchronous DP waits for it at every step's all-reduce; local SGD (H=4) meets only at every
 4th step, by when the ranks' lags have evened out. Both run the same steps of the same MLP in
 one session, alternating rounds, profiled (`%%mesh --profile`); printed per round: the time
@@ -21,7 +21,7 @@ from meshlab import Session
 SETUP = """
 from contextlib import nullcontext
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.throttle import throttle
+from meshlab.measure.throttle import throttle
 torch.set_num_threads(1)
 def prepare(sync):
     global model, opt, x

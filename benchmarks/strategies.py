@@ -46,8 +46,8 @@ from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.context import sequence_slice
-from meshlab.parallel.verify import data_rank
-from meshlab.timing import step_times
+from meshlab.verify.compare import data_rank
+from meshlab.measure.timing import step_times
 cfg = ModelConfig({model})
 plan = ParallelPlan({plan})
 r, n = data_rank(mesh)

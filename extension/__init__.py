@@ -19,7 +19,7 @@ def load_ipython_extension(ipython: Any) -> None:
         return
     import torch
 
-    from meshlab import import_noise
+    from meshlab.rank import import_noise
 
     import_noise.quiet(gpu=torch.cuda.is_available())  # the kernel's own cells build models too
     magics = MeshMagics(ipython)

@@ -12,13 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from meshlab import moved
+
+moved.install()  # old import paths (meshlab.comms, meshlab.parallel.verify, ...) keep working
+
 __version__ = "0.1.0"
 __all__ = ["Cluster", "ClusterError", "MeshError", "ParallelPlan", "Session", "SessionError",
            "bench", "calibrate_profile", "dryrun", "load_ipython_extension", "load_pretrained",
            "parallelize", "save_pretrained", "unload_ipython_extension"]
 
 if TYPE_CHECKING:
-    from meshlab.dry_run import dryrun
+    from meshlab.dry_run.run import dryrun
     from meshlab.kernels.bench import bench
     from meshlab.notebook.calibrate import calibrate_profile
     from meshlab.notebook.cluster import Cluster, ClusterError
@@ -39,7 +43,7 @@ _LAZY = {
     "parallelize": "meshlab.parallel",
     "load_pretrained": "meshlab.pretrained",  # rank side: a save_pretrained folder into shards
     "save_pretrained": "meshlab.pretrained",  # rank side: the shards out as one such folder
-    "dryrun": "meshlab.dry_run",  # one step of a layout on fake ranks, in this process
+    "dryrun": "meshlab.dry_run.run",  # one step of a layout on fake ranks, in this process
 }
 
 

@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshlab import import_noise
-from meshlab.network import (
+from meshlab.rank import import_noise
+from meshlab.rank.network import (
     bind_address,
     ephemeral_port_floor,
     host_info,
     is_loopback,
     listen_socket,
 )
-from meshlab.private_files import STORE_PREFIX, open_private, private_dir
+from meshlab.rank.private_files import STORE_PREFIX, open_private, private_dir
 
 
 @dataclass(slots=True)

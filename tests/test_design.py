@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def rank_side_modules() -> list[str]:
 
 def test_rank_side_is_found_on_disk() -> None:
     modules = rank_side_modules()
-    assert {"meshlab.runtime", "meshlab.checkpoint", "meshlab.calibrate",
+    assert {"meshlab.runtime", "meshlab.checkpoint.sharded", "meshlab.calibrate",
             "meshlab.calibrate.host_costs", "meshlab.plan.estimate"} <= set(modules)
     assert not any(m.startswith("meshlab.notebook") for m in modules)
 
@@ -136,3 +137,71 @@ def test_no_benchmark_is_named_after_a_standard_library_module() -> None:
     shadowing = [p.name for p in (REPO / "benchmarks").glob("*.py")
                  if p.stem in sys.stdlib_module_names]
     assert not shadowing, shadowing
+
+
+# -- import paths: the documented ones work, the moved ones still do ---------------------------
+
+DOCUMENTED = [REPO / "README.md", *(REPO / "docs").rglob("*.md"),
+              *(REPO / "notebooks").glob("*.ipynb")]
+IMPORT = re.compile(r"(?:^|\\n|[\s`;\"])from (meshlab[\w.]*) import \(?([\w, ]+)"
+                    r"|(?:^|\\n|[\s`;\"])import (meshlab[\w.]*)")
+
+
+def documented_imports() -> dict[str, set[str]]:
+    """Every module the guides, the README and the notebooks import from, with the names."""
+    found: dict[str, set[str]] = {}
+    for path in DOCUMENTED:
+        for m in IMPORT.finditer(path.read_text()):
+            module = m.group(1) or m.group(3)
+            names = {n.split(" as ")[0].strip() for n in (m.group(2) or "").split(",")}
+            found.setdefault(module.rstrip("."), set()).update(n for n in names if n)
+    return found
+
+
+def test_every_import_path_the_docs_and_notebooks_use_imports() -> None:
+    found = documented_imports()
+    assert "meshlab.verify.compare" in found and "meshlab.parallel" in found
+    # one fresh interpreter: each module imported, each name looked up
+    code = ("import importlib, sys\n"
+            f"found = {found!r}\n"
+            "bad = []\n"
+            "for module, names in sorted(found.items()):\n"
+            "    try:\n"
+            "        m = importlib.import_module(module)\n"
+            "    except ImportError as e:\n"
+            "        bad.append(f'{module}: {e}'); continue\n"
+            "    bad += [f'{module}.{n}' for n in sorted(names) if not hasattr(m, n)\n"
+            "            and importlib.util.find_spec(f'{module}.{n}') is None]\n"
+            "print(bad); sys.exit(1 if bad else 0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_a_moved_module_imports_at_its_old_path_as_the_same_module() -> None:
+    from meshlab.moved import MOVED
+
+    code = ("import importlib, sys\n"
+            "import meshlab.comms\n"  # the attribute path users write after it
+            "from meshlab.parallel.verify import compare_with_single_process\n"
+            "from meshlab.dry_run import dryrun\n"
+            "from meshlab.checkpoint import save\n"
+            f"moved = {MOVED!r}\n"
+            "same = [importlib.import_module(o) is importlib.import_module(n)\n"
+            "        and sys.modules[n].__spec__.name == n for o, n in moved.items()]\n"
+            "print(meshlab.comms.start.__module__, all(same))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split() == ["meshlab.measure.comms", "True"], done.stdout + done.stderr
+
+
+def test_meshlab_itself_imports_no_moved_path() -> None:
+    from meshlab.moved import MOVED
+
+    old = re.compile(r"(?<![\w.])(" + "|".join(re.escape(o) for o in MOVED) + r")(?![\w])")
+    for path in [*(REPO / "meshlab").rglob("*.py"), *(REPO / "magics").rglob("*.py")]:
+        if path.name == "moved.py":
+            continue
+        for node in ast.walk(_tree(path)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            stale = [n for n in names if old.fullmatch(n)]
+            assert not stale, f"{path.relative_to(REPO)} imports {stale}: see meshlab.moved"

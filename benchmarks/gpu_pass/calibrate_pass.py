@@ -40,8 +40,8 @@ import statistics
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank
-from meshlab.timing import step_times
+from meshlab.verify.compare import data_rank
+from meshlab.measure.timing import step_times
 cfg = ModelConfig(**{model})
 plan = ParallelPlan(data_parallel="{dp}", seq_len={seq}{extra})
 r, n = data_rank(mesh)

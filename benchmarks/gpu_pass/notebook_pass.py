@@ -26,7 +26,7 @@ from nbclient.exceptions import CellExecutionError
 TRAIN = """%%mesh -o trained
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.parallel.verify import train
+from meshlab.verify.compare import train
 torch.manual_seed(0)
 cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768,
                   vocab_size=1024, max_seq_len=128)

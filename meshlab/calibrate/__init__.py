@@ -5,7 +5,7 @@ large copy run on all ranks together, so ranks that share cores or a memory bus 
 other as they do in training (``compute``, ``attention``). Then each collective is timed on
 every mesh axis (all of its groups at once) and on the whole world over a sweep of message
 sizes, and fitted to the planner's alpha-beta model (``collectives``); each all-reduce
-algorithm of ``meshlab.allreduce`` is timed on the world at the same sizes, and where it
+algorithm of ``meshlab.measure.allreduce`` is timed on the world at the same sizes, and where it
 beats ring, measured and modelled (``algorithms``). ``Calibration.profile(name)`` is the
 ``meshlab.plan.hardware.Hardware`` the planner reads (``result``). Plain torch, so it runs
 under torchrun:
@@ -54,8 +54,8 @@ from meshlab.calibrate.compute import (
 from meshlab.calibrate.host_costs import layer_seconds
 from meshlab.calibrate.hosts import choose_axes, device_name, host_facts
 from meshlab.calibrate.result import Calibration, summary, write_profile
+from meshlab.measure.timing import slowest
 from meshlab.plan.gemm import fit_depth
-from meshlab.timing import slowest
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

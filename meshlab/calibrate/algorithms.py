@@ -1,4 +1,4 @@
-"""Each all-reduce algorithm of ``meshlab.allreduce`` timed over message sizes beside the
+"""Each all-reduce algorithm of ``meshlab.measure.allreduce`` timed over message sizes beside the
 backend's own ``dist.all_reduce``, where ring stops winning, and where the planner says it does.
 
 The planner's prediction comes from what a calibration already fits and a ping-pong, not from
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from meshlab.allreduce import ALGORITHMS, Round, Transfer, _run, all_reduce, host_of_ranks
 from meshlab.calibrate.collectives import BATCH, CollectiveFit, fit_collective
+from meshlab.measure.allreduce import ALGORITHMS, Round, Transfer, _run, all_reduce, host_of_ranks
+from meshlab.measure.timing import median_seconds
 from meshlab.plan.allreduce_formulas import allreduce_crossover, allreduce_seconds
 from meshlab.plan.hardware import Link
-from meshlab.timing import median_seconds
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -190,7 +190,7 @@ def links(fits: list[CollectiveFit], intra_axis: str | None, inter_axis: str | N
 def time_allreduce_algorithms(group: ProcessGroup | None, sizes: Sequence[int],
                               device: torch.device, reps: int,
                               hosts: Sequence[int] | None = None) -> AllreduceSweep:
-    """Every algorithm of ``meshlab.allreduce`` and ``dist.all_reduce`` at each size (bytes)
+    """Every algorithm of ``meshlab.measure.allreduce`` and ``dist.all_reduce`` at each size (bytes)
     on ``group`` (None: the world), each checked equal to ``dist.all_reduce`` first; median
     seconds on the slowest rank. ``hosts``: a host index per member (default: hostnames)."""
     p = dist.get_world_size(group)
@@ -247,7 +247,7 @@ def time_hop(group: ProcessGroup | None, pairs: Sequence[tuple[int, int]],
              device: torch.device, reps: int, sizes: Sequence[int] = HOP_SIZES
              ) -> CollectiveFit | None:
     """Half a ping-pong between the members of each pair (group-local, the pairs at once),
-    each way one round as ``meshlab.allreduce`` posts it, fitted; None for no pairs. Every
+    each way one round as ``meshlab.measure.allreduce`` posts it, fitted; None for no pairs. Every
     member calls it."""
     p = dist.get_world_size(group)
     if not pairs:
@@ -297,11 +297,12 @@ def _check(algorithms: list[str], elems: int, group: ProcessGroup | None, hosts:
         raise RuntimeError(f"all-reduce of {elems * 4} bytes on {len(hosts)} ranks (hosts "
                            f"{hosts}): {', '.join(wrong)} differ from dist.all_reduce on exact "
                            "integer sums, so they were not timed; this is a bug in "
-                           "meshlab.allreduce, please report it with this message")
+                           "meshlab.measure.allreduce, please report it with this message")
 
 
 def _most(values: list[float], group: ProcessGroup | None, device: torch.device) -> list[float]:
-    """Each value's maximum over the group's ranks (``meshlab.timing.slowest`` for a group)."""
+    """Each value's maximum over the group's ranks (``meshlab.measure.timing.slowest``
+    for a group)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()

@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshlab.measure.timing import median_seconds, slowest, windowed_seconds
 from meshlab.plan.compute import attention_backward
 from meshlab.plan.layout import Layout
-from meshlab.timing import median_seconds, slowest, windowed_seconds
 
 KERNELS = {"flash2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 """The planner's kernel names (``hardware.ATTENTION_KERNELS``) as SDPA's backends: its flash

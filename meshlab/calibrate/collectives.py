@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from meshlab.measure.timing import median_seconds, slowest
 from meshlab.plan.formulas import COLLECTIVES, bus_factor, ring_steps
 from meshlab.plan.hardware import Link
-from meshlab.timing import median_seconds, slowest
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

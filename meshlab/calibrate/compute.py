@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshlab.measure.timing import median_seconds, slowest, windowed_seconds
 from meshlab.plan.hardware import GIB
-from meshlab.timing import median_seconds, slowest, windowed_seconds
 
 MIB = 2**20
 # (m, n, k): squares, a tall-skinny one (tokens x hidden) and shallow ones (an attention

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from meshlab.measure.timing import windowed_seconds
 from meshlab.plan.shapes import ModelShape
-from meshlab.timing import windowed_seconds
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -68,7 +68,7 @@ def _step(layers: int, mesh: DeviceMesh, data_parallel: str, device: torch.devic
     from meshlab.models import ModelConfig, Transformer, local_batch
     from meshlab.models.llama import loss_fn
     from meshlab.parallel import ParallelPlan, apply_tp, parallelize
-    from meshlab.parallel.verify import data_rank
+    from meshlab.verify.compare import data_rank
 
     cfg = ModelConfig(n_layers=layers, **TINY)
     plan = ParallelPlan(data_parallel=data_parallel, seq_len=cfg.max_seq_len)

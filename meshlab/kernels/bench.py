@@ -18,7 +18,7 @@ import torch
 
 from meshlab import runtime
 from meshlab.kernels import KERNELS
-from meshlab.timing import step_times
+from meshlab.measure.timing import step_times
 
 if TYPE_CHECKING:
     import pandas as pd

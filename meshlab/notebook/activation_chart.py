@@ -1,5 +1,5 @@
 """The activations' layout over tensor parallelism, drawn: which part of the sequence and of
-the features each tp rank holds at each module's input (``meshlab.activation_layout``
+the features each tp rank holds at each module's input (``meshlab.measure.activation_layout``
 records it on the ranks during one forward)."""
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _layout_kind(placement: str, ndim: int) -> str:
 
 
 def activation_layout_frame(reports: Sequence[Any], axis: str = "tp") -> pd.DataFrame:
-    """One row per (module input, rank) from ``meshlab.activation_layout.activation_layouts``:
+    """One row per (module input, rank) from
+    ``meshlab.measure.activation_layout.activation_layouts``:
     the slice of the sequence (dim 1) and of the features (the last dim) the rank holds, the
     placement on ``axis`` in words. Sibling modules in a row with the same input layout (q, k
     and v) share one row."""

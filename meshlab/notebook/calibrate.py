@@ -15,7 +15,7 @@ from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.tables.table import Table, in_byte_unit, in_second_unit, sig
 from meshlab.plan.gemm import shape_factor
 from meshlab.plan.hardware import Hardware
-from meshlab.private_files import check_target
+from meshlab.rank.private_files import check_target
 
 
 @dataclass(slots=True)

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from meshlab import value_wire
-from meshlab.cell_exec import STOP_SIGNAL
 from meshlab.notebook.cell_channel import SentCell
 from meshlab.notebook.output import CellResult, RankError, RankOutput
-from meshlab.private_files import open_private, subfolder
+from meshlab.rank import value_wire
+from meshlab.rank.cell_exec import STOP_SIGNAL
+from meshlab.rank.private_files import open_private, subfolder
 
 if TYPE_CHECKING:
     from meshlab.notebook.cluster import Cluster
@@ -197,7 +197,7 @@ class CellRun:
         if not running:  # the only rank still running just died
             return
         stacks = self.cluster.stacks(running) if why == "timeout" else {}
-        found: dict[int, dict[str, Any]] = {}  # rank -> meshlab.probe_server.stop_ignored's
+        found: dict[int, dict[str, Any]] = {}  # rank -> meshlab.rank.probe_server.stop_ignored's
         self.cluster.interrupt(running)
         with contextlib.suppress(KeyboardInterrupt):
             self.cluster.cell_channel.wait(self.sent, GRACE)

@@ -1,4 +1,4 @@
-"""The notebook's end of the direct cell channel (rank end: meshlab.cell_server).
+"""The notebook's end of the direct cell channel (rank end: meshlab.rank.cell_server).
 
 One ROUTER socket, bound where the controller listens (loopback unless the profile says
 otherwise); each rank connects twice, for cells and replies with its rank as identity and
@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from meshlab import cell_wire
+from meshlab.rank import cell_wire
 
 
 @dataclass(slots=True)
@@ -32,7 +32,7 @@ class RankReply:
     stderr: str = ""
     reply: dict[str, Any] | None = None  # the end-of-cell header; None while it runs
     value: bytes | None = None  # the pickled last value, when asked for
-    pulled: list[bytearray] | None = None  # a pulled value's parts (meshlab.value_wire)
+    pulled: list[bytearray] | None = None  # a pulled value's parts (meshlab.rank.value_wire)
     batches: int = 0  # output messages received: the reply says how many were sent
     tail: tuple[str, str] | None = None  # the reply's (stdout, stderr), held until
     # the batches sent before it are in, so the text stays in order

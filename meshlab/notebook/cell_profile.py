@@ -1,7 +1,7 @@
 """Every rank's profile of one cell on one time axis: what each rank computed, copied and
 communicated, how much communication hid behind work, and who made whom wait.
 
-Notebook side. The ranks send meshlab.profiling.RankProfile; this module moves each onto the
+Notebook side. The ranks send meshlab.measure.profiling.RankProfile; this module moves each onto the
 notebook's clock, matches each collective across the ranks of its group (the k-th call on a
 group is the same collective on every member: torch requires that order), and answers in
 DataFrames that meshlab.notebook.charts and tables draw. ``chrome_trace`` writes one file
@@ -23,12 +23,12 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.comms import P2P, CommRecord, call_key, op_label
+from meshlab.measure.comms import P2P, CommRecord, call_key, op_label
+from meshlab.measure.profiling import RankProfile, Span, boot_id
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.comms import axis_of
-from meshlab.private_files import write_private
-from meshlab.profiling import RankProfile, Span, boot_id
+from meshlab.rank.private_files import write_private
 
 Interval = tuple[int, int]
 

@@ -18,9 +18,10 @@ from typing import Any
 
 import ipyparallel as ipp
 
-import meshlab.comms
-import meshlab.profiling
-from meshlab import network, runtime
+import meshlab.measure.comms
+import meshlab.measure.profiling
+from meshlab import runtime
+from meshlab.measure.sharding import ModuleReport, ShardingReport, merge
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import launch, on_ranks, profiles
 from meshlab.notebook.cell import CellRun
@@ -32,8 +33,8 @@ from meshlab.notebook.probes import RankProbes
 from meshlab.notebook.ranks import host_by_host, label, parse_ranks, ranks_are
 from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery, Stuck
 from meshlab.notebook.transfers import PULL_WARN_BYTES, Transfers
-from meshlab.private_files import STORE_PREFIX, private_dir
-from meshlab.sharding import ModuleReport, ShardingReport, merge
+from meshlab.rank import network
+from meshlab.rank.private_files import STORE_PREFIX, private_dir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
@@ -168,7 +169,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
 
     def cut_output_folder(self) -> Path:
         """The folder the output cells cut goes to: made on first use, private to this user
-        (meshlab.private_files), removed when the cluster stops."""
+        (meshlab.rank.private_files), removed when the cluster stops."""
         if self._cut_output is None:
             self._cut_output = private_dir(self.output_dir)
         return self._cut_output
@@ -263,9 +264,9 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
             if profile:
                 remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
                 clocks_before = self.clocks(remote)
-                view.apply_sync(meshlab.profiling.start, trace)
+                view.apply_sync(meshlab.measure.profiling.start, trace)
             else:
-                view.apply_sync(meshlab.comms.start)
+                view.apply_sync(meshlab.measure.comms.start)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),
@@ -303,7 +304,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         if not alive:
             return {}
         ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
-            meshlab.comms.stop)
+            meshlab.measure.comms.stop)
         return dict(zip(alive, ar.get(timeout=30), strict=True))
 
     def _collect_profiles(self, ranks: list[int], clocks_before: dict[int, tuple[int, int]]
@@ -311,7 +312,8 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
         from meshlab.notebook.cell_profile import CellProfile, clocks_from
 
         alive = [r for r in ranks if r not in self._dead]
-        pending = {r: self._client[self._engines[r]].apply_async(meshlab.profiling.stop, rank=r)
+        stop = meshlab.measure.profiling.stop
+        pending = {r: self._client[self._engines[r]].apply_async(stop, rank=r)
                    for r in alive}
         profiles = {r: p for r, ar in pending.items() if (p := ar.get(timeout=60)) is not None}
         if not profiles:

@@ -132,7 +132,7 @@ def throttle(line: str) -> None:
 @argument("model", help="a model on the ranks (a name or expression without spaces)")
 @argument("plan", help="a ParallelPlan on the ranks (a name or expression without spaces)")
 @argument("--factory", help="for a model written by hand: a function on the ranks taking a "
-          "meshlab.parallel.tiny.TinySize and returning the model at that size")
+          "meshlab.verify.tiny.TinySize and returning the model at that size")
 def prove(line: str) -> None:
     """%mesh prove MODEL PLAN: before the real model trains, train PLAN for two steps on a
     tiny copy of MODEL (the same class, shrunk: fewer layers, a narrower width, fewer

@@ -42,8 +42,8 @@ from typing import Any
 # ranks' user code imports the rest, as it would under torchrun).
 STACK = ("torch", "torch.distributed", "torch.distributed.device_mesh",
          "ipyparallel.engine.app", "ipyparallel.engine.kernel", "ipykernel.zmqshell",
-         "meshlab.runtime", "meshlab.cell_server", "meshlab.probe_server",
-         "meshlab.cell_exec", "meshlab.mesh", "meshlab.notebook.on_ranks")
+         "meshlab.runtime", "meshlab.rank.cell_server", "meshlab.rank.probe_server",
+         "meshlab.rank.cell_exec", "meshlab.mesh", "meshlab.notebook.on_ranks")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # prctl options (linux/prctl.h)
 GRACE_S = 5  # SIGTERM to SIGKILL when the lifeline ends: a rank in a collective may not stop

@@ -22,7 +22,7 @@ from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.fork_launchers import ForkEngineSetLauncher, SSHForkEngineSetLauncher
 from meshlab.notebook.profiles import Profile
-from meshlab.private_files import private_profile
+from meshlab.rank.private_files import private_profile
 
 # CurveZMQ on every controller socket: a local peer without the server key (in the 0600
 # connection files only) fails the handshake, so it can neither read iopub nor make the hub

@@ -18,36 +18,37 @@ def setup_rank(cwd: str, cells: str, cells_key: bytes, **kwargs: Any) -> None:
     answer probes from the control thread."""
     import os
 
-    import meshlab.cell_server
-    import meshlab.probe_server
+    import meshlab.rank.cell_server
+    import meshlab.rank.probe_server
     import meshlab.runtime
 
     if os.path.isdir(cwd):  # relative paths in cells mean what they mean in the notebook
         os.chdir(cwd)
     globals().update(meshlab.runtime.setup(**kwargs))
     shell = get_ipython()  # type: ignore[name-defined]  # noqa: F821  (engine namespace)
-    meshlab.cell_server.serve(shell, cells, kwargs["rank"], cells_key)
+    meshlab.rank.cell_server.serve(shell, cells, kwargs["rank"], cells_key)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
-    meshlab.probe_server.serve(shell.kernel, shell.user_ns, shell.compile._filename_map)
+    meshlab.rank.probe_server.serve(shell.kernel, shell.user_ns, shell.compile._filename_map)
 
 
 @ipp.interactive
 def describe(expr: str) -> Any:
-    import meshlab.sharding
+    import meshlab.measure.sharding
 
     # the namespace's modules name the tensor in the whole model; its `mesh` places the rank
-    return meshlab.sharding.describe(eval(expr, globals()), expr, globals())
+    return meshlab.measure.sharding.describe(eval(expr, globals()), expr, globals())
 
 
 @ipp.interactive
 def measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any:
-    import meshlab.memory
+    import meshlab.measure.memory
 
     module = eval(model, globals())
     opt = eval(optimizer, globals()) if optimizer else None
-    acts = (meshlab.memory.activation_placement(module, eval(inputs, globals())) if inputs
+    acts = (meshlab.measure.memory.activation_placement(module, eval(inputs, globals())) if inputs
             else None)
-    return meshlab.memory.measure(module, opt), meshlab.memory.tp_rank_params(module), acts
+    memory = meshlab.measure.memory
+    return memory.measure(module, opt), memory.tp_rank_params(module), acts
 
 
 @ipp.interactive
@@ -91,9 +92,9 @@ def nbytes(name: str) -> int | None:
 
 def set_throttle(factor: float | None) -> float:
     """Runs on a rank: slow its compute ``factor`` times (1: full speed; None: leave it as it
-    is) until changed (meshlab.throttle); its factor now."""
-    import meshlab.throttle
+    is) until changed (meshlab.measure.throttle); its factor now."""
+    import meshlab.measure.throttle
 
     if factor is not None:
-        meshlab.throttle.throttle(factor)
-    return meshlab.throttle.current_factor()
+        meshlab.measure.throttle.throttle(factor)
+    return meshlab.measure.throttle.current_factor()

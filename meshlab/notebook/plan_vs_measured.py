@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 
+from meshlab.measure.profiling import RankProfile
 from meshlab.mesh import AXES, VIEWS, MeshSpec
 from meshlab.notebook.cell_profile import CellProfile, Interval, length, overlap, union
 from meshlab.notebook.tables.comms import axis_of
@@ -31,7 +32,6 @@ from meshlab.plan.compute import ADAMW_BYTES
 from meshlab.plan.differences import axis_name
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.stage import Stage
-from meshlab.profiling import RankProfile
 
 LOW, HIGH = 0.75, 1 / 0.75
 """measured / predicted outside this range: more than 25% apart, and the row says why."""

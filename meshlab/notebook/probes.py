@@ -1,6 +1,6 @@
 """Questions the notebook asks the ranks through ipyparallel's control channel, which each
-rank answers from a side thread (meshlab.probe_server): so they are answered while a cell runs or
-hangs. Mixed into Cluster."""
+rank answers from a side thread (meshlab.rank.probe_server): so they are answered while a
+cell runs or hangs. Mixed into Cluster."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class RankProbes:
 
     def stop_ignored(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """Where each rank's cell is after SIGINTs did not end it; those that caught it and
-        went on get meshlab's stop signal (meshlab.probe_server.stop_ignored says how)."""
+        went on get meshlab's stop signal (meshlab.rank.probe_server.stop_ignored says how)."""
         return self._probe(self._ranks(ranks, check_dead=False), "stop")
 
     def collectives(self, ranks: str | list[int] | None = None, limit: int = 8

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshlab.cell_exec import STOP_SIGNAL
 from meshlab.notebook import on_ranks
 from meshlab.notebook.errors import ClusterError
 from meshlab.notebook.output import CellResult, group
 from meshlab.notebook.ranks import format_ranks, label, ranks_are
+from meshlab.rank.cell_exec import STOP_SIGNAL
 
 if TYPE_CHECKING:
     from meshlab.notebook.cell import CellRun

@@ -140,9 +140,9 @@ def replay(cluster: Cluster, steps: Replay, redo: Callable[[str, dict[str, Any]]
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's meshlab.json (read by ``meshlab.checkpoint.manifest``), or a
+    """A checkpoint's meshlab.json (read by ``meshlab.checkpoint.sharded.manifest``), or a
     RestoreError saying why there is none."""
-    from meshlab.checkpoint import MANIFEST, CheckpointError, manifest
+    from meshlab.checkpoint.sharded import MANIFEST, CheckpointError, manifest
 
     folder = Path(path)
     try:
@@ -160,8 +160,8 @@ def save_code(path: str, names: list[str], journal: Journal, number: int, *,
     """The statements every rank runs for ``%mesh checkpoint save`` (and the script too)."""
     objects = ", ".join(f"{n!r}: {n}" for n in names)
     extra = {"session": journal.session, "cell": number}
-    return ("import meshlab.checkpoint\n"
-            f"meshlab.checkpoint.save({str(path)!r}, {{{objects}}}, extra={extra!r}"
+    return ("import meshlab.checkpoint.sharded\n"
+            f"meshlab.checkpoint.sharded.save({str(path)!r}, {{{objects}}}, extra={extra!r}"
             + (", async_save=True" if background else "")
             + (", group_readable=True" if group_readable else "") + ")")
 
@@ -169,8 +169,8 @@ def save_code(path: str, names: list[str], journal: Journal, number: int, *,
 def load_code(path: str, names: list[str], trusted: bool = False) -> str:
     """The statements every rank runs for ``%mesh checkpoint load``: load in place, rebind."""
     # a plain value (a step counter) need not exist yet: the checkpoint defines it
-    return ("import meshlab.checkpoint\n"
-            f"globals().update(meshlab.checkpoint.load({str(path)!r}, "
+    return ("import meshlab.checkpoint.sharded\n"
+            f"globals().update(meshlab.checkpoint.sharded.load({str(path)!r}, "
             f"{{n: globals().get(n) for n in {names!r}}}"
             + (", trusted=True))" if trusted else "))"))
 

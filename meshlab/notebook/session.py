@@ -36,17 +36,17 @@ from meshlab.notebook.output import (
 from meshlab.notebook.profiles import Profile
 from meshlab.notebook.ranks import parse_ranks
 from meshlab.notebook.stepping import SteppedPipeline, compare, plan_frame, resolve
-from meshlab.private_files import output_folder
+from meshlab.rank.private_files import output_folder
 from meshlab.schedules import Costs, Schedule
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from meshlab.dry_run import DryRun
+    from meshlab.dry_run.run import DryRun
+    from meshlab.measure.sharding import ModuleReport, ShardingReport
     from meshlab.notebook.calibrate import CalibrationReport
     from meshlab.notebook.tables.table import Table
     from meshlab.plan.report import Plan
-    from meshlab.sharding import ModuleReport, ShardingReport
 
 
 class SessionError(ValueError):
@@ -214,8 +214,8 @@ class Session:
         """Slow the compute of ``ranks`` ``factor`` times: a straggler to watch the others wait
         for (``run(..., profile=True)``); ``ranks`` None: every rank at full speed again. It
         stays on across cells, a restart replays it, an export leaves it out."""
+        from meshlab.measure.throttle import check_factor
         from meshlab.notebook import on_ranks
-        from meshlab.throttle import check_factor
 
         cluster = self.need_cluster()
         chosen = parse_ranks(ranks, cluster.world_size) if ranks is not None else None
@@ -234,10 +234,10 @@ class Session:
         """Train ``plan`` (a ParallelPlan on the ranks) for two steps on a tiny copy of
         ``model`` (its class, shrunk; ``factory``: a function of a TinySize, for a model
         written by hand) on the current mesh, beside one process: what it found, or a
-        MeshError naming what differs (meshlab.parallel.tiny)."""
+        MeshError naming what differs (meshlab.verify.tiny)."""
         given = f", factory={factory}" if factory else ""
         result = self.need_cluster().run(
-            "from meshlab.parallel.tiny import prove as _prove\n"
+            "from meshlab.verify.tiny import prove as _prove\n"
             f"str(_prove({model}, mesh, {plan}{given}))", keep_values=True)
         return str(result.values[min(result.values)])
 
@@ -420,7 +420,7 @@ class Session:
                 options.get("hardware_profile") or "h100-sxm", live.host_of)
         found = plan(model, gpus=gpus, **options)
         if verify:  # what torch would allocate and send, for the best layouts
-            from meshlab.dry_run_plan import describe
+            from meshlab.dry_run.plan import describe
 
             found.verified = [self.dryrun(found.model, describe(e.layout),
                                           hardware=found.hardware)
@@ -453,9 +453,9 @@ class Session:
                ranks: str | None = None, **options: Any) -> DryRun:
         """One training step of ``model`` on ``layout`` as its representative ranks (or
         ``ranks``, e.g. "0,1023") would run it on that many GPUs, in this process on fake
-        ranks: no cluster needed (meshlab.dry_run). ``model``: a factory, a ModelShape, a
+        ranks: no cluster needed (meshlab.dry_run.run). ``model``: a factory, a ModelShape, a
         meshlab ModelConfig or a preset name; options as dryrun takes them (batch, seq)."""
-        from meshlab.dry_run import dryrun
+        from meshlab.dry_run.run import dryrun
         from meshlab.models import ModelConfig, Transformer
         from meshlab.plan.hardware import hardware as find_hardware
         from meshlab.plan.layout import Layout

@@ -69,7 +69,7 @@ class Transfers:
         # straight from each rank over the cell channel, in pieces written into one buffer
         # per array or tensor: not through the controller, which held 2 copies of it, and
         # never twice in the notebook
-        code = f"__import__('meshlab.cell_server').cell_server.stream_value({name})"
+        code = f"__import__('meshlab.rank.cell_server').rank.cell_server.stream_value({name})"
         try:
             result = self.run(code, ranks=ranks, keep_values=True)
         except MeshError as e:

@@ -20,7 +20,6 @@ from meshlab.parallel.activation_checkpoint import apply_ac
 from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.ddp import apply_ddp
 from meshlab.parallel.fsdp import apply_fsdp
-from meshlab.parallel.local_sgd import ReplicaSync
 from meshlab.parallel.materialize import Origins, materialize, on_meta, record
 from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.optimizers import OPTIMIZERS, check_sharding
@@ -28,6 +27,7 @@ from meshlab.parallel.parallel_plan import ParallelPlan
 from meshlab.parallel.pipeline import apply_pp
 from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
 from meshlab.parallel.zero import apply_zero1
+from meshlab.replicas.local_sgd import ReplicaSync
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -48,11 +48,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     ``check="tiny"`` first trains the plan for two steps on a tiny copy of the model (the
     same class, shrunk) beside one process and raises, naming what differs, before the real
     model is touched; a hand-written model passes ``check=factory`` instead, a function of a
-    meshlab.parallel.tiny.TinySize (``model.tiny_proof`` keeps the comparison)."""
+    meshlab.verify.tiny.TinySize (``model.tiny_proof`` keeps the comparison)."""
     combinations.check(plan, partial(axis_size, mesh))
     proof = None
     if check is not None:
-        from meshlab.parallel.tiny import prove
+        from meshlab.verify.tiny import prove
 
         if check != "tiny" and not callable(check):
             raise ValueError(f"check={check!r}: expected 'tiny' (a tiny copy from the "
@@ -199,7 +199,7 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
     args = {"lr": lr, "weight_decay": weight_decay, **extra}
     alone = plan.replica_sync != "every_step"
     if plan.replica_sync == "parameter_server":  # the servers step; workers push and pull
-        from meshlab.parallel.parameter_server import ParameterServerOptimizer
+        from meshlab.replicas.parameter_server import ParameterServerOptimizer
 
         return ParameterServerOptimizer(model, mesh, plan, optimizer_class=cls, **args)
     if plan.data_parallel == "zero1" and axis_size(mesh, "dp_shard" if alone else "dp") > 1:
@@ -226,7 +226,7 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
 def replica_sync(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> Any:
     """The object that synchronises the replicas after optimizer steps (``after_step``)."""
     if plan.replica_sync in ("edit", "a_edit"):
-        from meshlab.parallel.edit import EDiTSync
+        from meshlab.replicas.edit import EDiTSync
 
         return EDiTSync(model, mesh, plan)
     return ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,

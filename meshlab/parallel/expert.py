@@ -300,7 +300,7 @@ def routed_sizes(flat: torch.Tensor, n_experts: int, group: Any, ranks: int
     """(global expert ids, experts, group, ranks) -> the exchange's sizes: rows to each rank,
     rows from each rank, and rows from each source rank for each local expert. Counted here
     and told to every rank (a dry run, whose tensors have no values, knows them instead:
-    meshlab.fake_routing)."""
+    meshlab.dry_run.fake_routing)."""
     counts = torch.bincount(flat, minlength=n_experts).view(ranks, n_experts // ranks)
     received_counts = torch.empty_like(counts)
     dist.all_to_all_single(received_counts, counts, group=group)  # sizes only: no autograd

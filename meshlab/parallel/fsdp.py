@@ -54,7 +54,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     # resharding them after forward.
     fully_shard(model, reshard_after_forward=False, **kw)
     _quiet_view_output(model)
-    cast(Any, model).params_on_host = offload  # what meshlab.memory.measure counts as host
+    cast(Any, model).params_on_host = offload  # what meshlab.measure.memory.measure counts as host
     return model
 
 

@@ -125,7 +125,7 @@ def _nothing(module: nn.Module) -> None:
 @contextmanager
 def fake_tensors() -> Iterator[Any]:
     """Inside, ``materialize`` allocates fake tensors (shapes, no memory) in the
-    FakeTensorMode it yields and initializes nothing: a dry run (meshlab.dry_run) then runs
+    FakeTensorMode it yields and initializes nothing: a dry run (meshlab.dry_run.run) then runs
     a step in that mode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from meshlab.memory import is_parameter, local_shard
+from meshlab.measure.memory import is_parameter, local_shard
 from meshlab.parallel.blocks import find_blocks, items
 
 
@@ -70,5 +70,5 @@ def apply_activation_offload(model: nn.Module, *, blocks: str | None = None) -> 
         block.register_forward_pre_hook(lambda *_: hooks.__enter__())
         # always_call: a forward that raises must not leave the hooks installed
         block.register_forward_hook(lambda *_: hooks.__exit__(), always_call=True)
-    cast(Any, model).activation_offload = hooks  # what meshlab.memory's placement reads
+    cast(Any, model).activation_offload = hooks  # what meshlab.measure.memory's placement reads
     return model

@@ -87,7 +87,7 @@ class ParallelPlan:
     when it computes a gradient (0: every worker waits for every update, synchronous DP)."""
     pseudo_grad_penalty: bool = True
     """edit, a_edit: EDiT's pseudo-gradient penalty (a replica whose pseudo-gradient norm is
-    anomalous is left out, the others weighted by their norms; meshlab.parallel.edit_penalty.Penalty
+    anomalous is left out, the others weighted by their norms; meshlab.replicas.edit_penalty.Penalty
     holds its thresholds and an optional clip of the average)."""
     outer_lr: float = 0.7
     """DiLoCo's outer learning rate (the paper's 0.7)."""

@@ -1,5 +1,5 @@
 """What the planner's activations (Korthikanti's count) and a dry run's with fused kernels
-(meshlab.fused_memory) count differently, each with its bytes, for one rank: the known
+(meshlab.dry_run.fused_memory) count differently, each with its bytes, for one rank: the known
 differences meshlab.plan.reconcile applies to the activations row. Each is a fact of the
 schedule or of torch's implementation, computed from the model's shape and the layout.
 """

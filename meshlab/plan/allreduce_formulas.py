@@ -1,4 +1,4 @@
-"""The alpha-beta cost of each all-reduce algorithm of ``meshlab.allreduce`` on hosts that
+"""The alpha-beta cost of each all-reduce algorithm of ``meshlab.measure.allreduce`` on hosts that
 share a link (Thakur, Rabenseifner and Gropp 2005), round by round: what ``%mesh calibrate``
 compares with its measurements and the planner costs small all-reduces with.
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 ALLREDUCE_ALGORITHMS = ("ring", "halving_doubling", "tree", "hierarchical")
-"""The all-reduce algorithms of ``meshlab.allreduce``, costed here round by round."""
+"""The all-reduce algorithms of ``meshlab.measure.allreduce``, costed here round by round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ def round_seconds(crosses: bool, rank_bytes: float, host_bytes: float, *, latenc
 @lru_cache(maxsize=1024)
 def allreduce_rounds(algorithm: str, ranks: int, ranks_per_host: int | None = None
                      ) -> tuple[AllreduceRound, ...]:
-    """The rounds of ``meshlab.allreduce.rounds(algorithm, ranks)`` on hosts of
+    """The rounds of ``meshlab.measure.allreduce.rounds(algorithm, ranks)`` on hosts of
     ``ranks_per_host`` consecutive ranks (None: one host), summarised by kind.
 
     Closed forms where the hosts align with the algorithm (ring and hierarchical always;

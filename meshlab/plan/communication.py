@@ -37,7 +37,7 @@ class Collective:
     """Can run behind compute (else it is on the critical path)."""
     algorithm: str = "ring"
     """How it is costed: ring, or for an all-reduce below a crossover the hardware profile
-    measured, that algorithm (``meshlab.allreduce``)."""
+    measured, that algorithm (``meshlab.measure.allreduce``)."""
 
 
 class Communication:

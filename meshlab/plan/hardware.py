@@ -112,9 +112,9 @@ class Hardware:
     """Measured links per collective, inside a node (from ``%mesh calibrate``); they
     override ``intra`` for that collective."""
     allreduce_crossover_bytes: dict[str, float] = field(default_factory=dict)
-    """Per all-reduce algorithm of ``meshlab.allreduce``, the message size (bytes) below which
-    ``%mesh calibrate`` measured it beating ring; the planner costs smaller all-reduces with
-    that algorithm's model (``allreduce_choice``). Empty: ring at every size."""
+    """Per all-reduce algorithm of ``meshlab.measure.allreduce``, the message size (bytes)
+    below which ``%mesh calibrate`` measured it beating ring; the planner costs smaller
+    all-reduces with that algorithm's model (``allreduce_choice``). Empty: ring at every size."""
 
     def __post_init__(self) -> None:
         unknown = set(self.tflops) - set(DTYPES)

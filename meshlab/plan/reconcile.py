@@ -1,7 +1,7 @@
 """The planner's prediction beside a dry run's measurement, category by category.
 
 ``planner_beside(dry)`` runs ``estimate`` on the layout, model shape and hardware a
-``meshlab.dry_run.DryRun`` stood for, and returns rows: memory per category and bytes per
+``meshlab.dry_run.run.DryRun`` stood for, and returns rows: memory per category and bytes per
 mesh axis, the dry run's figure, the planner's, and the planner's with each known
 difference applied (``explained``), each named with its bytes. A difference is a fact of
 how torch (or meshlab) does a thing that the planner counts as Megatron or a fused kernel
@@ -24,7 +24,7 @@ from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
 
 if TYPE_CHECKING:
-    from meshlab.dry_run import DryRun, RankRun
+    from meshlab.dry_run.run import DryRun, RankRun
 
 MEMORY = ("params", "grads", "optimizer", "activations", "buffers", "total", "host")
 RECEIVED = ("recv",)

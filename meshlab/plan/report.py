@@ -46,7 +46,7 @@ class Plan:
     """Whose code the memory is counted for (``IMPLEMENTATIONS``), as the best layout's
     settings say: "mixed" where they are some of each."""
     verified: list[Any] = field(default_factory=list)
-    """Dry runs (meshlab.dry_run.DryRun) of the best layouts, where asked for: what torch
+    """Dry runs (meshlab.dry_run.run.DryRun) of the best layouts, where asked for: what torch
     allocates and sends for them, beside these estimates."""
 
     @property

@@ -19,7 +19,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def reshard_all(model: nn.Module) -> None:
     """FSDP2 keeps a root gathered after a forward without backward: shards first (with a pp
     axis the stage roots live in the pipeline's stages)."""
-    from meshlab.memory import reshard
+    from meshlab.measure.memory import reshard
 
     reshard(model)
     pipeline = getattr(unwrap(model), "pipeline", None)

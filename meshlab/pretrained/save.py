@@ -184,7 +184,7 @@ def _from_rank0(value: Any, together: bool) -> Any:
 
 
 def _not_saved(target: Path, failed: str) -> Exception:
-    from meshlab.checkpoint_failures import CheckpointError
+    from meshlab.checkpoint.failures import CheckpointError
 
     return CheckpointError(f"pretrained folder {target} not saved: {failed}")
 
@@ -240,7 +240,7 @@ class _Writer:
         self._do("creating", self.partial, lambda: self.partial.mkdir(parents=True))
 
     def _do(self, doing: str, path: Path, action: Callable[[], Any]) -> None:
-        from meshlab.checkpoint_failures import file_size, reason_of, removed, size_text
+        from meshlab.checkpoint.failures import file_size, reason_of, removed, size_text
 
         if self.failed is not None:
             return
@@ -283,7 +283,7 @@ class _Writer:
                 stream.close()
             except OSError as e:
                 if self.failed is None:
-                    from meshlab.checkpoint_failures import reason_of
+                    from meshlab.checkpoint.failures import reason_of
 
                     self.failed = f"{reason_of(e)} writing {stream.name} on rank 0"
 

@@ -13,7 +13,7 @@ from typing import Any
 TRAIN = """%%mesh
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
+from meshlab.verify.compare import data_rank, train
 
 torch.manual_seed(0)
 cfg = ModelConfig()

@@ -115,7 +115,7 @@ def test_ranks_fill_one_host_then_the_next(hosts_cluster: Cluster) -> None:
 TRAIN_CHECK = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 x = torch.ones(1) * (rank + 1)
 dist.all_reduce(x)
 result = compare_with_single_process(ModelConfig(), mesh, ParallelPlan(
@@ -134,7 +134,7 @@ def test_tp_stays_on_a_host_and_training_across_hosts_matches_one_process(
     for r in range(4):
         reduced, ok, loss_error, param_error = result.values[r]
         assert reduced == 10.0  # 1 + 2 + 3 + 4, from both hosts
-        # fp32 within meshlab.parallel.verify's tolerances (loss 1e-5, parameters 2e-4)
+        # fp32 within meshlab.verify.compare's tolerances (loss 1e-5, parameters 2e-4)
         assert ok, (r, loss_error, param_error)
 
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
-from meshlab import cell_wire
 from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.cluster import Cluster
+from meshlab.rank import cell_wire
 
 KEY = b"the cluster's key"
 

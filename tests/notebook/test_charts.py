@@ -188,7 +188,8 @@ def test_numbers_read_rounded_and_summaries_wrap_between_words() -> None:
 
 
 # -- charts that fit, stack as their legends read, and name their units --------------------------
-# Built from real data: collectives traced (meshlab.comms) and memory measured (meshlab.memory) on
+# Built from real data: collectives traced (meshlab.measure.comms) and memory measured
+# (meshlab.measure.memory) on
 # a fake process group (torch's "fake" backend: this process plays each rank in turn, collectives
 # return without peers), the activation layouts a real tensor + sequence parallel forward
 # reports, and a real Triton kernel benchmarked in the interpreter (in a subprocess).
@@ -219,17 +220,17 @@ def traced_comms() -> pd.DataFrame:
     import torch
     import torch.distributed as dist
 
-    import meshlab.comms
+    import meshlab.measure.comms
     from meshlab.mesh import MeshSpec
     from meshlab.notebook.tables.comms import comms_frame
 
     def cell(mesh: Any) -> list[Any]:
-        meshlab.comms.start()
+        meshlab.measure.comms.start()
         dist.all_reduce(torch.ones(128 * 1024), group=mesh["tp"].get_group())  # 512 KiB
         out = torch.empty(2 * 32 * 1024)
         dist.all_gather_into_tensor(out, torch.ones(32 * 1024), group=mesh["dp"].get_group())
         dist.all_reduce(torch.ones(4))  # 16 bytes: far too thin to draw beside 768 KiB
-        return meshlab.comms.stop()
+        return meshlab.measure.comms.stop()
 
     per_rank = {r: _as_fake_rank(r, 4, "dp=2 tp=2", cell) for r in range(4)}
     return comms_frame(per_rank, MeshSpec.parse("dp=2 tp=2"), 4)
@@ -239,11 +240,11 @@ def traced_comms() -> pd.DataFrame:
 def measured_memory() -> dict[str, pd.DataFrame]:
     """%mesh memory's frames for a ZeRO-3 model after one step: kept on the device (beside
     the ZeRO-3 formula), and with parameters, gradients, states and activations offloaded."""
-    from meshlab.memory import activation_placement, measure
+    from meshlab.measure.memory import activation_placement, measure
     from meshlab.models import ModelConfig, Transformer, local_batch
     from meshlab.notebook.tables.memory import memory_frame
     from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-    from meshlab.parallel.verify import train
+    from meshlab.verify.compare import train
 
     def step(offload: bool) -> Any:
         def work(mesh: Any) -> pd.DataFrame:
@@ -266,7 +267,7 @@ def measured_memory() -> dict[str, pd.DataFrame]:
 @pytest.fixture(scope="module")
 def sequence_parallel_layouts() -> list[Any]:
     """What rank 0 of notebook 04's dp=2 tp=2 mesh reports for one forward under TP + SP."""
-    from meshlab.activation_layout import activation_layouts
+    from meshlab.measure.activation_layout import activation_layouts
     from meshlab.models import ModelConfig, Transformer, local_batch
     from meshlab.parallel import ParallelPlan, parallelize
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from meshlab import Cluster
-from meshlab.comms import collective_name, wire_bytes
+from meshlab.measure.comms import collective_name, wire_bytes
 from meshlab.notebook.tables.comms import comms_frame, comms_totals
 
 
@@ -75,7 +75,7 @@ def test_comms_cell_in_the_notebook_shows_tables_and_a_chart(shell: Any) -> None
 def test_tracing_stops_after_the_cell(cluster: Cluster) -> None:
     cluster.run("dist.all_reduce(torch.ones(1))", comms=True)
     assert cluster.run("dist.all_reduce(torch.ones(1))").comms == {}
-    assert cluster.run("import meshlab.comms\nmeshlab.comms._active is None").results() == \
+    assert cluster.run("from meshlab.measure import comms\ncomms._active is None").results() == \
         "Out[ranks 0-3]: True"
 
 

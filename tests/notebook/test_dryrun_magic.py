@@ -11,7 +11,7 @@ import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from meshlab.dry_run import DryRun, planner_beside
+from meshlab.dry_run.run import DryRun, planner_beside
 from meshlab.plan import Layout
 from meshlab.plan.report import Plan
 

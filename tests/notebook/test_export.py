@@ -247,7 +247,7 @@ def test_export_names_a_script_without_py(tmp_path: Path) -> None:
 TRAIN = """%%mesh
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
+from meshlab.verify.compare import data_rank, train
 
 torch.manual_seed(0)
 cfg = ModelConfig()

@@ -162,7 +162,7 @@ def test_a_background_threads_printing_is_its_own_never_the_next_cells(cluster: 
 @pytest.mark.cluster
 def test_a_thread_flooding_between_cells_is_held_up_to_a_cap_and_the_rest_counted(
         cluster: Cluster) -> None:
-    cluster.run("import meshlab.cell_server as cs, threading; cs.THREADS_KEPT = 1000\n"
+    cluster.run("import meshlab.rank.cell_server as cs, threading; cs.THREADS_KEPT = 1000\n"
                 "def flood(): print('x' * 4999)\n"
                 "threading.Timer(0.2, flood).start()", ranks="2")
     try:

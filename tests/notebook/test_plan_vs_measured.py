@@ -111,7 +111,7 @@ STEP = f"""
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank
+from meshlab.verify.compare import data_rank
 cfg = ModelConfig({MODEL})
 plan = ParallelPlan(data_parallel="zero3", seq_len=32)
 model = parallelize(Transformer(cfg), mesh, plan)

@@ -69,7 +69,7 @@ def test_from_a_checkpoint_the_cells_that_trained_before_it_are_skipped(tmp_path
     steps = plan(j, checkpoint=str(tmp_path / "ckpt"))
     assert [e.number for e in steps.entries] == [1, 2, 3, 6, 7]
     assert [e.number for e in steps.skipped] == [4]
-    assert steps.load is not None and "meshlab.checkpoint.load(" in steps.load.code
+    assert steps.load is not None and "meshlab.checkpoint.sharded.load(" in steps.load.code
     # a cell that trains but also builds a saved name runs: the load then overwrites it
     j.entries[2] = type(j.entries[2])("cell", 2, "model = make()\ntrain(1)", trained=True)
     assert 2 in [e.number for e in plan(j, checkpoint=str(tmp_path / "ckpt")).entries]
@@ -187,7 +187,7 @@ def test_mesh_debug_shows_the_failing_frame_of_one_rank(shell: Any) -> None:
 SETUP = """%%mesh
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
+from meshlab.verify.compare import data_rank, train
 
 torch.manual_seed(0)
 cfg = ModelConfig()

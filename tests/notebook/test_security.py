@@ -362,7 +362,7 @@ for n in range(1, 60):
 
 def test_a_dead_kernels_output_folders_are_swept_and_no_one_elses(intruder: str,
                                                                   tmp_path: Path) -> None:
-    from meshlab.private_files import STORE_PREFIX, private_dir
+    from meshlab.rank.private_files import STORE_PREFIX, private_dir
 
     dead = tmp_path / "meshlab-output-999999999-abc"  # a pid no process has
     alive = tmp_path / f"meshlab-output-{os.getpid()}-abc"
@@ -597,7 +597,7 @@ for name in ("launch.sh", "job.sbatch"):
 
 def test_a_checkpoint_another_user_planted_runs_none_of_its_code(intruder: str) -> None:
     # its .metadata was a pickle that ran the attacker's code as the victim on every rank
-    from meshlab.checkpoint import CheckpointError, load
+    from meshlab.checkpoint.sharded import CheckpointError, load
 
     planted = Path("/tmp") / f"meshlab-ckpt-bait-{os.getpid()}"
     ran = planted.with_name(planted.name + ".ran")
@@ -630,7 +630,7 @@ def test_the_profilers_trace_is_written_where_no_one_else_can_plant_a_link(
     # watch for, a planted link there overwrote a file of ours (46 of 48 races won)
     import torch
 
-    from meshlab.profiling import _chrome_trace
+    from meshlab.measure.profiling import _chrome_trace
 
     seen: dict[str, int] = {}
     with torch.profiler.profile() as profiler:

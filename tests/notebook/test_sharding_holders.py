@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from meshlab.measure.sharding import RankShard, ShardingReport, merge
 from meshlab.notebook.widgets.sharding import render_html
 from meshlab.notebook.widgets.sharding_layout import blocks, tensor_state, text_form
-from meshlab.sharding import RankShard, ShardingReport, merge
 
 # pp=2 x dp=2: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each sharded by FSDP over dp
 STAGES = """

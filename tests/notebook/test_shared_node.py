@@ -324,7 +324,8 @@ def test_another_user_reaches_no_output_memory_log_or_file_of_a_victims_session(
     shutil.rmtree(bait["root"])
     shutil.rmtree(Path(files["mine"]["export"]).parent)
     # ... and a killed kernel's logs go with the next session of that user
-    sweep = "import sys; from meshlab.private_files import private_profile as p; p(sys.argv[1])"
+    sweep = ("import sys; from meshlab.rank.private_files import private_profile as p; "
+             "p(sys.argv[1])")
     with meshlab_as(victim, sweep, str(log.parent)) as swept:
         assert swept.communicate(timeout=60)[0] == ""
     assert not list(log.glob(f"*{start['cluster_id']}*")), sorted(log.iterdir())

@@ -8,7 +8,7 @@ import json
 
 import pandas as pd
 
-from meshlab.memory import MemoryReport
+from meshlab.measure.memory import MemoryReport
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.charts import byte_unit, memory_chart
 from meshlab.notebook.tables.comms import comms_tables

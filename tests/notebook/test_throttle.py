@@ -26,7 +26,7 @@ from meshlab.notebook.session import Session
 SETUP = """
 from contextlib import nullcontext
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.throttle import throttle
+from meshlab.measure.throttle import throttle
 def prepare(sync):
     global model, opt, x
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ STEPS = 8
 THROTTLED = 2
 # slow enough that its lateness stands out of 4 ranks sharing 2 cores under a loaded CI
 FACTOR = 10
-SLEPT = "import meshlab.throttle\nmeshlab.throttle.slept()"
+SLEPT = "import meshlab.measure.throttle\nmeshlab.measure.throttle.slept()"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,8 @@ def runs(shell: Any) -> Iterator[dict[str, Any]]:
         out["steady"] = session.run(f"train({STEPS})", profile=True).profile
         out["slept"] = session.run(SLEPT, keep_values=True).values
         out["status"] = session.status()
-        out["later"] = session.run("import meshlab.throttle\nmeshlab.throttle.current_factor()",
+        out["later"] = session.run("from meshlab.measure import throttle\n"
+                                   "throttle.current_factor()",
                                    keep_values=True).values
         out["comms"] = session.run("t = torch.ones(4)\ndist.all_reduce(t)", comms=True).comms
         out["stack_after_comms"] = session.run(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshlab.measure.sharding import RankShard, ShardingReport
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.palette import RANKS, contrast, rank_colour, text_colour
 from meshlab.notebook.widgets import MeshView
 from meshlab.notebook.widgets.sharding import ShardingView, render_html
 from meshlab.notebook.widgets.sharding_layout import blocks, tensor_state
-from meshlab.sharding import RankShard, ShardingReport
 
 
 def report(name: str, placements: list[str], pieces: dict[int, tuple[list[int], list[int]]],

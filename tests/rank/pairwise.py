@@ -20,7 +20,7 @@ from typing import Any
 from meshlab.mesh import MeshSpec
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.combinations import check
-from meshlab.parallel.verify import check_comparable
+from meshlab.verify.compare import check_comparable
 
 # factor -> levels; the first level is the default (a plain ZeRO-3 run on dp=4)
 OPTIONS: dict[str, tuple[Any, ...]] = {

@@ -4,7 +4,7 @@ test_parameter_server.py): run on every rank by ``cluster.run``."""
 TWO_RUNS = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, full_parameters, train
+from meshlab.verify.compare import data_rank, full_parameters, train
 r, n = data_rank(mesh)
 batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(4)]
 runs = []

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from meshlab import Cluster
-from meshlab.allreduce import ALGORITHMS, Round, rounds
-from meshlab.comms import CommRecord
+from meshlab.measure.allreduce import ALGORITHMS, Round, rounds
+from meshlab.measure.comms import CommRecord
 
 
 def _hosts(p: int) -> list[int] | None:
@@ -110,8 +110,8 @@ def test_comms_table_names_the_algorithm_of_a_send() -> None:
 
 
 CELL = """
-from meshlab.allreduce import ALGORITHMS, all_reduce
-from meshlab.comms import CommTracer
+from meshlab.measure.allreduce import ALGORITHMS, all_reduce
+from meshlab.measure.comms import CommTracer
 
 three = dist.new_group([0, 1, 2])
 groups = {"world": None, "tp": mesh["tp"].get_group(), "dp": mesh["dp"].get_group()}

@@ -1,7 +1,7 @@
 """The planner's alpha-beta model of each all-reduce algorithm, and the crossovers read from
 measured points. Pure: no cluster.
 
-The model is checked against the schedules ``meshlab.allreduce`` runs, costed transfer by
+The model is checked against the schedules ``meshlab.measure.allreduce`` runs, costed transfer by
 transfer with the same per-round cost, so what the planner predicts is the code that runs.
 """
 
@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import pytest
 
-from meshlab.allreduce import ALGORITHMS, rounds
 from meshlab.calibrate.algorithms import AllreduceSweep, crossover_below
 from meshlab.calibrate.algorithms import links as round_links
 from meshlab.calibrate.collectives import CollectiveFit
+from meshlab.measure.allreduce import ALGORITHMS, rounds
 from meshlab.plan.allreduce_formulas import (
     ALLREDUCE_ALGORITHMS,
     allreduce_crossover,
@@ -40,8 +40,8 @@ SPLITS = [(p, k) for p in range(2, 10) for k in sorted({1, 2, 3, 4, p}) if k <= 
 
 
 def schedule_seconds(algorithm: str, p: int, k: int, nbytes: float, links: dict) -> float:
-    """The rounds meshlab.allreduce runs, each costed from its transfers: the bytes each rank
-    sends and receives inside its host, and that leave and enter each host."""
+    """The rounds meshlab.measure.allreduce runs, each costed from its transfers: the bytes
+    each rank sends and receives inside its host, and that leave and enter each host."""
     hosts = [r // k for r in range(p)]
     total = 0.0
     for step in rounds(algorithm, p, hosts):
@@ -267,7 +267,7 @@ def test_profile_keeps_the_measured_crossover_through_its_file(tmp_path) -> None
 
 def test_halving_doubling_sends_2_p_minus_1_over_p_only_at_powers_of_two() -> None:
     # the fold for other p: the odd member of each folded pair sends its share and the result
-    from meshlab.allreduce import rounds
+    from meshlab.measure.allreduce import rounds
 
     def sent(p: int) -> list[float]:
         steps = rounds("halving_doubling", p)

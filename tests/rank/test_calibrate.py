@@ -27,6 +27,7 @@ from meshlab.calibrate import (
 from meshlab.calibrate.attention import SHAPES as ATTENTION_SHAPES
 from meshlab.calibrate.attention import attention_flops
 from meshlab.calibrate.host_costs import LAYERS, tiny_shape, wrapper_layouts
+from meshlab.measure.timing import interleaved_times, median_seconds, step_times
 from meshlab.notebook.calibrate import CalibrationReport, calibrate_profile
 from meshlab.plan import Layout, estimate
 from meshlab.plan.compute import attention_seconds
@@ -34,7 +35,6 @@ from meshlab.plan.formulas import COLLECTIVES, collective_seconds
 from meshlab.plan.hardware import Link, load
 from meshlab.plan.shapes import ModelShape
 from meshlab.plan.stage import Stage
-from meshlab.timing import interleaved_times, median_seconds, step_times
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [4096, 65536, 2**20, 2**22]

@@ -14,7 +14,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
-from meshlab import cell_exec
+from meshlab.rank import cell_exec
 
 # (cell, does the lean path run it?)
 CELLS = [

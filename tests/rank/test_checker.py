@@ -1,5 +1,5 @@
 """The checker tells noise from error: a float64 comparison runs the float64 variant of a model
-that computes parts in float32 (meshlab.parallel.float64_variant), so a correct run agrees to
+that computes parts in float32 (meshlab.verify.float64_variant), so a correct run agrees to
 float64's rounding and a wrong one cannot hide in the model's float32 noise; fp16 is held to
 the floor its own rounding measures."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meshlab import Cluster
-from meshlab.parallel.float64_variant import float64_throughout
+from meshlab.verify.float64_variant import float64_throughout
 from tests.rank.families import FAMILIES_SOURCE
 
 
@@ -35,8 +35,8 @@ CELL = """
 import meshlab.mesh
 from torch.distributed.fsdp import FSDPModule
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.training import next_token_loss
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.training import next_token_loss
+from meshlab.verify.compare import compare_with_single_process
 
 def _nudged(model, batch):  # the parallel run's loss, and so its gradients, 3e-7 larger
     scale = 1 + 3e-7 if isinstance(model, FSDPModule) else 1.0
@@ -80,7 +80,7 @@ def test_fp16_is_held_to_the_floor_its_own_rounding_measures(cluster: Cluster) -
     result = cluster.run(FAMILIES_SOURCE + """
 import meshlab.mesh
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 _r = compare_with_single_process(FAMILIES["Qwen2"], mesh, ParallelPlan(
     data_parallel="none", sequence_parallel=False, pipeline_schedule="1f1b", microbatches=4,
     mixed_precision="fp16"), steps=3, dtype=torch.float32, optimizer="sgd")

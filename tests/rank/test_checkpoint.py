@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from meshlab import Cluster, MeshError
-from meshlab.checkpoint import MANIFEST, CheckpointError, load, manifest, save
+from meshlab.checkpoint.sharded import MANIFEST, CheckpointError, load, manifest, save
 
 SETUP = """
-from meshlab import checkpoint
+from meshlab.checkpoint import sharded as checkpoint
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, full_parameters, train
+from meshlab.verify.compare import data_rank, full_parameters, train
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 cfg = ModelConfig(dim=32, ffn_hidden=64, vocab_size=64)
@@ -55,7 +55,7 @@ def full_state():
 """
 
 # one process without torch.distributed: DCP says it assumes so (pytest resets the filter
-# meshlab.checkpoint sets for this)
+# meshlab.checkpoint.sharded sets for this)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 OBJECTS = "{'model': model, 'optimizer': optimizer, 'step': step}"
@@ -111,7 +111,7 @@ def test_a_folder_without_manifest_is_an_interrupted_save(tmp_path: Path) -> Non
 
 def test_a_short_write_is_named_by_the_os_error_behind_it() -> None:
     # torch.save on a full device raises its own RuntimeError ("unexpected pos ..."), no errno
-    from meshlab.checkpoint_failures import ReportingFileSystem
+    from meshlab.checkpoint.failures import ReportingFileSystem
 
     full = r"^no space left on device \(ENOSPC\) writing /dev/full after 0 B$"
     with pytest.raises(CheckpointError, match=full), \
@@ -420,7 +420,7 @@ def test_an_optimizer_pairs_with_its_fsdp_model_after_a_forward_only(tmp_path: P
     import torch.distributed as dist
     from torch import nn
 
-    from meshlab.checkpoint import _models_of
+    from meshlab.checkpoint.sharded import _models_of
 
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed and no process group already in this process")

@@ -66,7 +66,7 @@ def test_an_uneven_split_is_refused_on_every_rank_and_the_cluster_goes_on(cluste
 LLAMA4 = """
 import transformers as T
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 config = T.Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
     intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,

@@ -15,7 +15,7 @@ from meshlab.parallel.context_chunked import AttendBlock
 CELL = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 from transformers import LlamaConfig, LlamaForCausalLM
 result = compare_with_single_process({model}, mesh, ParallelPlan({plan}), steps=2, batch=4,
                                      dtype=torch.float64, optimizer={optimizer!r})

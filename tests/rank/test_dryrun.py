@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from meshlab.dry_run import DryRun, dryrun, plan_for, planner_beside, representative_ranks
-from meshlab.dry_run_plan import describe, ran
+from meshlab.dry_run.plan import describe, ran
+from meshlab.dry_run.run import DryRun, dryrun, plan_for, planner_beside, representative_ranks
 from meshlab.plan import HARDWARE, IMPLEMENTATIONS, Layout, ModelShape
 from meshlab.plan.reconcile import planner_estimate
 from meshlab.plan.report import plan
@@ -242,7 +242,7 @@ def test_published_layouts_agree_with_the_planner_on_every_category(case: str) -
 
 
 def test_ranks_run_in_as_many_processes_as_finish_them_soonest() -> None:
-    from meshlab.dry_run import processes_for
+    from meshlab.dry_run.run import processes_for
 
     # three probes on two CPUs: time-shared in three, one and a half rounds, not two
     assert [processes_for(jobs, 2) for jobs in range(1, 10)] == [1, 2, 3, 2, 2, 2, 2, 2, 3]
@@ -344,7 +344,7 @@ def test_a_real_process_group_is_refused(real_group: None) -> None:
 
 
 def test_the_rank_side_imports_no_notebook_packages() -> None:
-    code = ("import sys, meshlab.dry_run, meshlab.dry_run_step, meshlab.fake_world; "
+    code = ("import sys, meshlab.dry_run.run, meshlab.dry_run.step, meshlab.dry_run.fake_world; "
             "print([m for m in ('IPython', 'ipyparallel', 'pandas', 'altair') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -428,7 +428,7 @@ def test_a_pipeline_without_micro_batches_gets_the_fewest_it_runs_and_says_so() 
 ], ids=["interleaved-tp-bf16", "ep-gpipe", "1f1b-from-gpipe-shared"])
 def test_a_composed_pipeline_step_is_the_whole_step(shape: ModelShape, layout: str) -> None:
     """A pipeline rank runs four micro-batches and composes the schedule's m from them
-    (meshlab.dry_run_compose): every byte of every category, peak and axis as when it runs
+    (meshlab.dry_run.compose): every byte of every category, peak and axis as when it runs
     all m (a second micro-batch's backward, the first to add into gradients, differs from
     the rest: three were not enough). 1F1B takes no fewer micro-batches than pp ranks: its
     probe is GPipe's; and pp ranks 2-6 of 8, whose stages run the same program, are all

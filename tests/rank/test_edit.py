@@ -15,7 +15,7 @@ from meshlab.notebook.output import MeshError
 SIMULATED = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 results = []
 for dp in {dps}:  # 4 steps with H=2: the second sync is pending at the end, finish() takes it
     plan = ParallelPlan(data_parallel=dp, replica_sync="edit", sync_every=2)
@@ -40,7 +40,7 @@ def test_edit_trains_like_its_one_process_simulation(cluster: Cluster, spec: str
 OTHERS = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=2)
 results = []
 for name, model in (("meshlab over tp", ModelConfig()), ("transformers Llama", llama)):
@@ -76,10 +76,10 @@ def test_edit_without_the_penalty_is_diloco_with_the_sync_moved(cluster: Cluster
 ANOMALY = """
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.edit_penalty import Penalty
-from meshlab.parallel.edit_replay import simulate
-from meshlab.parallel.training import one_process_optimizer
-from meshlab.parallel.verify import data_rank, full_parameters, next_token_loss
+from meshlab.replicas.edit_penalty import Penalty
+from meshlab.replicas.edit_replay import simulate
+from meshlab.verify.training import one_process_optimizer
+from meshlab.verify.compare import data_rank, full_parameters, next_token_loss
 penalty = Penalty(warmup=3, clip=1.0)  # the z-test from the 4th sync on; some blocks clipped
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=1)
 SPIKE = 5  # replica 1's 6th step takes a 100x learning rate: its pseudo-gradient explodes
@@ -135,10 +135,10 @@ def test_penalty_leaves_out_the_replica_whose_pseudo_gradient_is_anomalous(
 
 OVERLAP = """
 import time
-import meshlab.profiling
+import meshlab.measure.profiling
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, next_token_loss
+from meshlab.verify.compare import data_rank, next_token_loss
 r, n = data_rank(mesh)
 batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(2)]
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=1)
@@ -150,9 +150,9 @@ opt.step()  # a sync is due: the next forward takes it, block by block
 returned = {}
 for i, block in enumerate(model.layers.values()):
     block.register_forward_hook(lambda m, a, o, i=i: returned.__setitem__(i, time.time_ns()))
-meshlab.profiling.start()
+meshlab.measure.profiling.start()
 next_token_loss(model, batches[1])
-profile = meshlab.profiling.stop(rank)
+profile = meshlab.measure.profiling.stop(rank)
 replicas = sorted(mesh["dp_replicate"].mesh.tolist())
 pseudo = [c for c in profile.collectives if c.op == "all_reduce" and c.group == replicas
           and c.bytes > 64]  # the pseudo-gradients, one per unit: the rest, blocks 0..3
@@ -181,11 +181,11 @@ def test_sync_of_the_next_block_runs_while_a_block_computes(cluster: Cluster) ->
 
 
 BYTES = """
-from meshlab.comms import CommTracer
-from meshlab.memory import local_shard
+from meshlab.measure.comms import CommTracer
+from meshlab.measure.memory import local_shard
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, next_token_loss
+from meshlab.verify.compare import data_rank, next_token_loss
 r, n = data_rank(mesh)
 batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(2)]
 plan = ParallelPlan(data_parallel="zero3", replica_sync="edit", sync_every=1)
@@ -228,8 +228,8 @@ THROTTLED = """
 import contextlib
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.edit_replay import compare_replayed
-from meshlab.throttle import throttle
+from meshlab.replicas.edit_replay import compare_replayed
+from meshlab.measure.throttle import throttle
 plan = ParallelPlan(data_parallel="zero3", replica_sync="a_edit", sync_seconds=0.3)
 slow = mesh["dp_replicate"].get_local_rank() == 1
 history = []
@@ -259,7 +259,7 @@ def test_a_edit_fast_replica_takes_more_steps_and_its_log_replays_exactly(
 FIXED = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import train
+from meshlab.verify.compare import train
 plan = ParallelPlan(data_parallel="none", replica_sync="a_edit", sync_seconds=1.0)
 model = parallelize(Transformer(ModelConfig()), mesh, plan)
 train(model, build_optimizer(model, mesh, plan),

@@ -25,7 +25,7 @@ pytest.importorskip("transformers", reason="transformers is a test dependency")
 CELL = """
 import meshlab.mesh
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 _r = compare_with_single_process(FAMILIES[{family!r}], meshlab.mesh.build({mesh!r}),
                                  ParallelPlan({plan}), steps=3, dtype=torch.float64,
                                  optimizer="sgd")

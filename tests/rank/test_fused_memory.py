@@ -1,4 +1,5 @@
-"""What a step keeps for the backward under meshlab.fused_memory, held to Korthikanti's count.
+"""What a step keeps for the backward under meshlab.dry_run.fused_memory, held to
+Korthikanti's count.
 
 One block of meshlab's Transformer (and of transformers' Llama) runs on fake tensors under
 torch's memory tracker, op by op and with fused kernels' rules: the fused figure is
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from meshlab.fused_memory import fused_memory
+from meshlab.dry_run.fused_memory import fused_memory
 from meshlab.models import ModelConfig, Transformer
 from meshlab.parallel.activation_checkpoint import apply_ac
 from meshlab.plan.formulas import layer_activation_bytes

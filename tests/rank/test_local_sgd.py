@@ -1,7 +1,7 @@
 """Local SGD and DiLoCo on 4 real gloo ranks: against the same algorithm in one process,
 against DDP where they must be DDP, and by the bytes the replicas exchange.
 
-Tolerances as in meshlab.parallel.verify: fp32 parameters to 2e-4 of their largest value
+Tolerances as in meshlab.verify.compare: fp32 parameters to 2e-4 of their largest value
 (a reordered sum moves AdamW's steps that much), float64 to 1e-9.
 """
 
@@ -17,7 +17,7 @@ from meshlab.parallel import ParallelPlan
 CHECK = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 result = compare_with_single_process(ModelConfig(), mesh, ParallelPlan({plan}), steps=5,
                                      dtype=torch.{dtype})
 (result.ok, result.max_loss_error, result.max_param_error, result.worst_param)
@@ -67,10 +67,10 @@ def test_local_sgd_every_step_with_sgd_is_ddp(cluster: Cluster) -> None:
 
 
 TRAFFIC = """
-import meshlab.comms
+import meshlab.measure.comms
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank, train
+from meshlab.verify.compare import data_rank, train
 r, n = data_rank(mesh)
 batches = [local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n) for s in range(4)]
 replicas = sorted(mesh["dp_replicate"].mesh.tolist())
@@ -79,9 +79,9 @@ for sync, every in (("every_step", 1), ("local_sgd", 2), ("diloco", 4)):
     plan = ParallelPlan(data_parallel="zero3", replica_sync=sync, sync_every=every)
     model = parallelize(Transformer(ModelConfig()), mesh, plan)
     opt = build_optimizer(model, mesh, plan)
-    meshlab.comms.start()
+    meshlab.measure.comms.start()
     train(model, opt, batches)
-    sent[sync] = sum(c.bytes for c in meshlab.comms.stop() if sorted(c.group) == replicas)
+    sent[sync] = sum(c.bytes for c in meshlab.measure.comms.stop() if sorted(c.group) == replicas)
 sent
 """
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.memory import MemoryReport, activation_bytes_per_layer, measure, zero_bytes
+from meshlab.measure.memory import MemoryReport, activation_bytes_per_layer, measure, zero_bytes
 
 GB = 1e9  # the ZeRO paper's GB is decimal
 
@@ -191,7 +191,7 @@ def test_measure_zero_redundancy_optimizer_counts_own_shard(fake_world: int) -> 
 
 
 def test_activation_bytes_shrink_with_checkpointing() -> None:
-    from meshlab.memory import activation_bytes
+    from meshlab.measure.memory import activation_bytes
     from meshlab.models import ModelConfig, Transformer, global_batch
     from meshlab.parallel import apply_ac
 
@@ -203,7 +203,7 @@ def test_activation_bytes_shrink_with_checkpointing() -> None:
 
 
 def test_offloaded_activations_are_counted_on_the_host_and_train_alike() -> None:
-    from meshlab.memory import activation_placement
+    from meshlab.measure.memory import activation_placement
     from meshlab.models import ModelConfig, Transformer, global_batch
     from meshlab.parallel.offload import apply_activation_offload
 
@@ -252,7 +252,7 @@ class _TwoLinears(nn.Module):
 
 
 def test_offloading_copies_activations_not_the_weights_linears_save() -> None:
-    from meshlab.memory import activation_placement
+    from meshlab.measure.memory import activation_placement
     from meshlab.parallel.offload import apply_activation_offload
 
     torch.manual_seed(0)
@@ -268,7 +268,7 @@ def test_activations_leave_out_the_weights_fsdp_gathers(fake_world: int) -> None
     # (and freed after each block, so addresses repeat): they are no activations either
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshlab.memory import activation_placement
+    from meshlab.measure.memory import activation_placement
     from meshlab.models import ModelConfig, Transformer, global_batch
     from meshlab.parallel.fsdp import apply_fsdp
 
@@ -298,7 +298,7 @@ def _fsdp_root_with_params(world: int) -> tuple[nn.Module, torch.optim.Optimizer
 
 
 def test_activation_bytes_leaves_fsdp_sharded(fake_world: int) -> None:
-    from meshlab.memory import activation_bytes
+    from meshlab.measure.memory import activation_bytes
 
     model, opt = _fsdp_root_with_params(fake_world)
     before = measure(model, opt)

@@ -33,7 +33,7 @@ CELL = '''
 import torch, meshlab.mesh
 from meshlab.parallel import ParallelPlan, parallelize
 from meshlab.parallel.materialize import materialize
-from meshlab.parallel.verify import full_parameters, _mine
+from meshlab.verify.compare import full_parameters, _mine
 
 def _whole(family):
     """The family's model as one process materializes it, whole."""
@@ -183,7 +183,7 @@ def test_a_meta_model_meshlab_cannot_initialize_is_refused_on_every_rank(cluster
 TRAINED = '''
 import meshlab.mesh, torch
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 
 def _trained(family, spec, plan):
     r = compare_with_single_process(FAMILIES[family], meshlab.mesh.build(spec),

@@ -10,7 +10,7 @@ transformers models from tiny configs and a GPT written in a cell (tests/rank/fa
 Each case is compare_with_single_process: 2 steps (the second takes the optimizer state the
 first made; fp16 3, as its first may be skipped on overflow), float64 (AdamW or SGD with
 momentum), bf16 and fp16 against the same recipe in one process with SGD, at the
-tolerances meshlab.parallel.verify derives.
+tolerances meshlab.verify.compare derives.
 
 The table in docs/guides/combinations.md is this test's output: ``MESHLAB_WRITE_MATRIX=1
 python -m pytest tests/rank/test_model_matrix.py`` rewrites it; otherwise the test fails when
@@ -69,8 +69,8 @@ CASES, REFUSED = generate({"family": FAMILY_NAMES, **OPTIONS}, family_refuses)
 CELL = '''
 import meshlab.mesh
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.reused_references import reusing_references
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.reused_references import reusing_references
+from meshlab.verify.compare import compare_with_single_process
 from meshlab.schedules import ScheduleError
 
 def _case(mesh, plan, how):
@@ -175,7 +175,7 @@ def table(results: Mapping[str, list[tuple[Case, tuple[Any, ...]]]]) -> str:
     lines.append(f"{len(CASES)} cases cover every pair of options that can run together "
                  f"({len(REFUSED)} pairs cannot: each is refused, naming it). ✓n: n cases "
                  "with that option on that family matched one process (float64 losses and "
-                 "parameters within the tolerance meshlab.parallel.verify derives; bf16 and "
+                 "parameters within the tolerance meshlab.verify.compare derives; bf16 and "
                  "fp16 against the same recipe in one process, with SGD); · none "
                  "generated.  ")
     lines += [f"({n}) {reason}  " for reason, n in notes.items()]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_offloaded_activations_leave_the_gpu_and_train_alike() -> None:
-    from meshlab.memory import activation_placement
+    from meshlab.measure.memory import activation_placement
     from meshlab.models import ModelConfig, Transformer, global_batch
     from meshlab.parallel.offload import apply_activation_offload
 
@@ -41,7 +41,7 @@ def test_offloaded_activations_leave_the_gpu_and_train_alike() -> None:
 def test_offloaded_fsdp_trains_like_fsdp_with_its_shards_on_the_host(one_rank: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshlab.memory import measure
+    from meshlab.measure.memory import measure
     from meshlab.models import ModelConfig, Transformer, global_batch
     from meshlab.parallel.fsdp import apply_fsdp
 

@@ -23,8 +23,8 @@ KINDS = ("adamw_bf16", "adafactor", "adamw8bit") if HAS_TORCHAO else ("adamw_bf1
 COMPARE = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.reused_references import reusing_references
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.reused_references import reusing_references
+from meshlab.verify.compare import compare_with_single_process
 out = {{}}
 with reusing_references():  # per optimizer, the three stages share one reference
     for kind in {kinds!r}:
@@ -55,7 +55,7 @@ def test_each_optimizer_trains_like_one_process_under_zero_1_2_3(cluster: Cluste
 HSDP = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 r = compare_with_single_process(ModelConfig({tiny}), mesh, ParallelPlan(data_parallel="zero3"),
                                 steps=3, dtype=torch.float64, optimizer="adafactor")
 (r.max_loss_error, r.max_param_error)
@@ -73,7 +73,7 @@ def test_adafactor_factors_match_one_process_under_hsdp(cluster: Cluster) -> Non
 TENSOR_PARALLEL = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 out = {{}}
 for kind in {kinds!r}:
     r = compare_with_single_process(ModelConfig({tiny}), mesh, ParallelPlan(data_parallel="zero3"),
@@ -124,7 +124,7 @@ def test_adamw8bit_refuses_shards_whose_blocks_differ_from_one_process(cluster: 
 
 
 BYTES = """
-from meshlab.memory import measure
+from meshlab.measure.memory import measure
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, parallelize
@@ -173,7 +173,7 @@ def test_measured_state_bytes_equal_the_formula_per_optimizer(cluster: Cluster) 
 
 @pytest.mark.cluster
 def test_measured_state_bytes_equal_the_formula_over_tp(cluster: Cluster) -> None:
-    # the formula steps one tp rank's shapes (meshlab.memory.tp_rank_shape), cut on dim 0
+    # the formula steps one tp rank's shapes (meshlab.measure.memory.tp_rank_shape), cut on dim 0
     cluster.init_mesh("dp=2 tp=2")
     tiny = TINY.replace("n_kv_heads=1", "n_kv_heads=2")
     by_rank = cluster.run(BYTES.format(kinds=ALL_KINDS, modes=("zero3",), tiny=tiny),

@@ -1,7 +1,7 @@
 """A user's own model: a tiny transformers LlamaForCausalLM (built from a config, nothing
 downloaded) under every strategy meshlab applies to it, each against one process.
 
-Tolerances as in meshlab.parallel.verify: float64 runs, where a real mistake cannot hide,
+Tolerances as in meshlab.verify.compare: float64 runs, where a real mistake cannot hide,
 hold losses and parameters to 1e-9 (only the order of floating-point sums differs).
 """
 
@@ -38,7 +38,7 @@ LLAMA = ("LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermedia
 CELL = """
 from transformers import LlamaConfig, LlamaForCausalLM
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 result = compare_with_single_process(lambda: {model}, mesh, ParallelPlan({plan}), steps=3,
                                      dtype=torch.float64)
 (result.ok, result.max_loss_error, result.max_param_error, result.worst_param)
@@ -126,7 +126,7 @@ def test_the_default_loss_reads_transformers_logits() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from meshlab.models.llama import loss_fn
-    from meshlab.parallel.verify import next_token_loss
+    from meshlab.verify.compare import next_token_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -292,8 +292,8 @@ def test_every_pipeline_schedule_trains_a_transformers_llama_like_one_process(
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan\n"
-        "from meshlab.parallel.reused_references import reusing_references\n"
-        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "from meshlab.verify.reused_references import reusing_references\n"
+        "from meshlab.verify.compare import compare_with_single_process\n"
         "from meshlab.schedules import TAKES_VIRTUAL\n"
         f"llama = lambda: {LLAMA.replace('layers=2', 'layers=4')}\n"
         "failed = []\n"
@@ -316,7 +316,7 @@ def test_a_pipeline_split_where_the_user_says(cluster: Cluster) -> None:
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan, parallelize\n"
-        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "from meshlab.verify.compare import compare_with_single_process\n"
         "plan = ParallelPlan(data_parallel='zero3', split_points=['model.layers.2'])\n"
         f"held = sorted(parallelize({three}, mesh, plan).model.layers)\n"
         f"r = compare_with_single_process(lambda: {three}, mesh, plan, steps=3, "
@@ -390,7 +390,7 @@ def test_the_memory_formula_counts_whole_what_tp_leaves_whole(cluster: Cluster) 
     cluster.init_mesh("dp=2 tp=2")
     result = cluster.run(
         "from transformers import Phi3Config, Phi3ForCausalLM\n"
-        "from meshlab.memory import measure, tp_rank_params\n"
+        "from meshlab.measure.memory import measure, tp_rank_params\n"
         "from meshlab.parallel import ParallelPlan, parallelize\n"
         f"whole = {PHI3}\n"
         "norms = sum(p.numel() for n, p in whole.named_parameters() if 'norm' in n)\n"
@@ -426,7 +426,7 @@ def test_bf16_against_adamw_is_refused_before_anything_trains() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel import ParallelPlan
-    from meshlab.parallel.verify import compare_with_single_process
+    from meshlab.verify.compare import compare_with_single_process
 
     with pytest.raises(ValueError, match=r"mixed_precision=True compared with "
                                          r"optimizer='adamw'.*pass optimizer='sgd'"):
@@ -440,7 +440,7 @@ def test_what_cannot_be_shown_equal_is_refused_or_explained(cluster: Cluster) ->
     result = cluster.run(
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "from meshlab.parallel import ParallelPlan, parallelize\n"
-        "from meshlab.parallel.verify import compare_with_single_process\n"
+        "from meshlab.verify.compare import compare_with_single_process\n"
         "tied = " + LLAMA.replace("max_position_embeddings=32", "max_position_embeddings=32, "
                                   "tie_word_embeddings=True") + "\n"
         "try:  # the embedding split over the vocabulary, the head left whole\n"

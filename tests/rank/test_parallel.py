@@ -1,6 +1,6 @@
 """Every parallel strategy trains like one process: 5 AdamW steps on 4 real gloo ranks.
 
-See meshlab.parallel.verify for the tolerances and why fp32 parameters need 2e-4 while
+See meshlab.verify.compare for the tolerances and why fp32 parameters need 2e-4 while
 float64 runs hold to 1e-9.
 """
 
@@ -22,7 +22,7 @@ from meshlab.parallel.tensor import check_tp
 CELL = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 result = compare_with_single_process(ModelConfig({model}), mesh, ParallelPlan({plan}),
                                      dtype=torch.{dtype})
 (result.ok, result.max_loss_error, result.max_param_error, result.worst_param)
@@ -159,7 +159,7 @@ def test_micro_batches_must_divide_the_batch() -> None:
 
 
 ACCUMULATE = """
-import meshlab.comms
+import meshlab.measure.comms
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, parallelize
@@ -169,10 +169,10 @@ for k in (1, 4):
     torch.manual_seed(0)
     model = parallelize(Transformer(ModelConfig()), mesh, ParallelPlan(data_parallel="zero2"))
     x, y = local_batch(step=0, batch=16, seq=16, vocab=256, rank=rank, ranks=4)
-    meshlab.comms.start()
+    meshlab.measure.comms.start()
     for xs, ys in micro_batches(model, (x, y), k):
         (loss_fn(model(xs), ys) / k).backward()
-    ops = [r.op for r in meshlab.comms.stop()]
+    ops = [r.op for r in meshlab.measure.comms.stop()]
     counts[k] = (ops.count("reduce_scatter"), ops.count("all_gather"))
 counts
 """
@@ -233,7 +233,7 @@ def test_mixed_precision_trains_in_bf16_with_fp32_reduction(cluster: Cluster) ->
     cluster.init_mesh("dp=4")
     result = cluster.run(
         "from meshlab.parallel import ParallelPlan, parallelize, build_optimizer\n"
-        "from meshlab.parallel.verify import train\n"
+        "from meshlab.verify.compare import train\n"
         "from meshlab.models import ModelConfig, Transformer, local_batch\n"
         "plan = ParallelPlan(data_parallel='zero3', mixed_precision=True)\n"
         "m = parallelize(Transformer(ModelConfig()), mesh, plan)\n"
@@ -288,8 +288,8 @@ OWN_SCHEDULE = """
 EVERY_SCHEDULE = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.reused_references import reusing_references
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.reused_references import reusing_references
+from meshlab.verify.compare import compare_with_single_process
 from meshlab.schedules import BUILDERS, TAKES_VIRTUAL, parse
 verdicts = {{}}
 with reusing_references():  # one reference for every schedule
@@ -309,7 +309,7 @@ verdicts
 def test_every_schedule_trains_like_one_process_through_parallelize(cluster: Cluster) -> None:
     # float64, so the strict tolerances hold: losses and parameters to 1e-9 after 3 AdamW
     # steps (reordered float64 sums differ by ~1e-13; fp32 would only be held to 2e-4, see
-    # meshlab.parallel.verify). pp=2 x dp=2 with ZeRO-3: FSDP on each stage, two stages on a
+    # meshlab.verify.compare). pp=2 x dp=2 with ZeRO-3: FSDP on each stage, two stages on a
     # rank for the looped and V-shaped schedules.
     cluster.init_mesh("pp=2 dp=2")
     result = cluster.run(EVERY_SCHEDULE.format(own=OWN_SCHEDULE), keep_values=True,
@@ -342,7 +342,7 @@ def test_plans_refuse_pipeline_schedules_they_cannot_run() -> None:
 TRAIN_ONE_STEP = """
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.parallel.verify import train
+from meshlab.verify.compare import train
 plan = ParallelPlan(data_parallel={kind!r})
 model = parallelize(Transformer(ModelConfig()), mesh, plan)
 opt = build_optimizer(model, mesh, plan)
@@ -418,7 +418,7 @@ WARMUP = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.parallel.accumulate import warmup
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 result = compare_with_single_process(
     ModelConfig(), mesh, ParallelPlan({plan}), steps=4, batch=8, dtype=torch.float64,
     batch_schedule=lambda s: warmup(s, start=8, end=32, steps=3, unit=8))

@@ -4,7 +4,7 @@ against the module's formula, and what it refuses or reports.
 
 Tolerances: float64 replays to 1e-9 (measured ~2e-13: the replay computes each worker's
 gradient on the whole of its rows, the run as DDP/FSDP's mean over dp_shard); fp32 to
-meshlab.parallel.verify's (1e-5 losses, 2e-4 parameters).
+meshlab.verify.compare's (1e-5 losses, 2e-4 parameters).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def test_staleness_zero_is_synchronous_data_parallel(cluster: Cluster) -> None:
 SLOWED = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.parameter_server_replay import run_and_replay
-from meshlab.throttle import off, throttle
+from meshlab.replicas.parameter_server_replay import run_and_replay
+from meshlab.measure.throttle import off, throttle
 {llama}if mesh["dp_replicate"].get_local_rank() == 0:
     throttle(3)  # replica 0 is the straggler: replica 1 runs up to `staleness` clocks ahead
 out = {{}}
@@ -108,25 +108,25 @@ def test_slowed_replica_makes_stale_gradients_within_the_bound(
 
 TRAFFIC = """
 import threading
-import meshlab.comms
+import meshlab.measure.comms
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.parameter_server import traffic
-from meshlab.parallel.verify import data_rank
+from meshlab.replicas.parameter_server import traffic
+from meshlab.verify.compare import data_rank
 r, n = data_rank(mesh)
 plan = ParallelPlan(data_parallel="{dp}", replica_sync="parameter_server", staleness=1)
 model = parallelize(Transformer(ModelConfig()), mesh, plan)
 opt = build_optimizer(model, mesh, plan)
 steps, sync = 3, opt.replica_sync
-meshlab.comms.start()
+meshlab.measure.comms.start()
 for s in range(steps):
     x, y = local_batch(step=s, batch=8, seq=16, vocab=256, rank=r, ranks=n)
     opt.zero_grad()
     loss_fn(model(x), y).backward()
     opt.step()
 sync.finish()  # every thread's traffic of the last clock is in
-records = [c for c in meshlab.comms.stop() if c.group == sorted(sync.column)]
+records = [c for c in meshlab.measure.comms.stop() if c.group == sorted(sync.column)]
 sync.finish()
 formula = traffic(sync.numel, sync.replicas, sync.replica, itemsize=4)
 ({{op: sum(c.bytes for c in records if c.op == op) / steps for op in ("send", "recv")}},
@@ -157,7 +157,7 @@ import time
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
-from meshlab.parallel.verify import data_rank
+from meshlab.verify.compare import data_rank
 r, n = data_rank(mesh)
 plan = ParallelPlan(data_parallel="none", replica_sync="parameter_server", staleness=1)
 model = parallelize(Transformer(ModelConfig()), mesh, plan)

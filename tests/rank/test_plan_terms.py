@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlab.dry_run_plan import plan_for
+from meshlab.dry_run.plan import plan_for
 from meshlab.plan import HARDWARE, MODELS, Layout, estimate, gemm, search
 from meshlab.plan.compute import (
     EAGER_RMSNORM_PASSES,
@@ -52,7 +52,7 @@ def test_an_eager_rmsnorm_costs_what_the_h100_measured_and_a_layernorm_less() ->
 
 def test_a_transformers_models_norm_is_read_from_its_modules() -> None:
     transformers = pytest.importorskip("transformers", reason="a test dependency")
-    from meshlab.dry_run_plan import shape_of
+    from meshlab.dry_run.plan import shape_of
 
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     phi = transformers.PhiForCausalLM(transformers.PhiConfig(**tiny))  # LayerNorm

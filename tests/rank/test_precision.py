@@ -1,5 +1,5 @@
 """fp16 with dynamic loss scaling and QAT on 4 real gloo ranks, each against the same recipe
-in one process (meshlab.parallel.verify), and the refusals that name their fix.
+in one process (meshlab.verify.compare), and the refusals that name their fix.
 
 fp16 tolerances: losses 1e-4, parameters 1e-3 (verify.TOLERANCES; measured ~1e-5 and ~6e-5
 after 4 SGD steps). QAT is held to 10x the one-process floor (2 accumulated halves), as
@@ -22,7 +22,7 @@ TINY = "ModelConfig(dim=32, ffn_hidden=64, vocab_size=128, n_layers=2)"
 COMPARE = f"""
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.verify import compare_with_single_process
+from meshlab.verify.compare import compare_with_single_process
 results = []
 for kw in {{plans}}:
     r = compare_with_single_process({TINY}, mesh, ParallelPlan(**kw), steps=3,
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, parallelize, build_optimizer
-from meshlab.parallel.verify import full_parameters, train
+from meshlab.verify.compare import full_parameters, train
 plan = ParallelPlan(data_parallel="zero3", mixed_precision="fp16")
 torch.manual_seed(0)
 m = parallelize(Transformer({TINY}), mesh, plan)

@@ -45,10 +45,10 @@ SMALL_SHARDS = 30_000  # every other case saves in shards this small: an index a
 CELL = '''
 import torch
 import meshlab.mesh
-from meshlab.checkpoint_failures import CheckpointError
+from meshlab.checkpoint.failures import CheckpointError
 from meshlab.models.llama import loss_fn
 from meshlab.parallel import ParallelPlan, parallelize
-from meshlab.parallel.verify import full_parameters
+from meshlab.verify.compare import full_parameters
 from meshlab.pretrained import load_pretrained, save_pretrained
 from torch.distributed.tensor import DTensor
 
@@ -399,7 +399,7 @@ def test_a_save_failing_mid_file_names_the_os_error_and_removes_its_folder(
 
     code = f"""
 import resource, signal, transformers as T
-from meshlab.checkpoint_failures import CheckpointError
+from meshlab.checkpoint.failures import CheckpointError
 from meshlab.pretrained import save_pretrained
 model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))

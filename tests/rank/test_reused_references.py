@@ -1,4 +1,4 @@
-"""One reference for many comparisons (meshlab.parallel.reused_references): reused only where
+"""One reference for many comparisons (meshlab.verify.reused_references): reused only where
 the one-process run would be the same, and then with the same verdicts and numbers exactly.
 
 The loss is counted: every one-process step calls it, so a reference trained again shows
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.cluster
 CELL = '''
 from meshlab.models import ModelConfig, Transformer
 from meshlab.parallel import ParallelPlan
-from meshlab.parallel.reused_references import reusing_references
-from meshlab.parallel.verify import compare_with_single_process, next_token_loss
+from meshlab.verify.reused_references import reusing_references
+from meshlab.verify.compare import compare_with_single_process, next_token_loss
 import meshlab.mesh
 
 calls = [0]

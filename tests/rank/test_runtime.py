@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from meshlab import runtime
-from meshlab.private_files import STORE_PREFIX
+from meshlab.rank.private_files import STORE_PREFIX
 
 SCRIPT = """
 from meshlab import runtime
-from meshlab.private_files import STORE_PREFIX
+from meshlab.rank.private_files import STORE_PREFIX
 ns = runtime.init_from_env()
 t = ns["torch"].ones(1) * ns["rank"]
 ns["dist"].all_reduce(t)
@@ -72,7 +72,7 @@ def test_a_rank_that_cannot_see_rank_0s_store_file_says_so_at_once(tmp_path: Pat
 STORE_OWNER = """
 import os, stat
 from meshlab import runtime
-from meshlab.private_files import STORE_PREFIX
+from meshlab.rank.private_files import STORE_PREFIX
 path = runtime.private_store(timeout=5)
 print(path, oct(stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)),
       oct(stat.S_IMODE(os.stat(path).st_mode)))

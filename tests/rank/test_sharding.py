@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from meshlab.sharding import describe, local_shape_and_offsets
+from meshlab.measure.sharding import describe, local_shape_and_offsets
 
 
 def torch_says(shape: list[int], mesh: list[int], coord: list[int],
@@ -80,8 +80,8 @@ def test_strided_shard_is_said_in_words() -> None:
     # TP + FSDP2 gives torch's internal _StridedShard, printed as "_S(0, 2)"
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from meshlab.measure.sharding import ShardingReport, _placement
     from meshlab.notebook.widgets.sharding_layout import default_dims
-    from meshlab.sharding import ShardingReport, _placement
 
     text = _placement(_StridedShard(0, split_factor=2))
     assert text == "strided shard on dim 0 (FSDP over TP, split 2 ways)"

@@ -1,4 +1,4 @@
-"""meshlab.throttle in this process: it slows compute, leaves torch's mode stack as it found
+"""meshlab.measure.throttle in this process: it slows compute, leaves torch's mode stack as it found
 it in any order, and stays out of fake tensors and compiled code's way."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.utils._python_dispatch as dispatch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from meshlab import comms
-from meshlab.throttle import MIN_SLEEP_S, Throttle, current_factor, off, slept, throttle
+from meshlab.measure import comms
+from meshlab.measure.throttle import MIN_SLEEP_S, Throttle, current_factor, off, slept, throttle
 
 A = torch.randn(128, 128)
 

@@ -1,5 +1,5 @@
 """A plan proved on a tiny copy of the user's own model before the real one trains
-(meshlab.parallel.tiny): the same class, shrunk, two steps beside one process; a plan that
+(meshlab.verify.tiny): the same class, shrunk, two steps beside one process; a plan that
 breaks the model is refused there, naming what failed, before anything is split."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 
 def test_the_tiny_copy_keeps_the_class_and_scales_what_acts_on_the_sequence() -> None:
-    from meshlab.parallel.tiny import SEQ, TinySize, tiny_copy
+    from meshlab.verify.tiny import SEQ, TinySize, tiny_copy
 
     real = transformers.Gemma3TextConfig(vocab_size=256000, hidden_size=2304,
                                          intermediate_size=9216, num_hidden_layers=26,
@@ -37,7 +37,7 @@ def test_the_tiny_copy_keeps_the_class_and_scales_what_acts_on_the_sequence() ->
 def test_a_model_without_a_config_is_asked_for_a_factory() -> None:
     from torch import nn
 
-    from meshlab.parallel.tiny import TinySize, tiny_copy
+    from meshlab.verify.tiny import TinySize, tiny_copy
 
     with pytest.raises(ValueError, match=r"check='tiny' shrinks a model's config, and "
                                          r"Linear has none: pass check=factory"):
@@ -47,7 +47,7 @@ def test_a_model_without_a_config_is_asked_for_a_factory() -> None:
 PROVE = """
 import meshlab.mesh
 from meshlab.parallel import ParallelPlan, parallelize
-from meshlab.parallel.tiny import TinySize
+from meshlab.verify.tiny import TinySize
 {setup}
 _model = parallelize({model}, mesh, ParallelPlan({plan}), check={check})
 _model.tiny_proof.notes[0]

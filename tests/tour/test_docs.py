@@ -31,11 +31,11 @@ OUTSIDE = re.compile(
     r"|@import\s+(?:url\()?\s*[\"']?((?:https?:)?//[^\"')\s]+)"
     r"|url\(\s*[\"']?((?:https?:)?//[^\"')\s]+)", re.I)
 # The rank side's main verbs and types, beside meshlab.__all__.
-RANK_SIDE = ["meshlab.mesh.build", "meshlab.mesh.MeshSpec", "meshlab.sharding.describe",
-             "meshlab.sharding.ShardingReport", "meshlab.comms.CommTracer",
-             "meshlab.memory.measure", "meshlab.memory.zero_bytes", "meshlab.plan.estimate",
-             "meshlab.plan.search", "meshlab.plan.Layout", "meshlab.schedules.build",
-             "meshlab.schedules.Schedule", "meshlab.parallel.apply_tp",
+RANK_SIDE = ["meshlab.mesh.build", "meshlab.mesh.MeshSpec", "meshlab.measure.sharding.describe",
+             "meshlab.measure.sharding.ShardingReport", "meshlab.measure.comms.CommTracer",
+             "meshlab.measure.memory.measure", "meshlab.measure.memory.zero_bytes",
+             "meshlab.plan.estimate", "meshlab.plan.search", "meshlab.plan.Layout",
+             "meshlab.schedules.build", "meshlab.schedules.Schedule", "meshlab.parallel.apply_tp",
              "meshlab.parallel.apply_fsdp", "meshlab.parallel.apply_pp"]
 Executed = Callable[[str], tuple[nbformat.NotebookNode, Path]]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export.journal import ExportError, Journal, select
 from meshlab.notebook.ranks import format_ranks
-from meshlab.private_files import check_target, write_private
+from meshlab.rank.private_files import check_target, write_private
 
 PORT = 29500  # torchrun's default rendezvous port
 

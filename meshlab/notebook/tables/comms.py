@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.comms import CommRecord, op_label
+from meshlab.measure.comms import CommRecord, op_label
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.ranks import format_ranks
 from meshlab.notebook.tables.table import Table, in_byte_unit

@@ -12,7 +12,7 @@ from meshlab.plan.reconcile import Row, planner_beside
 from meshlab.plan.report import Plan, count_text
 
 if TYPE_CHECKING:
-    from meshlab.dry_run import DryRun
+    from meshlab.dry_run.run import DryRun
     from meshlab.plan.hardware import Hardware
 
 GIB = 2**30

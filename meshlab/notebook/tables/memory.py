@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.memory import zero_bytes
+from meshlab.measure.memory import zero_bytes
 from meshlab.notebook.tables.table import Table, in_byte_unit
 from meshlab.plan.formulas import sharded_state_bytes
 
@@ -23,13 +23,13 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
 
     The defaults are fp32 training with AdamW: 4-byte parameters and gradients, 8 bytes of
     optimizer state per parameter (exp_avg and exp_avg_sq; no separate master copy). Reports
-    that name their optimizer's kind (``meshlab.memory.measure`` of a build_optimizer
+    that name their optimizer's kind (``meshlab.measure.memory.measure`` of a build_optimizer
     optimizer) get that optimizer's state bytes instead, from the parameters' shapes
     (``meshlab.plan.formulas.sharded_state_bytes`` of one tp rank's shapes: the mean per
     rank).
 
     ``params`` is the model's parameter count, or what one tensor-parallel rank holds
-    (``meshlab.memory.tp_rank_params``: TP leaves norms, and often the embedding and head,
+    (``meshlab.measure.memory.tp_rank_params``: TP leaves norms, and often the embedding and head,
     whole); ``tp`` > 1 instead takes every parameter as split ``tp`` ways, an estimate.
     ZeRO then divides by ``dp``.
     """

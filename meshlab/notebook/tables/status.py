@@ -6,7 +6,7 @@ import pandas as pd
 
 from meshlab.notebook.tables.table import Table, in_byte_unit
 
-# what each rank reports in MiB (meshlab.probe_server.rank_status), as the table names it
+# what each rank reports in MiB (meshlab.rank.probe_server.rank_status), as the table names it
 MIB_COLUMNS = {"rss_mb": "rss", "gpu_mem_mb": "gpu allocated", "gpu_peak_mb": "gpu peak"}
 
 

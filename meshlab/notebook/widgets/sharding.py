@@ -1,6 +1,6 @@
 """The sharding widget: a tensor drawn as blocks coloured by the ranks that hold them.
 
-It renders plain report data (meshlab.sharding) and never calls torch.distributed. What it
+It renders plain report data (meshlab.measure.sharding) and never calls torch.distributed. What it
 draws is computed in ``sharding_layout`` (blocks, boxes, styles, labels, one part per holder
 of a different tensor); the front end (sharding.js) and ``render_html``, the static drawing
 for front ends without widgets, both draw that, so they show the same thing.
@@ -15,13 +15,13 @@ from typing import Any
 import anywidget
 import traitlets
 
+from meshlab.measure.sharding import ModuleReport, ShardingReport
 from meshlab.notebook.widgets.sharding_layout import (
     module_rows,
     size_text,
     tensor_state,
     text_form,
 )
-from meshlab.sharding import ModuleReport, ShardingReport
 
 
 class ShardingView(anywidget.AnyWidget):

@@ -12,9 +12,9 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+from meshlab.measure.sharding import ModuleReport, RankShard, ShardingReport
 from meshlab.notebook.palette import rank_colour, text_colour
 from meshlab.notebook.ranks import format_ranks, label
-from meshlab.sharding import ModuleReport, RankShard, ShardingReport
 
 # diagonal stripes over the rank colour: a Partial value still owes a reduction
 HATCH = "repeating-linear-gradient(45deg, rgba(255,255,255,.55) 0 4px, transparent 4px 8px)"

@@ -1,9 +1,9 @@
 """Does a parallel run train like one process? Losses and final parameters, compared.
 
-Every rank also trains the reference (meshlab.parallel.reference_run): the same model (same
+Every rank also trains the reference (meshlab.verify.reference_run): the same model (same
 seed) on the whole global batch, alone. Both runs then differ only by the order of
 floating-point sums. Comparing one model
-under many plans, ``with reusing_references():`` (meshlab.parallel.reused_references) trains
+under many plans, ``with reusing_references():`` (meshlab.verify.reused_references) trains
 each distinct reference once.
 
 Tolerances. Losses agree to ~1e-7 in fp32 (rtol 1e-5 below). Parameters after AdamW steps
@@ -47,7 +47,7 @@ import torch
 
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, local_batch
-from meshlab.parallel import combinations, reused_references
+from meshlab.parallel import combinations
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import (
     ParallelPlan,
@@ -56,7 +56,6 @@ from meshlab.parallel.compose import (
     data_parallel_ranks,
     parallelize,
 )
-from meshlab.parallel.float64_variant import float64_throughout
 from meshlab.parallel.materialize import materialize
 from meshlab.parallel.precision import (
     DTYPES,
@@ -65,9 +64,11 @@ from meshlab.parallel.precision import (
     cast_params_in_forward,
     precision_of,
 )
-from meshlab.parallel.reference_run import train_reference
 from meshlab.parallel.ties import tied_groups
-from meshlab.parallel.training import LossFn, next_token_loss, train
+from meshlab.verify import reused_references
+from meshlab.verify.float64_variant import float64_throughout
+from meshlab.verify.reference_run import train_reference
+from meshlab.verify.training import LossFn, next_token_loss, train
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -158,7 +159,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     parameters must be equal exactly (a note says where not).
 
     A float64 comparison runs the float64 variant of the model in both runs (every float32
-    it asks for is float64: meshlab.parallel.float64_variant), so parts it computes in
+    it asks for is float64: meshlab.verify.float64_variant), so parts it computes in
     float32 (norms, routers) leave no noise for an error to hide in."""
     check_comparable(plan, optimizer)
     combinations.check(plan, partial(axis_size, mesh))  # before the one-process run trains
@@ -174,7 +175,7 @@ def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Modul
     if widening is not None and widening.widened:
         result.notes.insert(0, "the model computes parts in float32 even in float64 (norms, "
                                "a router's softmax, rotary angles): both runs computed them "
-                               "in float64 (meshlab.parallel.float64_variant)")
+                               "in float64 (meshlab.verify.float64_variant)")
     return result
 
 
@@ -186,7 +187,7 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
     if plan.replica_sync in REPLAYED:
         # which versions and how many local steps an asynchronous run took is known only
         # after it: its reference replays the run's own log, in one process
-        from meshlab.parallel import edit_replay, parameter_server_replay
+        from meshlab.replicas import edit_replay, parameter_server_replay
 
         module = (parameter_server_replay if plan.replica_sync == "parameter_server"
                   else edit_replay)

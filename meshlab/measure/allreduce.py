@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from meshlab import comms
+from meshlab.measure import comms
 
 ALGORITHMS = ("ring", "halving_doubling", "tree", "hierarchical")
 

@@ -46,7 +46,7 @@ class CommRecord:
     # direction between the same two ranks, the order their messages match in)
     issued_ns: int = 0  # the call began: this rank arrived at the collective
     done_ns: int = 0  # its result was ready here (the work's future, or the wait's end)
-    # the all-reduce algorithm (meshlab.allreduce) whose send/recv this is, or the backend
+    # the all-reduce algorithm (meshlab.measure.allreduce) whose send/recv this is, or the backend
     # ("gloo", "nccl") that ran a collective itself
     algorithm: str = ""
 

@@ -12,7 +12,7 @@ import torch
 from meshlab.models import global_batch
 from meshlab.parallel.compose import ParallelPlan
 from meshlab.parallel.precision import LossScaledOptimizer, precision_of
-from meshlab.parallel.training import LossFn, one_process_optimizer, replica_rows, train
+from meshlab.verify.training import LossFn, one_process_optimizer, replica_rows, train
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ def train_reference(replicas: list[torch.nn.Module], build: Callable[[], torch.n
     precision's, put on the reference already and on the twin that measures the floor;
     ``parts``: the chunks the parallel run's data ranks split each batch into (the floor
     accumulates the same chunks, at least 2); ``measure_floor=False``: it computes in float64
-    throughout (meshlab.parallel.float64_variant), where the floor is float64's rounding, so
+    throughout (meshlab.verify.float64_variant), where the floor is float64's rounding, so
     it is not measured."""
     reference = replicas[0]
     loss_rtol, param_rtol = tolerances
@@ -147,10 +147,10 @@ def train_replicas(models: list[torch.nn.Module], plan: ParallelPlan, shape: dic
     """Local SGD, DiLoCo or EDiT in one process: replica r trains on the r-th block of rows
     of each global batch (the rows its data ranks get), and every ``plan.sync_every`` steps
     the replicas are averaged, or take DiLoCo's outer step (EDiT's: penalised, block by
-    block, meshlab.parallel.edit_replay.simulate); returns the mean loss per step."""
+    block, meshlab.replicas.edit_replay.simulate); returns the mean loss per step."""
     optimizers = [one_process_optimizer(m, lr, kind, plan.max_grad_norm) for m in models]
     if plan.replica_sync == "edit":
-        from meshlab.parallel.edit_replay import simulate
+        from meshlab.replicas.edit_replay import simulate
 
         def batch_of(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
             return replica_rows(global_batch(step=step, batch=sizes[step], **shape), r,

@@ -2,7 +2,7 @@
 synchronise block by block in the next forward, with a pseudo-gradient penalty.
 
 The replicas are the ``dp_replicate`` axis, as for local SGD and DiLoCo
-(meshlab.parallel.local_sgd); inside one, DDP or FSDP (zero2/zero3) reduce every step.
+(meshlab.replicas.local_sgd); inside one, DDP or FSDP (zero2/zero3) reduce every step.
 
 - Layer-wise sync: the sync decided after a step is taken in the next
   forward, each block's pseudo-gradient all-reduced (``async_op``) one block ahead of the
@@ -36,8 +36,8 @@ default there), and keeping the backup and outer momentum in host memory. Where 
 may differ still: whether a norm it leaves out joins the statistics (here: no).
 
 EDiT's result is the same penalised DiLoCo step taken at the end of the round:
-meshlab.parallel.verify checks it against its one-process reference, and A-EDiT against a
-replay of its logged step counts (both in meshlab.parallel.edit_replay; float64, 1e-9).
+meshlab.verify.compare checks it against its one-process reference, and A-EDiT against a
+replay of its logged step counts (both in meshlab.replicas.edit_replay; float64, 1e-9).
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.memory import local_shard
+from meshlab.measure.memory import local_shard
 from meshlab.parallel.blocks import find_blocks, items
-from meshlab.parallel.edit_penalty import Penalty, Running, clip_coefficient, weigh
+from meshlab.replicas.edit_penalty import Penalty, Running, clip_coefficient, weigh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.parallel.verify import LossFn
+    from meshlab.verify.compare import LossFn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -207,7 +207,7 @@ class EDiTSync:
                 f"replica_sync='a_edit' trained on a fixed list of {steps} batches: each "
                 f"replica syncs every sync_seconds={self.seconds}, taking as many steps as "
                 "fit, so a fixed-length loop leaves the fast replicas waiting at a sync the "
-                "slow ones never reach. Train in rounds: meshlab.parallel.edit.train_rounds("
+                "slow ones never reach. Train in rounds: meshlab.replicas.edit.train_rounds("
                 "model, optimizer, next_batch, rounds), next_batch(local_step) giving this "
                 "rank's batch")
 
@@ -312,7 +312,7 @@ def train_rounds(model: nn.Module, optimizer: torch.optim.Optimizer,
     loop A-EDiT needs (its replicas take different numbers of steps; every one syncs
     ``rounds`` times, so none waits for ever). ``next_batch(local_step)`` gives this rank's
     batch; returns this rank's losses, one per local step. EDiT works too (rounds of H)."""
-    from meshlab.parallel.verify import next_token_loss
+    from meshlab.verify.compare import next_token_loss
 
     sync = getattr(optimizer, "replica_sync", None)
     if not isinstance(sync, EDiTSync):

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
-from meshlab import comms
-from meshlab.comms import CommRecord
+from meshlab.measure import comms
+from meshlab.measure.comms import CommRecord
 
 _HERE = "meshlab: the cell's thread"
 COPIES = ("aten::copy_", "aten::_to_copy", "aten::to", "aten::contiguous", "aten::clone")

@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from meshlab import checkpoint_failures as failure
-from meshlab import checkpoint_integrity as integrity
-from meshlab.checkpoint_failures import CheckpointError
+from meshlab.checkpoint import failures as failure
+from meshlab.checkpoint import integrity
+from meshlab.checkpoint.failures import CheckpointError
 
 MANIFEST = "meshlab.json"
 """Written last, by rank 0: a folder without it is a save that did not finish."""
@@ -181,7 +181,7 @@ def load(path: str | os.PathLike[str], objects: dict[str, Any], *,
     Modules and optimizers are resharded to whatever mesh and world size they live on now;
     build them first (the same model and optimizer, any parallel plan). A checkpoint another
     account could have written, or whose files changed since the save, is refused before
-    anything is read (meshlab.checkpoint_integrity); ``trusted=True`` loads the former.
+    anything is read (meshlab.checkpoint.integrity); ``trusted=True`` loads the former.
     """
     _wait_before(f"loading {path}")
     info = manifest(path)
@@ -292,7 +292,7 @@ def _models_of(objects: dict[str, Any], kinds: dict[str, str]) -> dict[str, str]
 
     FSDP2 modules a forward left unsharded (no backward after it) are resharded first: until
     then their parameters are gathered copies, not the sharded ones the optimizer updates."""
-    from meshlab.memory import reshard
+    from meshlab.measure.memory import reshard
 
     for n, k in kinds.items():
         if k == "module":

@@ -4,7 +4,7 @@ Runs on the ranks. ``activation_layouts`` records the input of every module that
 a DTensor on the tensor-parallel axis, as the module sees it (after its parallel style has
 laid the input out: a sequence-parallel norm gets its slice of the sequence, a
 column-parallel projection the whole sequence, a row-parallel one its slice of the
-features). Each record is a ``meshlab.sharding.ShardingReport``: the global shape, the
+features). Each record is a ``meshlab.measure.sharding.ShardingReport``: the global shape, the
 placements and every rank's piece, computed from the placements, so one rank's records
 describe its whole tp group. The notebook draws them (``meshlab.notebook.activation_chart``).
 """
@@ -17,8 +17,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from meshlab.memory import reshard
-from meshlab.sharding import ShardingReport, describe
+from meshlab.measure.memory import reshard
+from meshlab.measure.sharding import ShardingReport, describe
 
 __all__ = ["activation_layouts"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
-from meshlab import cell_exec, cell_wire, value_wire
+from meshlab.rank import cell_exec, cell_wire, value_wire
 
 FLUSH = 0.05  # seconds between batches of a running cell's output
 THREADS_KEPT = 8 * 2**20  # characters of other threads' printing a rank holds between cells

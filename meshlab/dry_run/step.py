@@ -1,4 +1,4 @@
-"""One representative rank's fake training step, for meshlab.dry_run.
+"""One representative rank's fake training step, for meshlab.dry_run.run.
 
 The rank joins torch's fake process group at its rank and world size, builds the mesh and
 the model (on the meta device), parallelizes it with meshlab's ``parallelize`` outside any
@@ -7,7 +7,7 @@ pipeline's schedule where ``parallelize`` split stages) and the optimizer, under
 memory tracker and meshlab's CommTracer. The optimizer's states exist before the step, as in
 every step after the first; the pipeline's metadata handshake runs before it too. A pipeline
 rank runs a probe step of a few micro-batches and composes the schedule's from it, for
-itself and for the ranks whose stages run the same programs (meshlab.dry_run_compose).
+itself and for the ranks whose stages run the same programs (meshlab.dry_run.compose).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from meshlab import mesh as meshes
-from meshlab.comms import CommRecord, CommTracer
-from meshlab.dry_run import RankRun, Traffic
-from meshlab.dry_run_compose import Composed, Recorder, compose
-from meshlab.fake_routing import balanced_routing, values_known
-from meshlab.fake_world import (
+from meshlab.dry_run.compose import Composed, Recorder, compose
+from meshlab.dry_run.fake_routing import balanced_routing, values_known
+from meshlab.dry_run.fake_world import (
     ddp_without_peers,
     dtensor_inference_untracked,
     step_tracker,
     without_peers,
 )
-from meshlab.fused_memory import fused_memory
+from meshlab.dry_run.fused_memory import fused_memory
+from meshlab.dry_run.run import RankRun, Traffic
+from meshlab.measure.comms import CommRecord, CommTracer
 from meshlab.mesh import MeshSpec
 from meshlab.plan.layout import Layout
 
@@ -76,7 +76,7 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
              kernels: str = "fused") -> list[RankRun]:
     """``rank``'s step of a ``spec.size``-rank world (see the module's docstring); with
     ``compose_to``, a pipeline's probe step (``plan``'s few micro-batches) composed into
-    the layout's schedule of that many (meshlab.dry_run_compose), and into each of the
+    the layout's schedule of that many (meshlab.dry_run.compose), and into each of the
     ``alike`` ranks' (rank, role, stages: stages that run the programs this rank's run, in
     their order) too. This rank's RankRun first, then theirs."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -252,7 +252,7 @@ def _forward_backward(model: nn.Module, pipeline: Any, plan: ParallelPlan, x: to
     gradient accumulation (one without it)."""
     from meshlab.models.llama import loss_fn
     from meshlab.parallel.accumulate import micro_batches
-    from meshlab.parallel.training import logits_of
+    from meshlab.verify.training import logits_of
 
     if pipeline is not None:
         pipeline.step(x, y)
@@ -303,7 +303,7 @@ def _vocab(model: nn.Module) -> int:
 
 def _held(model: nn.Module, stages: list[nn.Module]) -> int:
     """Parameter elements this rank holds: each parameter's local shard, once."""
-    from meshlab.memory import local_shard
+    from meshlab.measure.memory import local_shard
 
     seen: dict[int, int] = {}
     for module in (model, *stages):

@@ -53,7 +53,7 @@ def stop_ignored() -> dict[str, Any]:
     ``place`` is the innermost frame, "`time.sleep(.1)` (Cell In[5], line 3)" (in a
     collective, the call that got there: "`dist.all_reduce(t)` (Cell In[5], line 2)").
     """
-    from meshlab import cell_exec
+    from meshlab.rank import cell_exec
 
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
     place = _place(frame) if frame is not None else "(no main thread frame)"
@@ -118,7 +118,7 @@ def rank_status(state: Any | None) -> dict[str, Any]:
     if state is not None and state.device.type == "cuda":
         row["gpu_mem_mb"] = round(torch.cuda.memory_allocated(state.device) / 2**20, 1)
         row["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated(state.device) / 2**20, 1)
-    from meshlab import throttle
+    from meshlab.measure import throttle
 
     row["throttle"] = throttle.current_factor()  # 1.0: full speed (%mesh throttle)
     return row

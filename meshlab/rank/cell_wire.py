@@ -20,7 +20,7 @@ could not keep for the notebook) and ``reply`` (how the cell ended, with what th
 keeps: the rest of the output, how many output batches went before, the value's text, error,
 optimizer steps, what other threads printed that was not sent, the pickled value when
 asked). A value pulled on its own (``%mesh pull``) goes before the reply as ``value`` (the
-sizes of its parts: meshlab.value_wire) and ``chunk`` messages (part, offset, at most
+sizes of its parts: meshlab.rank.value_wire) and ``chunk`` messages (part, offset, at most
 PIECE bytes), so neither end ever holds it twice. Plain Python and ZeroMQ.
 """
 

@@ -3,7 +3,7 @@
 ``parallelize(model, mesh, plan, check="tiny")`` builds the same class with a shrunk config
 (layers, width, heads, vocabulary and experts shrunk; sliding windows, attention chunks and
 temperature floors scaled to the probe sequence so they still act), runs the same plan on the
-same mesh for two steps beside one process (meshlab.parallel.verify, in float64, or float32
+same mesh for two steps beside one process (meshlab.verify.compare, in float64, or float32
 under mixed precision, with SGD), and either says it was proved equal or raises, naming
 what differs, before anything of the real model is split. A model written by hand has no
 config to shrink: pass ``check=factory``, a function of a ``TinySize`` returning the same
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.parallel.verify import Comparison
+    from meshlab.verify.compare import Comparison
 
 SEQ = 16  # the probe sequence: windows, chunks and floors are scaled to act within it
 
@@ -83,7 +83,7 @@ def tiny_copy(model: nn.Module, size: TinySize) -> Callable[[], nn.Module]:
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"check='tiny' shrinks a model's config, and {type(model).__name__} "
                          "has none: pass check=factory, a function of a "
-                         "meshlab.parallel.tiny.TinySize returning your model at that size")
+                         "meshlab.verify.tiny.TinySize returning your model at that size")
     values = config.to_dict()
     for name in PER_LAYER:
         values.pop(name, None)
@@ -106,7 +106,7 @@ def prove(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan,
           factory: Callable[[TinySize], nn.Module] | None = None) -> Comparison:
     """Two steps of ``plan`` on a tiny copy beside one process; ValueError naming what
     differs, else the comparison (whose notes say it was proved on a tiny copy)."""
-    from meshlab.parallel.verify import compare_with_single_process
+    from meshlab.verify.compare import compare_with_single_process
 
     # the blocks the split points name must exist in the copy too
     layers = max((int(p.rpartition(".")[2]) for p in plan.split_points or ()), default=-1) + 2

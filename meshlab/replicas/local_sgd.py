@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.memory import local_shard
+from meshlab.measure.memory import local_shard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

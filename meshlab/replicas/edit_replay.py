@@ -1,4 +1,4 @@
-"""The one-process reference of EDiT and A-EDiT (meshlab.parallel.edit): ``simulate`` runs
+"""The one-process reference of EDiT and A-EDiT (meshlab.replicas.edit): ``simulate`` runs
 the replicas and their penalised outer step in one process (what verify compares EDiT with),
 and ``compare_replayed`` replays an A-EDiT run's logged step counts; float64, to 1e-9."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.edit import (
+from meshlab.replicas.edit import (
     Batch,
     EDiTSync,
     SyncRecord,
@@ -22,14 +22,14 @@ from meshlab.parallel.edit import (
     units_of,
     weigh,
 )
-from meshlab.parallel.edit_penalty import Penalty, Running, clip_coefficient
+from meshlab.replicas.edit_penalty import Penalty, Running, clip_coefficient
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.models import ModelConfig
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.parallel.verify import Comparison, LossFn
+    from meshlab.verify.compare import Comparison, LossFn
 
 
 def simulate(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
@@ -42,7 +42,7 @@ def simulate(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     steps on ``batch_of(r, local_step)`` (``before_step(r, local_step, optimizer)`` first,
     if given), then the replicas take the penalised outer step, block by block (not after
     the last round unless ``sync_last``). Returns each replica's losses."""
-    from meshlab.parallel.verify import next_token_loss, train
+    from meshlab.verify.compare import next_token_loss, train
 
     units = [[ps for _, _, ps in units_of(m, plan.blocks)] for m in models]
     backups = [[p.detach().clone() for p in ps] for ps in units[0]]
@@ -107,9 +107,9 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     ``history``: a list the run's SyncRecords are appended to (steps per round)."""
     from meshlab.mesh import axis_size
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
-    from meshlab.parallel import verify
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.parallel.training import one_process_optimizer, replica_rows
+    from meshlab.verify import compare as verify
+    from meshlab.verify.training import one_process_optimizer, replica_rows
 
     for axis in ("cp", "pp", "ep"):
         if axis_size(mesh, axis) > 1:

@@ -1,6 +1,6 @@
 """What one process needs to run one rank's training step of a world it does not have.
 
-A dry run (meshlab.dry_run) runs a rank's real program on torch's fake process group and
+A dry run (meshlab.dry_run.run) runs a rank's real program on torch's fake process group and
 fake tensors: collectives return at once and tensors have shapes but no values. Three
 things in a step need what that world lacks, and this module stands in for each:
 
@@ -9,7 +9,7 @@ things in a step need what that world lacks, and this module stands in for each:
   hidden state between blocks, whose shape the caller states; the backward's metadata is
   the gradient of the stage's own outputs, as torch's static mode derives it.
 - Values: a top-k router's choices, and the token counts expert parallelism exchanges,
-  depend on values a fake tensor does not have (meshlab.fake_routing).
+  depend on values a fake tensor does not have (meshlab.dry_run.fake_routing).
 - A memory tracker that takes what meshlab builds (``step_tracker``): torch's FSDP tracker
   takes one FSDP root called once, and a pipeline rank holds several roots, each called
   once per micro-batch; both trackers also keep each category's own peak.
@@ -75,7 +75,7 @@ def dtensor_inference_untracked() -> Iterator[None]:
 class _CategoryPeaks:
     """Each category's largest value over the forward and backward, beside the tracker's
     peak of the total: torch's own categories (``peaks``) and the groups of them ``groups``
-    names (``group_peaks``: the planner's categories, meshlab.dry_run_step says which is
+    names (``group_peaks``: the planner's categories, meshlab.dry_run.step says which is
     which). The optimizer step's temporaries are left out: states are what the planner
     counts, and they exist before the step."""
 
@@ -84,7 +84,7 @@ class _CategoryPeaks:
     groups: dict[str, str]
     comms: Any
     window: Any
-    """The running action's meshlab.dry_run_compose.Window, shown what this sees."""
+    """The running action's meshlab.dry_run.compose.Window, shown what this sees."""
 
     def _start_peaks(self, groups: dict[str, str], comms: Any) -> None:
         self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
@@ -132,7 +132,7 @@ class _CategoryPeaks:
 
     def snapshot(self) -> dict[str, int]:
         """torch's categories at the step's peak (all devices: a CPU rank has one)."""
-        from meshlab.dry_run_compose import flat
+        from meshlab.dry_run.compose import flat
 
         return flat(self.get_tracker_snapshot("peak"))  # type: ignore[attr-defined]
 
@@ -255,7 +255,7 @@ def step_tracker(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
                  ) -> FSDPStepTracker | StepTracker:
     """The tracker for these modules (a rank's model, or its pipeline stages);
     ``groups["fsdp"]`` or ``groups["plain"]`` groups its categories; ``comms`` (a
-    meshlab.comms.CommTracer, not entered) records the collectives it sees."""
+    meshlab.measure.comms.CommTracer, not entered) records the collectives it sees."""
     if all(isinstance(m, FSDPModule) for m in modules):
         return FSDPStepTracker(modules, optimizer, groups["fsdp"], comms)
     return StepTracker(modules, optimizer, groups["plain"], comms)

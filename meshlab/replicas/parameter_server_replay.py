@@ -1,4 +1,4 @@
-"""The one-process reference of the parameter server (meshlab.parallel.parameter_server):
+"""The one-process reference of the parameter server (meshlab.replicas.parameter_server):
 the run's logs (which version of each piece every worker computed each clock's gradient on,
 and the order every server applied them in) replayed in one process from the same initial
 weights; losses and parameters compared at verify's tolerances (float64: 1e-9, 1e-8)."""
@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.parallel.parameter_server import ParameterServerSync, mean_in_order
+from meshlab.replicas.parameter_server import ParameterServerSync, mean_in_order
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.parallel.verify import Comparison, LossFn
+    from meshlab.verify.compare import Comparison, LossFn
 
 
 def compare_replayed(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: int = 5,
@@ -41,10 +41,10 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
                    ) -> tuple[Comparison, ParameterServerSync]:
     """``compare_replayed``, also returning the run's ParameterServerSync (its logs)."""
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
-    from meshlab.parallel import verify
     from meshlab.parallel.blocks import clean_name
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.parallel.training import one_process_optimizer, replica_rows
+    from meshlab.verify import compare as verify
+    from meshlab.verify.training import one_process_optimizer, replica_rows
 
     if plan.mixed_precision:
         raise ValueError("mixed_precision=True with replica_sync='parameter_server': the "

@@ -41,7 +41,7 @@ receiving new versions. A worker's traffic with its own rank's server goes throu
 (gloo cannot send to itself). A dead or stopped peer surfaces at the next ``step()`` or
 ``finish()`` after the groups' timeout, as an error naming what was awaited.
 
-Verified by replay (meshlab.parallel.parameter_server_replay): every server logs (clock,
+Verified by replay (meshlab.replicas.parameter_server_replay): every server logs (clock,
 worker, version the gradient was computed on) in the order it applied them and every worker
 the versions it computed each clock's gradient on; one process replays the log from the same
 initial weights.
@@ -64,8 +64,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshlab.comms import CommTracer
-from meshlab.memory import local_shard
+from meshlab.measure.comms import CommTracer
+from meshlab.measure.memory import local_shard
 from meshlab.mesh import axis_size
 
 if TYPE_CHECKING:

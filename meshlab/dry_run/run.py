@@ -6,14 +6,14 @@ collective returns at once) and fake tensors for memory (shapes, no storage): th
 built on the meta device, parallelized by meshlab's own ``parallelize`` exactly as on a
 cluster, materialized as fake tensors, and runs one step (forward, backward, optimizer)
 under torch's memory tracker and meshlab's CommTracer, what it saves for the backward held
-as fused GPU kernels would hold it (meshlab.fused_memory; ``kernels="eager"``: op by op).
+as fused GPU kernels would hold it (meshlab.dry_run.fused_memory; ``kernels="eager"``: op by op).
 What the report holds is what that rank would allocate and send; meshlab.plan.reconcile
 sets the planner's prediction beside it.
 
     >>> run = dryrun("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8")
     >>> run.ranks[0].memory["total"] / 2**30
 
-What a fake step cannot know is stood in for (meshlab.fake_world): the pipeline's
+What a fake step cannot know is stood in for (meshlab.dry_run.fake_world): the pipeline's
 handshakes with its neighbours, and a router's choices (every expert gets an equal share).
 Plain torch, rank side: no IPython, ipyparallel, pandas or altair.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from meshlab.dry_run_compose import probe_schedule
-from meshlab.dry_run_plan import (
+from meshlab.dry_run.compose import probe_schedule
+from meshlab.dry_run.plan import (
     describe,
     model_factory,
     plan_for,
@@ -119,7 +119,7 @@ class DryRun:
     seconds: float
     notes: list[str] = field(default_factory=list)
     kernels: str = "fused"
-    """Whose memory the activations are: "fused" kernels' (meshlab.fused_memory) or the
+    """Whose memory the activations are: "fused" kernels' (meshlab.dry_run.fused_memory) or the
     code's op by op ("eager")."""
 
 
@@ -142,9 +142,9 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     (``processes_for``; default: every CPU when a factory can be sent to them; 1 runs them
     here, one after another). ``compose``: a pipeline rank runs a probe step
     of a few micro-batches and composes the layout's schedule from it (the same figures,
-    meshlab.dry_run_compose); False runs every micro-batch. ``kernels``: "fused" holds the
+    meshlab.dry_run.compose); False runs every micro-batch. ``kernels``: "fused" holds the
     activations fused kernels keep on a GPU (FlashAttention with grouped keys, fused norms
-    and SwiGLU, torch.compile's blocks: meshlab.fused_memory), "eager" what the code keeps
+    and SwiGLU, torch.compile's blocks: meshlab.dry_run.fused_memory), "eager" what the code keeps
     run op by op."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import (
@@ -250,7 +250,7 @@ def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
     (each rank is a world of its own: nothing passes between them)."""
     import os
 
-    from meshlab.dry_run_step import run_rank
+    from meshlab.dry_run.step import run_rank
 
     if workers is None:
         workers = (os.cpu_count() or 1) if _can_send(jobs[0]["build"]) else 1
@@ -290,7 +290,7 @@ def _can_send(build: Any) -> bool:
 
 
 def _run_job(job: dict[str, Any]) -> list[RankRun]:
-    from meshlab.dry_run_step import run_rank
+    from meshlab.dry_run.step import run_rank
 
     return run_rank(**job)
 

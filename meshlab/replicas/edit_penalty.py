@@ -1,8 +1,8 @@
 """EDiT's pseudo-gradient penalty, per block and replica, as the authors' released code
 computes it (dlrover atorch ``local_sgd``: OnlineDynamicEWMA, the softmax-of-negative-norm
 reducer, ``clip_pseudo_grad``): anomaly elimination against each replica's running
-statistics, weighted averaging, clipping. Plain arithmetic on norms: meshlab.parallel.edit
-applies it to the blocks' pseudo-gradients, meshlab.parallel.edit_replay in one process.
+statistics, weighted averaging, clipping. Plain arithmetic on norms: meshlab.replicas.edit
+applies it to the blocks' pseudo-gradients, meshlab.replicas.edit_replay in one process.
 """
 
 from __future__ import annotations

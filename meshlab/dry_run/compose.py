@@ -1,4 +1,4 @@
-"""A pipeline rank's step composed from a shorter one, for a dry run (meshlab.dry_run).
+"""A pipeline rank's step composed from a shorter one, for a dry run (meshlab.dry_run.run).
 
 A stage's micro-batches run the same program: the forward of micro-batch 5 allocates what
 the forward of micro-batch 2 did, and its backward frees it again. What differs is the
@@ -102,7 +102,7 @@ def grouped(categories: dict[str, int], groups: dict[str, str]) -> dict[str, int
 
 
 class Recorder:
-    """The windows of a probe step, as a memory tracker (meshlab.fake_world's) and a
+    """The windows of a probe step, as a memory tracker (meshlab.dry_run.fake_world's) and a
     CommTracer see it: ``before`` the first action, the first action of each kind (kind,
     stage, phase), and ``after`` the last (the step's end, the optimizer)."""
 

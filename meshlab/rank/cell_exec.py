@@ -24,7 +24,8 @@ import sys
 import warnings
 from typing import Any
 
-from meshlab import profiling, runtime
+from meshlab import runtime
+from meshlab.measure import profiling
 
 _transformed: dict[str, str] = {}  # cell text -> IPython's static transform of it
 _TRANSFORMED_KEPT = 1024

@@ -1,4 +1,4 @@
-"""From the planner's words to what meshlab runs, for a dry run (meshlab.dry_run): a planner
+"""From the planner's words to what meshlab runs, for a dry run (meshlab.dry_run.run): a planner
 ``Layout`` becomes a ``ParallelPlan`` (and what it cannot map is said), a ``ModelShape``
 becomes meshlab's Transformer, and a model's config becomes the planner's shape again.
 """
@@ -198,7 +198,7 @@ def _transformer(cfg: Any) -> nn.Module:
 
 def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
     """The planner's shape of a meshlab Transformer or a transformers decoder (from its
-    config), or of a hand-written one (from its modules: meshlab.shape_from_modules); None
+    config), or of a hand-written one (from its modules: meshlab.dry_run.shape_from_modules); None
     for a model whose shape it cannot read."""
     from torch.nn import LayerNorm  # the model is a torch module: torch is loaded
 
@@ -211,6 +211,6 @@ def shape_of(model: nn.Module, seq: int | None = None) -> ModelShape | None:
             c, seq_len=seq, name=getattr(c, "model_type", None) or type(model).__name__,
             layer_norm=any(isinstance(m, LayerNorm) for m in model.modules()))
     except (AttributeError, TypeError, ValueError):
-        from meshlab.shape_from_modules import shape_from_modules
+        from meshlab.dry_run.shape_from_modules import shape_from_modules
 
         return shape_from_modules(model, seq)  # a hand-written model

@@ -1,4 +1,4 @@
-"""Routing without values, for a dry run (meshlab.dry_run): a top-k router's choices, and
+"""Routing without values, for a dry run (meshlab.dry_run.run): a top-k router's choices, and
 the token counts expert parallelism exchanges, depend on values a fake tensor does not
 have. Every expert gets the same share of the token-expert pairs (the planner's
 assumption too), known in advance:

@@ -3,7 +3,7 @@ how much reached the disk, and what became of the partial folder.
 
 DCP pickles a rank's error to rank 0 and back, which drops the OSError it came from, so the
 writer here catches a failure on the rank that wrote and keeps what it knew as plain data.
-Plain torch only (meshlab.checkpoint's companion; it runs in exported scripts too).
+Plain torch only (meshlab.checkpoint.sharded's companion; it runs in exported scripts too).
 """
 
 from __future__ import annotations
