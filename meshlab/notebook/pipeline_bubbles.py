@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from meshlab.notebook.stepping import measured_costs
+from meshlab.notebook.pipeline_costs import measured_costs
 from meshlab.schedules import Costs, Schedule, Timeline
 from meshlab.schedules.actions import Action
 from meshlab.schedules.simulate import simulate

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from meshlab.notebook.cluster import Cluster
+from meshlab.notebook.pipeline_costs import measured_costs
 from meshlab.schedules import (
     BUILDERS,
     TAKES_VIRTUAL,
@@ -192,17 +193,6 @@ def grid_frame(schedule: Schedule) -> pd.DataFrame:
              "microbatch": m, "action": f"{stage}{kind}{m}", "start": slot, "end": slot + 1}
             for (stage, kind, m), slot in slots(schedule).items()]
     return pd.DataFrame(rows).sort_values(["rank", "slot"], ignore_index=True)
-
-
-def measured_costs(measured: pd.DataFrame, schedule: Schedule) -> Costs:
-    """Median measured time per kind, scaled back to a rank's whole share of the model."""
-    per_kind = (measured["end"] - measured["start"]).groupby(measured["kind"]).median()
-    scale = schedule.stages / schedule.ranks
-    kinds = {k: float(v) * scale for k, v in per_kind.items()}
-    if "I" in kinds:
-        return Costs(forward=kinds["F"], backward_input=kinds["I"],
-                     backward_weight=kinds.get("W", 0.0))
-    return Costs(forward=kinds["F"], backward=kinds.get("B", 2 * kinds["F"]))
 
 
 def _costs(costs: Costs) -> str:
