@@ -25,9 +25,9 @@ from meshlab.parallel.offload import apply_activation_offload
 from meshlab.parallel.optimizers import OPTIMIZERS, check_sharding
 from meshlab.parallel.parallel_plan import ParallelPlan
 from meshlab.parallel.pipeline import apply_pp
+from meshlab.parallel.replica_modes import PARAMETER_SERVER, SYNCS, TINY_PROOF, load
 from meshlab.parallel.tensor import apply_tp, model_plan, unmatched
 from meshlab.parallel.zero import apply_zero1
-from meshlab.replicas.local_sgd import ReplicaSync
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -52,12 +52,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     combinations.check(plan, partial(axis_size, mesh))
     proof = None
     if check is not None:
-        from meshlab.verify.tiny import prove
-
         if check != "tiny" and not callable(check):
             raise ValueError(f"check={check!r}: expected 'tiny' (a tiny copy from the "
                              "model's config) or a factory of a TinySize, or None")
-        proof = prove(model, mesh, plan, factory=None if check == "tiny" else cast(Any, check))
+        factory = None if check == "tiny" else cast(Any, check)
+        proof = load(TINY_PROOF)(model, mesh, plan, factory=factory)
     _check_model_supports(model, mesh, plan)
     axes = {a: axis_size(mesh, a) for a in ("tp", "cp", "ep")}
     precision.check_qat(plan, axes, model)
@@ -199,9 +198,7 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
     args = {"lr": lr, "weight_decay": weight_decay, **extra}
     alone = plan.replica_sync != "every_step"
     if plan.replica_sync == "parameter_server":  # the servers step; workers push and pull
-        from meshlab.replicas.parameter_server import ParameterServerOptimizer
-
-        return ParameterServerOptimizer(model, mesh, plan, optimizer_class=cls, **args)
+        return load(PARAMETER_SERVER)(model, mesh, plan, optimizer_class=cls, **args)
     if plan.data_parallel == "zero1" and axis_size(mesh, "dp_shard" if alone else "dp") > 1:
         optimizer = apply_zero1(model, mesh, axis="dp_shard" if alone else "dp",
                                 optimizer_class=cls, **args)
@@ -225,9 +222,4 @@ def build_optimizer(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, l
 
 def replica_sync(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> Any:
     """The object that synchronises the replicas after optimizer steps (``after_step``)."""
-    if plan.replica_sync in ("edit", "a_edit"):
-        from meshlab.replicas.edit import EDiTSync
-
-        return EDiTSync(model, mesh, plan)
-    return ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
-                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)
+    return load(SYNCS[plan.replica_sync])(model, mesh, plan)

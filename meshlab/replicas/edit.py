@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.verify.compare import LossFn
+    from meshlab.verify.training import LossFn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -312,7 +312,7 @@ def train_rounds(model: nn.Module, optimizer: torch.optim.Optimizer,
     loop A-EDiT needs (its replicas take different numbers of steps; every one syncs
     ``rounds`` times, so none waits for ever). ``next_batch(local_step)`` gives this rank's
     batch; returns this rank's losses, one per local step. EDiT works too (rounds of H)."""
-    from meshlab.verify.compare import next_token_loss
+    from meshlab.verify.training import next_token_loss
 
     sync = getattr(optimizer, "replica_sync", None)
     if not isinstance(sync, EDiTSync):

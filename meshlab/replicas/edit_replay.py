@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
     from meshlab.models import ModelConfig
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.verify.compare import Comparison, LossFn
+    from meshlab.verify.comparison import Comparison
+    from meshlab.verify.training import LossFn
 
 
 def simulate(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
@@ -42,7 +43,7 @@ def simulate(models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
     steps on ``batch_of(r, local_step)`` (``before_step(r, local_step, optimizer)`` first,
     if given), then the replicas take the penalised outer step, block by block (not after
     the last round unless ``sync_last``). Returns each replica's losses."""
-    from meshlab.verify.compare import next_token_loss, train
+    from meshlab.verify.training import next_token_loss, train
 
     units = [[ps for _, _, ps in units_of(m, plan.blocks)] for m in models]
     backups = [[p.detach().clone() for p in ps] for ps in units[0]]
@@ -108,7 +109,7 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     from meshlab.mesh import axis_size
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.verify import compare as verify
+    from meshlab.verify import comparison
     from meshlab.verify.training import one_process_optimizer, replica_rows
 
     for axis in ("cp", "pp", "ep"):
@@ -125,8 +126,8 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
         return factory().to(dtype)  # type: ignore[operator]
 
     replicas = [build() for _ in range(axis_size(mesh, "dp_replicate"))]
-    shape = {"seq": seq, "vocab": vocab or verify._vocab_size(replicas[0]), "seed": seed}
-    rank, ranks = verify.data_rank(mesh)
+    shape = {"seq": seq, "vocab": vocab or comparison.vocab_size(replicas[0]), "seed": seed}
+    rank, ranks = comparison.data_rank(mesh)
     parallel = parallelize(build(), mesh, replace(plan, seq_len=seq), seed=seed)
     opt = build_optimizer(parallel, mesh, plan, lr=lr, kind=optimizer)
     losses = torch.tensor(train_rounds(
@@ -148,14 +149,14 @@ def compare_replayed(model: ModelConfig | Callable[[], nn.Module], mesh: DeviceM
     expected = dict(replicas[mine].named_parameters(remove_duplicate=False))
     errors = {name: ((value - expected[name]).abs().max()
                      / expected[name].abs().max().clamp_min(1e-12)).item()
-              for name, value in verify.full_parameters(parallel).items()}
+              for name, value in comparison.full_parameters(parallel).items()}
     worst = max(errors, key=lambda n: errors[n])
     reference = replayed[mine]
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses.tolist(), reference,
                                                          strict=True))
     counts = "; ".join(f"replica {r}: {[s.steps[r] for s in sync.history]}"
                        for r in range(len(replicas)))
-    return verify.Comparison(losses.tolist(), reference, loss_error, errors[worst], worst,
-                             *verify.TOLERANCES[dtype],
+    return comparison.Comparison(losses.tolist(), reference, loss_error, errors[worst], worst,
+                             *comparison.TOLERANCES[dtype],
                              notes=[f"replayed {len(sync.history)} rounds; local steps per "
                                     f"round, {counts}"])

@@ -30,6 +30,14 @@ from meshlab.measure.memory import local_shard
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from meshlab.parallel.parallel_plan import ParallelPlan
+
+
+def sync_for(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> ReplicaSync:
+    """The synchroniser of local SGD or DiLoCo as ``plan`` sets it (the replica_modes entry)."""
+    return ReplicaSync(model, mesh, mode=plan.replica_sync, every=plan.sync_every,
+                       outer_lr=plan.outer_lr, outer_momentum=plan.outer_momentum)
+
 
 class ReplicaSync:
     """Counts optimizer steps and synchronises the replicas every ``every`` of them."""

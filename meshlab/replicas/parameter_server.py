@@ -49,14 +49,11 @@ initial weights.
 
 from __future__ import annotations
 
-import datetime
 import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -67,53 +64,20 @@ from torch import nn
 from meshlab.measure.comms import CommTracer
 from meshlab.measure.memory import local_shard
 from meshlab.mesh import axis_size
+from meshlab.replicas.parameter_server_columns import (
+    Traffic,
+    column_groups,
+    mean_in_order,
+    piece_bounds,
+    traced,
+    tracers_active,
+    traffic,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-
-
-@dataclass(slots=True)
-class Traffic:
-    """Bytes one rank moves per clock over its column's groups."""
-
-    pushed: int  # its gradient's other pieces, with their version headers, to their servers
-    pulled: int  # those pieces' new versions, from their servers
-    collected: int  # its server's: the other workers' gradients of its piece
-    served: int  # its server's: the new version of its piece, to the other workers
-
-    @property
-    def sent(self) -> int:
-        """What this rank sends per clock."""
-        return self.pushed + self.served
-
-    @property
-    def received(self) -> int:
-        """What this rank receives per clock."""
-        return self.pulled + self.collected
-
-
-def traffic(numel: int, replicas: int, replica: int, itemsize: int) -> Traffic:
-    """Bytes per clock of the rank serving piece ``replica`` of a shard of ``numel``
-    elements of ``itemsize`` bytes (the module's formula)."""
-    bounds = piece_bounds(numel, replicas)
-    n, others = bounds[replica + 1] - bounds[replica], replicas - 1
-    return Traffic(pushed=(numel - n + others) * itemsize, pulled=(numel - n) * itemsize,
-                   collected=others * (n + 1) * itemsize, served=others * n * itemsize)
-
-
-def piece_bounds(numel: int, replicas: int) -> list[int]:
-    """Where the flattened shard is cut: piece j is [bounds[j], bounds[j + 1])."""
-    return [numel * j // replicas for j in range(replicas + 1)]
-
-
-def mean_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The mean, summed in list order: the servers and the replay round alike."""
-    total = tensors[0].clone()
-    for t in tensors[1:]:
-        total += t
-    return total.div_(len(tensors))
 
 
 def check_supported(mesh: DeviceMesh, plan: ParallelPlan) -> None:
@@ -191,7 +155,7 @@ class ParameterServerSync:
 
             clip_grad_norm_(self.model, self.max_grad_norm)
         self._start()
-        c, versions, tracers = self.clock, self.used[self.clock], _active_tracers()
+        c, versions, tracers = self.clock, self.used[self.clock], tracers_active()
         grads = [local_shard(p.grad) if p.grad is not None else torch.zeros_like(local_shard(p))
                  for p in self.params]
         own = None
@@ -304,7 +268,7 @@ class ParameterServerSync:
         while (item := self._inbox.get()) is not None:
             c, own, tracers = item
             messages = []
-            with _traced(tracers):
+            with traced(tracers):
                 for w, rank in enumerate(self.column):
                     doing[0] = f"receiving clock {c}'s gradient from replica {w} (rank {rank})"
                     if w == self.replica:
@@ -319,7 +283,7 @@ class ParameterServerSync:
             new = self.piece.detach().clone()
             self._deliver(self.replica, c + 1, new)
             doing[0] = f"sending version {c + 1}"
-            with _traced(tracers):
+            with traced(tracers):
                 works = [dist.isend(new, dst=rank, group=self.pull_group)
                          for w, rank in enumerate(self.column) if w != self.replica]
                 for work in works:
@@ -337,7 +301,7 @@ class ParameterServerSync:
                 if self.clock < version:
                     return
                 tracers = self._tracers.pop(version - 1, [])
-            with _traced(tracers):
+            with traced(tracers):
                 for j, rank in enumerate(self.column):
                     if j == self.replica:
                         continue
@@ -408,57 +372,6 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self.replica_sync.step()
         return loss
-
-
-def column_groups(mesh: DeviceMesh) -> tuple[list[int], Any, Any, float]:
-    """This rank's column (global ranks by replica), its push and pull groups and their
-    timeout in seconds. Every rank makes every column's groups, in one order, as
-    dist.new_group requires; they time out like the mesh's own groups."""
-    names = mesh.mesh_dim_names or ()
-    if "dp_replicate" not in names:
-        raise ValueError(f"the parameter server runs over the dp_replicate axis of the root "
-                         f"mesh, and this mesh has axes {names}: pass the mesh %mesh init made")
-    axis = names.index("dp_replicate")
-    columns = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.mesh.shape[axis]).tolist()
-    timeout = _timeout(mesh["dp_replicate"].get_group(), mesh.device_type)
-    me, mine = dist.get_rank(), None
-    for column in columns:
-        groups = [dist.new_group(column, timeout=datetime.timedelta(seconds=timeout))
-                  for _ in ("push", "pull")]
-        if me in column:
-            mine = (column, *groups, timeout)
-    if mine is None:
-        raise RuntimeError(f"rank {me} is in no column of the mesh {columns}: pass the mesh "
-                           "this rank was built in")
-    return mine
-
-
-def _timeout(group: Any, device_type: str) -> float:
-    try:
-        return float(group._get_backend(torch.device(device_type)).options._timeout
-                     .total_seconds())
-    except (AttributeError, RuntimeError):  # torch's default, as for any new group
-        from torch.distributed.constants import default_pg_timeout
-
-        return default_pg_timeout.total_seconds()
-
-
-def _active_tracers() -> list[CommTracer]:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, CommTracer)]
-
-
-@contextmanager
-def _traced(tracers: list[CommTracer]) -> Iterator[None]:
-    """A thread's sends and receives into the worker's tracers (dispatch modes are per
-    thread: %%mesh --comms would not see the server's traffic otherwise)."""
-    with ExitStack() as stack:
-        for tracer in tracers:
-            mirror = CommTracer(timed=tracer.timed)
-            mirror.records = tracer.records
-            stack.enter_context(mirror)
-        yield
 
 
 __all__ = ["ParameterServerOptimizer", "ParameterServerSync", "Traffic", "mean_in_order",

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.verify.compare import Comparison, LossFn
+    from meshlab.verify.comparison import Comparison
+    from meshlab.verify.training import LossFn
 
 
 def compare_replayed(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: int = 5,
@@ -43,13 +44,13 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
     from meshlab.parallel.blocks import clean_name
     from meshlab.parallel.compose import build_optimizer, parallelize
-    from meshlab.verify import compare as verify
+    from meshlab.verify import comparison, training
     from meshlab.verify.training import one_process_optimizer, replica_rows
 
     if plan.mixed_precision:
         raise ValueError("mixed_precision=True with replica_sync='parameter_server': the "
                          "replay runs in the model's dtype; compare with mixed_precision=False")
-    loss = loss or verify.next_token_loss
+    loss = loss or training.next_token_loss
     if isinstance(model, ModelConfig):
         cfg, seed = model, model.seed
         factory: Callable[[], nn.Module] = lambda: Transformer(cfg)  # noqa: E731
@@ -61,15 +62,15 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
         return factory().to(dtype)
 
     reference, servers = build(), build()  # a worker's weights, and the servers' whole
-    shape = {"seq": seq, "vocab": vocab or verify._vocab_size(reference), "seed": seed}
+    shape = {"seq": seq, "vocab": vocab or comparison.vocab_size(reference), "seed": seed}
     parallel = parallelize(build(), mesh, replace(plan, seq_len=seq), seed=seed)
     opt = build_optimizer(parallel, mesh, plan, lr=lr, kind=optimizer)
     sync: ParameterServerSync = opt.replica_sync  # type: ignore[attr-defined]
-    rank, ranks = verify.data_rank(mesh)
+    rank, ranks = comparison.data_rank(mesh)
     batches = [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
                for s in range(steps)]
     # each worker's losses stay local (averaged inside its replica): no sync across replicas
-    losses = verify.train(parallel, opt, batches, average_over=sync.within, loss=loss,
+    losses = training.train(parallel, opt, batches, average_over=sync.within, loss=loss,
                           grad_accum=plan.grad_accum)
     sync.finish()
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -107,13 +108,13 @@ def run_and_replay(model: Any, mesh: DeviceMesh, plan: ParallelPlan, *, steps: i
     loss_error = max(abs(a - b) / abs(b) for w in workers
                      for a, b in zip(workers[w][0], replayed[w], strict=True))
     worst, worst_error = "", 0.0
-    for name, value in verify.full_parameters(parallel).items():
+    for name, value in comparison.full_parameters(parallel).items():
         ref = history[steps][name]
         error = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
         if error >= worst_error:
             worst, worst_error = name, error
-    loss_rtol, param_rtol = verify.TOLERANCES[dtype]
-    result = verify.Comparison(workers[sync.replica][0], replayed[sync.replica], loss_error,
+    loss_rtol, param_rtol = comparison.TOLERANCES[dtype]
+    result = comparison.Comparison(workers[sync.replica][0], replayed[sync.replica], loss_error,
                                worst_error, worst, loss_rtol, param_rtol, notes=notes)
     if len(notes) > 1:
         result.ok = False

@@ -37,9 +37,8 @@ takes no float64) and is held to the one-process floor, with SGD.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -48,7 +47,6 @@ import torch
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import combinations
-from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import (
     ParallelPlan,
     apply_autocast,
@@ -66,6 +64,13 @@ from meshlab.parallel.precision import (
 )
 from meshlab.parallel.ties import tied_groups
 from meshlab.verify import reused_references
+from meshlab.verify.comparison import (
+    TOLERANCES,
+    Comparison,
+    data_rank,
+    full_parameters,
+    vocab_size,
+)
 from meshlab.verify.float64_variant import float64_throughout
 from meshlab.verify.reference_run import train_reference
 from meshlab.verify.training import LossFn, next_token_loss, train
@@ -74,65 +79,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-@dataclass(slots=True)
-class Comparison:
-    """Losses and parameters of a parallel run beside the single-process reference."""
-
-    losses: list[float]
-    reference_losses: list[float]
-    max_loss_error: float  # largest |loss - reference| / |reference|
-    max_param_error: float  # largest |p - p_ref| of a parameter, relative to its max |p_ref|
-    worst_param: str
-    loss_rtol: float
-    param_rtol: float
-    notes: list[str] = field(default_factory=list)
-    """What about the model bears on the comparison: tolerances it changed, and on a
-    mismatch the causes meshlab can name."""
-    skipped_steps: int | None = None
-    """fp16: optimizer steps the parallel run skipped on overflow (None: no loss scaling)."""
-    ok: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.ok = (self.max_loss_error <= self.loss_rtol
-                   and self.max_param_error <= self.param_rtol)
-
-    def __str__(self) -> str:
-        verdict = "matches one process" if self.ok else "DIFFERS from one process"
-        lines = [f"{verdict}: losses within {self.max_loss_error:.1e} (tolerance "
-                 f"{self.loss_rtol:.0e}), parameters within {self.max_param_error:.1e} "
-                 f"(tolerance {self.param_rtol:.0e}; worst {self.worst_param})"]
-        return "\n".join(lines + [f"  - {note}" for note in self.notes])
-
-
-def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
-    """(this rank's index, number of ranks) among those that get different data rows."""
-    for name in ("dp", "dp_shard", "dp_replicate"):
-        if axis_size(mesh, name) > 1:
-            return mesh[name].get_local_rank(), axis_size(mesh, name)
-    return 0, 1
-
-
-def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (DTensors gathered), under the plain model's names."""
-    from torch.distributed.tensor import DTensor
-
-    # FSDP over TP leaves a _StridedShard that torch gathers in two steps, warning each time
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level, quiet.level = quiet.level, logging.ERROR
-    try:
-        return {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                for n, p in model.named_parameters()}
-    finally:
-        quiet.setLevel(level)
-
-
 REPLAYED = ("a_edit", "parameter_server")
 """Asynchronous replica_sync modes: checked against a one-process replay of their log."""
-
-TOLERANCES = {torch.bfloat16: (8e-4, 8e-3), torch.float16: (1e-4, 1e-3),
-              torch.float32: (1e-5, 2e-4),
-              torch.float64: (1e-9, 1e-8)}  # (loss, params)
-
 
 def compare_with_single_process(model: ModelConfig | Callable[[], torch.nn.Module],
                                 mesh: DeviceMesh, plan: ParallelPlan, *, steps: int = 5,
@@ -220,7 +168,7 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
     initial = {n: p.detach().clone()
                for n, p in reference.named_parameters(remove_duplicate=False)} if on_meta \
         else {}
-    vocab = vocab or _vocab_size(reference)
+    vocab = vocab or vocab_size(reference)
     shape = {"seq": seq, "vocab": vocab, "seed": seed}
     precision, notes = dtype, []
     recipe: Callable[[torch.nn.Module], object] | None = None  # on every one-process run
@@ -375,12 +323,3 @@ def _suspects(model: torch.nn.Module, worst: str) -> list[str]:
                          "the parallel run must keep them one weight; a difference here says "
                          "it did not")
     return notes
-
-
-def _vocab_size(model: torch.nn.Module) -> int:
-    for config in (getattr(model, "cfg", None), getattr(model, "config", None)):
-        size = getattr(config, "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__} (looked for "
-                     "cfg.vocab_size and config.vocab_size): pass vocab=N")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from meshlab.parallel.compose import ParallelPlan
-    from meshlab.verify.compare import Comparison
+    from meshlab.verify.comparison import Comparison
 
 SEQ = 16  # the probe sequence: windows, chunks and floors are scaled to act within it
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
-from meshlab.parallel.compose import OPTIMIZERS
+from meshlab.parallel.optimizers import OPTIMIZERS
 
 LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
