@@ -254,6 +254,7 @@ def build(spec: MeshSpec | str) -> DeviceMesh:
 
     from meshlab import runtime
 
+    runtime.before_reform(forget_built)
     spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
     spec.check(dist.get_world_size())
     built = _built.get(repr(spec))

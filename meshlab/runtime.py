@@ -15,6 +15,7 @@ import random
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,17 @@ class RankState:
 _store: dist.Store | None = None  # one long-lived rendezvous store per cluster
 _store_file: str | None = None  # its path, when it is a file (every rank on one host)
 _state: RankState | None = None
+
+_before_reform: list[Callable[[], None]] = []
+"""What holds the default group's objects (meshlab.mesh's built meshes), to drop before a
+new group replaces it: registered by their owners, which import this module (not the other
+way round)."""
+
+
+def before_reform(forget: Callable[[], None]) -> None:
+    """Call ``forget`` before ``reform`` replaces the process group (once per function)."""
+    if forget not in _before_reform:
+        _before_reform.append(forget)
 optimizer_steps = 0  # optimizer.step() calls in this process: which cells trained
 _step_hook: Any = None  # the global hook that counts them, installed once
 
@@ -271,10 +283,9 @@ def reform(generation: int, members: list[int] | None = None) -> dict[str, Any]:
     ``members`` are cluster ranks; they become ranks 0..len-1 of the new group in that
     order. A cluster rank outside ``members`` is left without a process group.
     """
-    from meshlab import mesh
-
     st = state()
-    mesh.forget_built()
+    for forget in _before_reform:
+        forget()
     if dist.is_initialized():
         dist.destroy_process_group()
     forget_sharding_caches()

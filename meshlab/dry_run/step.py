@@ -34,7 +34,7 @@ from meshlab.dry_run.fake_world import (
     without_peers,
 )
 from meshlab.dry_run.fused_memory import fused_memory
-from meshlab.dry_run.run import RankRun, Traffic
+from meshlab.dry_run.report import RankRun, Traffic
 from meshlab.measure.comms import CommRecord, CommTracer
 from meshlab.mesh import MeshSpec
 from meshlab.plan.layout import Layout

@@ -54,7 +54,7 @@ class Conv1DColwise(ParallelStyle):
         forward = module.forward
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
-            from meshlab.parallel.tensor_styles import SumInBackward
+            from meshlab.parallel.tp_sums import SumInBackward
 
             local: dict[str, Any] = {"nf": width}
             bias = module.bias
@@ -80,7 +80,7 @@ class Conv1DRowwise(ParallelStyle):
         forward = module.forward
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
-            from meshlab.parallel.tensor_styles import SumInForward
+            from meshlab.parallel.tp_sums import SumInForward
 
             bias: Any = module.bias
             with _local(module, bias=torch.zeros_like(bias.to_local())):

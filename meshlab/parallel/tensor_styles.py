@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from meshlab.parallel.blocks import PassThrough, owner_of
+from meshlab.parallel.tp_sums import SumInBackward
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,35 +111,6 @@ def _sum_gradient_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
             module._parameters.update(weights)
 
     module.forward = summed_in_backward
-
-
-class SumInForward(torch.autograd.Function):
-    """The sum over ``group`` in forward (partial outputs made whole); identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        x = x.contiguous()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class SumInBackward(torch.autograd.Function):
-    """Identity forward; the gradient summed over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 OWN_STYLES: dict[str, Callable[[nn.Module, DeviceMesh], None]] = {

@@ -20,7 +20,7 @@ from meshlab.plan.memory import factored_state_bytes, optimizer_k
 from meshlab.plan.stage import Stage
 
 if TYPE_CHECKING:
-    from meshlab.dry_run.run import DryRun, RankRun
+    from meshlab.dry_run.report import DryRun, RankRun
 
 
 NOT_COMPARED = ("run with kernels='eager', the model's own ops keep more than Korthikanti's "

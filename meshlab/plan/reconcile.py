@@ -24,7 +24,7 @@ from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape
 
 if TYPE_CHECKING:
-    from meshlab.dry_run.run import DryRun, RankRun
+    from meshlab.dry_run.report import DryRun, RankRun
 
 MEMORY = ("params", "grads", "optimizer", "activations", "buffers", "total", "host")
 RECEIVED = ("recv",)
