@@ -6,32 +6,24 @@ Notebook side. Rank r is engine ``self._engines[r]``; every rank is bootstrapped
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-import signal
-import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ipyparallel as ipp
-
-import meshlab.measure.comms
-import meshlab.measure.profiling
 from meshlab import runtime
-from meshlab.measure.sharding import ModuleReport, ShardingReport, merge
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import launch, on_ranks, profiles
-from meshlab.notebook.cell import CellRun
 from meshlab.notebook.cell_channel import CellChannel
 from meshlab.notebook.engine_processes import EngineProcesses
 from meshlab.notebook.errors import ClusterError
-from meshlab.notebook.output import CellResult, MeshError, group, strip_ansi
 from meshlab.notebook.probes import RankProbes
-from meshlab.notebook.ranks import host_by_host, label, parse_ranks, ranks_are
-from meshlab.notebook.recovery import GROUP_CREATION, GroupRecovery, Stuck
+from meshlab.notebook.process_groups import ProcessGroups
+from meshlab.notebook.rank_calls import RankCalls
+from meshlab.notebook.rank_reports import RankReports
+from meshlab.notebook.ranks import host_by_host, ranks_are
+from meshlab.notebook.recovery import GroupRecovery, Stuck
+from meshlab.notebook.running import CellRunning
 from meshlab.notebook.transfers import PULL_WARN_BYTES, Transfers
 from meshlab.rank import network
 from meshlab.rank.private_files import STORE_PREFIX, private_dir
@@ -39,12 +31,11 @@ from meshlab.rank.private_files import STORE_PREFIX, private_dir
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_OUTPUT_LINES = 5000  # per rank, stream and cell
 MAX_OUTPUT_BYTES = 2**20
-STORE_HEADROOM = 2**20  # bytes the store's disk must have free before groups are made
-PEERS_AFTER_A_FAILURE = 5.0  # seconds the other ranks get to finish once one has failed
 MAX_CUT_OUTPUT_BYTES = 2**30  # the cut output kept on disk; the oldest cells' go first
 
 
-class Cluster(RankProbes, GroupRecovery, Transfers):
+class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, RankReports,
+              RankCalls):
     """One ipyparallel engine per rank with a torch.distributed process group across them.
 
     >>> with Cluster(4) as c:
@@ -225,271 +216,3 @@ class Cluster(RankProbes, GroupRecovery, Transfers):
                 f"{ranks_are(silent)} did not connect to the notebook's cell channel at "
                 f"{self.cell_channel.address} within 30 s: a firewall between the engines "
                 "and this host? The profile's controller_ip is where both listen.")
-
-    # -- running code ----------------------------------------------------------------------
-
-    def run(
-        self,
-        code: str,
-        ranks: str | list[int] | None = None,
-        timeout: float | None = None,
-        *,
-        on_output: Callable[[CellResult], None] | None = None,
-        keep_values: bool = False,
-        comms: bool = False,
-        profile: bool = False,
-        trace: bool = False,
-        number: int | None = None,
-    ) -> CellResult:
-        """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
-
-        ``timeout`` (seconds; default from the profile) interrupts ranks still running and
-        reports their stacks. ``on_output`` sees the partial result as output streams in.
-        ``keep_values``: each rank sends its last expression's value with its reply, into
-        ``result.values``.
-        ``comms`` traces the collectives each rank issues into ``result.comms``.
-        ``profile`` profiles every rank (torch.profiler and timed collectives) into
-        ``result.profile``, a CellProfile on the notebook's clock; ``trace`` keeps torch's
-        own trace of every rank in it too (what a Perfetto file shows: every op and thread).
-        ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
-        and stacks name it; without it, the count of cells this cluster ran.
-        """
-        ranks = self._ranks(ranks)
-        timeout = timeout if timeout is not None else self.profile.cell_timeout
-        # the cell's limit bounds the wait for ranks an earlier cell left stuck too
-        spent = self._recover(creates_groups=bool(GROUP_CREATION.search(code)),
-                              timeout=timeout or None)
-        if comms or profile:  # before the cell is sent: the two travel apart
-            view = self._client.direct_view([self._engines[r] for r in ranks])
-            if profile:
-                remote = [r for r in ranks if self._hosts[r]["host"] != socket.gethostname()]
-                clocks_before = self.clocks(remote)
-                view.apply_sync(meshlab.measure.profiling.start, trace)
-            else:
-                view.apply_sync(meshlab.measure.comms.start)
-        self._cells_run += 1
-        number = self._cells_run if number is None else number
-        cell = CellRun(self, self.cell_channel.send(ranks, code, number, keep_values),
-                       timeout, on_output, spent=spent)
-        result = cell.wait()
-        if profile:
-            result.profile = self._collect_profiles([r for r in ranks if r not in cell.stuck],
-                                                    clocks_before)
-            if comms and result.profile is not None:
-                result.comms = {r: p.collectives for r, p in result.profile.ranks.items()}
-        elif comms:
-            result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
-        self._after_cell(cell, result, code)
-        if keep_values:
-            result.values, unsent = cell.values()
-            result.notes += [f"{label(rs)} value not kept: {why}" for rs, why in group(unsent)]
-        if on_output:
-            on_output(result)
-        if not result.ok:
-            raise MeshError(result)
-        return result
-
-    def _wait_for(self, pending: list[str], timeout: float) -> bool:
-        """Wait until the cells and calls ``pending`` (ids) have ended; whether they did."""
-        deadline = time.monotonic() + timeout
-        for cell in filter(None, map(self.cell_channel.cell, pending)):
-            if not self.cell_channel.wait(cell, deadline - time.monotonic()):
-                return False
-            self.cell_channel.forget(cell)
-        calls = [i for i in pending if not self.cell_channel.owns(i)]
-        return self._client.wait(calls, timeout=max(0.0, deadline - time.monotonic()))
-
-    def _collect_traces(self, ranks: list[int]) -> dict[int, list[Any]]:
-        alive = [r for r in ranks if r not in self._dead]
-        if not alive:
-            return {}
-        ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
-            meshlab.measure.comms.stop)
-        return dict(zip(alive, ar.get(timeout=30), strict=True))
-
-    def _collect_profiles(self, ranks: list[int], clocks_before: dict[int, tuple[int, int]]
-                          ) -> Any:
-        from meshlab.notebook.cell_profile import CellProfile, clocks_from
-
-        alive = [r for r in ranks if r not in self._dead]
-        stop = meshlab.measure.profiling.stop
-        pending = {r: self._client[self._engines[r]].apply_async(stop, rank=r)
-                   for r in alive}
-        profiles = {r: p for r, ar in pending.items() if (p := ar.get(timeout=60)) is not None}
-        if not profiles:
-            return None
-        clocks = clocks_from(profiles, clocks_before, self.clocks(list(clocks_before)))
-        return CellProfile(profiles, clocks, self.mesh_spec, self.world_size)
-
-    def regroup(self, ranks: str | list[int] | None = None) -> None:
-        """Replace the process group by a fresh one over all ranks (or a subset).
-
-        A mesh built on the old group is rebuilt on the new one when it still fits.
-        """
-        members = None if ranks is None else parse_ranks(ranks, self.world_size)
-        self._members = members
-        self._generation += 1
-        gen = self._generation
-        self._check_store_disk("re-forming the process group")
-        self._apply_each(on_ranks.regroup_rank, lambda r: {"generation": gen, "members": members},
-                         timeout=self.profile.pg_timeout + 30)
-        self._needs_regroup, self._diverged = False, None
-        if self.mesh_spec is not None:
-            if members is None:
-                self.init_mesh(self.mesh_spec)
-            else:
-                self.mesh_spec = None  # a subset group no longer matches the mesh
-
-    def init_mesh(self, spec: str | MeshSpec) -> MeshSpec:
-        """Build the named DeviceMesh ``mesh`` on every rank; ValueError names a bad spec."""
-        spec = MeshSpec.parse(spec) if isinstance(spec, str) else spec
-        spec.check(self.world_size if self._members is None else len(self._members))
-        self._ranks(None)
-        if not self._busy and not self._dead and not self._diverged:
-            # one round trip per `%mesh init`: groups made unevenly where meshlab could not
-            # see it would deadlock the mesh's own new_group calls
-            for note in self._check_groups():
-                logging.getLogger("meshlab").info("%s", note)
-        self._recover(creates_groups=True)
-        self._check_store_disk("building the mesh")
-        self._apply_each(on_ranks.build_mesh, lambda r: {"spec": spec},
-                         timeout=self.profile.pg_timeout + 30)
-        self.mesh_spec = spec
-        return spec
-
-    # -- moving data -----------------------------------------------------------------------
-
-    def inspect(self, expr: str, ranks: str | list[int] | None = None
-                ) -> ShardingReport | ModuleReport:
-        """Evaluate ``expr`` on the ranks and merge what each holds into one report."""
-        ranks = self._ranks(ranks)
-        self._recover()
-        ar = self._client.direct_view([self._engines[r] for r in ranks]).apply_async(
-            on_ranks.describe, expr)
-        try:
-            reports = ar.get(timeout=self.profile.pg_timeout)
-        except ipp.CompositeError as e:
-            why = {r: f"{ename}: {evalue}" for r, ename, evalue in self._failures(e, ranks)}
-            lines = [f"  {label(group_ranks)} {text}" for group_ranks, text in group(why)]
-            raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
-        return merge(dict(zip(ranks, reports, strict=True)))
-
-    def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
-               ) -> tuple[dict[int, Any], int, dict[int, tuple[int, int]]]:
-        """Bytes each rank holds for ``model`` (an expression) and its optimizer, the
-        parameters one tensor-parallel rank holds (Ψ without TP), and (device, host) bytes one
-        forward on ``inputs`` saves for backward, if given."""
-        self._ranks(None)
-        out = self._apply_each(on_ranks.measure_memory, lambda r: {
-            "model": model, "optimizer": optimizer, "inputs": inputs})
-        activations = {r: a for r, (_, _, a) in out.items() if a is not None}
-        return {r: report for r, (report, _, _) in out.items()}, out[0][1], activations
-
-    # -- signals ---------------------------------------------------------------------------
-
-    def interrupt(self, ranks: str | list[int] | None = None) -> None:
-        """Send SIGINT to ranks (a KeyboardInterrupt in the cell they are running)."""
-        targets = [self._engines[r] for r in self._ranks(ranks, check_dead=False)
-                   if r not in self._dead]
-        if targets:
-            self._client.send_signal(signal.SIGINT, targets=targets, block=False)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def _ranks(self, spec: str | list[int] | Any, check_dead: bool = True) -> list[int]:
-        if not self.running:
-            raise ClusterError("no cluster is running: start one with `%mesh start N` "
-                               "(or meshlab.Cluster(N).start())")
-        ranks, gone = parse_ranks(spec, self.world_size), self.dead()
-        dead = [r for r in ranks if r in gone]
-        if check_dead and dead:
-            raise ClusterError(
-                "; ".join(f"rank {r} died: {self._dead[r]}" for r in dead)
-                + ". `%mesh restart` starts fresh engines and replays the session's cells.")
-        return ranks
-
-    def _failures(self, error: Any, ranks: list[int]) -> list[tuple[int, str, str]]:
-        """(rank, exception name, message) for each engine an ipyparallel call failed on."""
-        rank_of = {self._engines[r]: r for r in ranks}
-        return [(rank_of[info["engine_id"]], ename, evalue)
-                for ename, evalue, _, info in error.elist]
-
-    def _check_store_disk(self, doing: str) -> None:
-        """Refuse ``doing`` (it writes the rendezvous store) when the store's disk is full:
-        the rank whose write fails raises, and the others wait for its key."""
-        if self._store_dir is None:
-            return
-        free = shutil.disk_usage(self._store_dir).free
-        if free < STORE_HEADROOM:
-            raise ClusterError(
-                f"{doing} writes the ranks' rendezvous store in {self._store_dir}, and its disk "
-                f"has {free // 1024} KiB free: free space there (df {self._store_dir.parent}), "
-                "or set TMPDIR to a folder on another disk before %mesh start; nothing ran")
-
-    def _apply_each(self, fn: Callable[..., Any], kwargs: Callable[[int], dict[str, Any]] | None
-                    = None, timeout: float = 60.0) -> dict[int, Any]:
-        """Call ``fn(**kwargs(rank))`` on every rank at once; wait for all. Once one has
-        failed, the others get PEERS_AFTER_A_FAILURE seconds more: in a set-up step they wait
-        for it in the store or a collective, until the process-group timeout."""
-        pending = {r: self._client[eid].apply_async(fn, **(kwargs(r) if kwargs else {}))
-                   for r, eid in enumerate(self._engines)}
-        out: dict[int, Any] = {}
-        failed: dict[int, str] = {}
-        tracebacks: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(out) + len(failed) < len(pending):
-                for r, ar in pending.items():
-                    if r in out or r in failed or not ar.ready():
-                        continue
-                    try:
-                        out[r] = ar.get()
-                    except ipp.RemoteError as e:
-                        failed[r], tracebacks[r] = f"{e.ename}: {e.evalue}", e.traceback
-                        deadline = min(deadline, time.monotonic() + PEERS_AFTER_A_FAILURE)
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                time.sleep(0.01)
-        except (KeyboardInterrupt, TimeoutError) as stop:
-            # meshlab must know the ranks still in it: the next cell waits for them, then
-            # re-forms the group (a Ctrl-C'd `%mesh init` would otherwise hang the next cell)
-            stuck = {r: ar.msg_ids[0] for r, ar in pending.items() if not ar.ready()}
-            self.interrupt(list(stuck))
-            self._busy.update(stuck)
-            self._needs_regroup = True
-            why = ("was interrupted" if isinstance(stop, KeyboardInterrupt) else
-                   f"did not finish within {timeout:g} s" if not failed else
-                   "failed")
-            # the ranks that failed are usually why the others wait: say what they said
-            said = "".join(f"; {label(ranks)} failed: {text}" for ranks, text in group(failed))
-            raise ClusterError(
-                f"{fn.__name__} {why}; {ranks_are(stuck)} still in it{said}. The next cell "
-                f"waits up to {self.profile.pg_timeout + 30:g} s for them, then re-forms the "
-                "process group; `%mesh restart` replaces the engines now.") from None
-        if failed:  # one line per group of ranks; the lowest rank's traceback at debug level
-            logging.getLogger("meshlab").debug("rank %d: %s", min(failed),
-                                               strip_ansi(tracebacks[min(failed)]))
-            raise ClusterError("\n".join(f"{label(ranks)} {why}" for ranks, why in group(failed)))
-        return out
-
-    def dead(self) -> dict[int, str]:
-        """Ranks whose process has ended, with how: ``{2: "killed by SIGKILL"}``."""
-        codes = self._processes.exit_codes() if self._hosts else {}
-        here = socket.gethostname()  # pids are this machine's: a remote rank's may coincide
-        for r, h in enumerate(self._hosts):
-            if r not in self._dead and ((h["host"] == here and codes.get(h["pid"]) is not None)
-                                        or self._engines[r] not in self._client.ids):
-                self._dead[r] = self._processes.cause_of_death(h["pid"]) if h["host"] == here \
-                    else self._silent_host(h["host"])
-        return dict(self._dead)
-
-    def _silent_host(self, host: str) -> str:
-        """Why a rank on another host is gone: the controller stopped hearing its engine
-        (its heartbeats), alone or with every rank of that host."""
-        on_host = [r for r, h in enumerate(self._hosts) if h["host"] == host]
-        if all(self._engines[r] not in self._client.ids for r in on_host):
-            return (f"its host {host} stopped answering: no heartbeat from any of its "
-                    f"{len(on_host)} ranks (a network link, or the machine)")
-        return f"its engine on {host} stopped responding"
-
-

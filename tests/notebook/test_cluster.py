@@ -376,7 +376,7 @@ def test_a_rank_failing_in_a_set_up_step_ends_the_wait_and_is_named(
         cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     # a full temp dir: the rank whose store write failed raised, and `%mesh init` waited 90 s
     # for the others, saying only that they were still in it
-    monkeypatch.setattr("meshlab.notebook.cluster.PEERS_AFTER_A_FAILURE", 0.5)
+    monkeypatch.setattr("meshlab.notebook.rank_calls.PEERS_AFTER_A_FAILURE", 0.5)
     with pytest.raises(ClusterError) as failed:
         cluster._apply_each(_fails_on_rank_1, lambda r: {"rank": r}, timeout=120)
     assert re.match(r"_fails_on_rank_1 failed; ranks 0,2-3 are still in it; \[rank 1\] "
