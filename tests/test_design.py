@@ -102,7 +102,7 @@ def test_every_magic_makes_one_session_call() -> None:
 
 def test_widgets_charts_and_tables_never_call_torch_distributed() -> None:
     notebook = REPO / "meshlab" / "notebook"
-    drawn = [notebook / "charts.py", *(notebook / "widgets").glob("*.py"),
+    drawn = [*(notebook / "charts").glob("*.py"), *(notebook / "widgets").glob("*.py"),
              *(notebook / "tables").glob("*.py")]
     for path in drawn:
         for node in ast.walk(_tree(path)):
@@ -205,3 +205,121 @@ def test_meshlab_itself_imports_no_moved_path() -> None:
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             stale = [n for n in names if old.fullmatch(n)]
             assert not stale, f"{path.relative_to(REPO)} imports {stale}: see meshlab.moved"
+
+
+# -- which folder may import which, read off every import (lazy ones too) -------------------------
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """The meshlab modules ``path`` imports, anywhere in it but under TYPE_CHECKING."""
+    tree = _tree(path)
+    typing_only = {id(k) for n in ast.walk(tree) if isinstance(n, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(n.test)
+                   for m in n.body for k in ast.walk(m)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [(f"{node.module}.{a.name}", node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+    return [(name, line) for name, line in found if name.startswith("meshlab.")]
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _reaches(imported: str, package: str) -> bool:
+    return imported == package or imported.startswith(package + ".")
+
+
+# (folder, what it may never import, why)
+NEVER = [
+    ("meshlab.parallel", ("meshlab.replicas", "meshlab.verify", "meshlab.dry_run"),
+     "strategies sit below replica modes, the check and the dry run: reach them through "
+     "meshlab.parallel.replica_modes"),
+    ("meshlab.replicas", ("meshlab.dry_run",), "replica modes run on ranks, not fake ones"),
+    ("meshlab.plan", ("meshlab.parallel", "meshlab.replicas", "meshlab.verify",
+                      "meshlab.rank", "meshlab.checkpoint"),
+     "the planner is pure Python: it reads a dry run's plain data, never runs strategies"),
+    ("meshlab.measure", ("meshlab.rank", "meshlab.replicas", "meshlab.verify",
+                         "meshlab.dry_run"), "what a rank measures sits below what it runs"),
+    ("meshlab.rank", ("meshlab.parallel", "meshlab.replicas", "meshlab.verify",
+                      "meshlab.dry_run", "meshlab.plan"),
+     "an engine's machinery knows nothing of strategies"),
+]
+RANK_SIDE = [p for p in (REPO / "meshlab").rglob("*.py") if "notebook" not in p.parts]
+
+
+def test_folders_import_only_what_they_may() -> None:
+    for path in (REPO / "meshlab").rglob("*.py"):
+        module = _module(path)
+        for folder, forbidden, why in NEVER:
+            if not _reaches(module, folder):
+                continue
+            bad = [(n, line) for n, line in _imports(path)
+                   if any(_reaches(n, f) for f in forbidden)]
+            assert not bad, f"{path.relative_to(REPO)} imports {bad}: {why}"
+
+
+def test_the_rank_side_never_imports_the_notebook_side_even_lazily() -> None:
+    notebook = ("meshlab.notebook", "meshlab.magics", "meshlab.extension")
+    for path in RANK_SIDE:
+        bad = [(n, line) for n, line in _imports(path) if any(_reaches(n, f) for f in notebook)]
+        if _module(path) == "meshlab":  # load_ipython_extension: %load_ext's own entry
+            bad = [(n, line) for n, line in bad if not _reaches(n, "meshlab.extension")]
+        assert not bad, (f"{path.relative_to(REPO)} imports {bad}: ranks send data, the "
+                         "notebook draws")
+
+
+# Schedule.simulate() and .lower(): a schedule's own methods, importing their module when called
+FACADES = {("meshlab.schedules.actions", "meshlab.schedules.simulate"),
+           ("meshlab.schedules.actions", "meshlab.schedules.validate")}
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    files = {_module(p): p for p in (REPO / "meshlab").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for name, _ in _imports(path):
+            while name and name not in files:  # `from pkg import name`: the module pkg
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + ".") \
+                    and (module, name) not in FACADES:
+                targets.add(name)
+        graph[module] = targets
+    # a depth-first walk; a module met again on the current path closes a circle
+    state: dict[str, int] = {}
+    path_now: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path_now.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                circle = [*path_now[path_now.index(n):], n]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if n not in state:
+                visit(n)
+        path_now.pop()
+        state[m] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+
+
+def test_no_source_file_is_over_400_lines() -> None:
+    long = {str(p.relative_to(REPO)): n for folder in ("meshlab", "magics", "extension")
+            for p in (REPO / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split by concern: {long}"
+
+
+def test_every_folder_says_what_lives_there() -> None:
+    for init in (REPO / "meshlab").rglob("__init__.py"):
+        doc = ast.get_docstring(_tree(init))
+        assert doc, f"{init.relative_to(REPO)}: one docstring line: what lives here, who imports it"
