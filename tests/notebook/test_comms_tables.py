@@ -75,7 +75,8 @@ def test_comms_cell_in_the_notebook_shows_tables_and_a_chart(shell: Any) -> None
 def test_tracing_stops_after_the_cell(cluster: Cluster) -> None:
     cluster.run("dist.all_reduce(torch.ones(1))", comms=True)
     assert cluster.run("dist.all_reduce(torch.ones(1))").comms == {}
-    assert cluster.run("from meshlab.measure import comms\ncomms._active is None").results() == \
+    assert cluster.run("import meshlab.measure.comms\n"
+                       "meshlab.measure.comms._active is None").results() == \
         "Out[ranks 0-3]: True"
 
 
