@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from meshlab.models.llama import ModelConfig
+    from meshlab.models.config import ModelConfig
 
 
 class MoE(nn.Module):
