@@ -1,0 +1,304 @@
+"""Where a layout stops matching one process: the first step, phase, module and rank.
+
+``diff_with_single_process`` trains the same model, data and seed twice on every rank, as
+``compare_with_single_process`` does: alone on the global batch, and parallelized on this
+rank's rows. Hooks on every module record, per step, its forward output and the gradient
+flowing back into that output; after each backward every parameter's gradient, and after
+each optimizer step its update. Each parallel tensor is set beside its part of the one-
+process tensor (this rank's rows of the batch; under tensor parallelism, this rank's chunk
+of the dimension tp split), full tensors gathered from DTensor shards.
+
+The report names the first difference beyond the tolerance in the order a difference is
+*born*: step by step; in a step the forward in the order modules ran, then the output
+gradients in the order the backward reached them, then parameter gradients, then updates.
+A bug shows first in the module that has it; every later one inherits it.
+
+Tolerance. A tensor's error is its largest absolute difference over its largest magnitude.
+Both runs differ only by the order of floating-point sums, so a correct layout stays within a
+few units of roundoff times the sums' lengths: float64 (u = 1.1e-16, the default) to 1e-10;
+float32 (u = 6e-8) to 1e-4. An update is the parameter after the step less the parameter
+before it: in float32 that subtraction alone carries u * |p|, so there an update's error is
+held relative to the parameter's largest magnitude. A missing reduction, a wrong shard or an
+untied weight differs by O(1). The diff steps SGD: AdamW divides each element's step by that
+element's own gradient scale, so where a summed gradient nearly cancels a reordered sum
+changes its step a lot (meshlab.verify.compare), and an update's difference would say
+nothing of the layout.
+
+Not yet: context parallelism, expert parallelism, replica modes, gradient accumulation and
+pipelines (each refused naming it); every tensor is kept whole (tiny shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshlab.mesh import axis_size
+from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
+from meshlab.parallel.blocks import clean_name
+from meshlab.parallel.compose import ParallelPlan, parallelize
+from meshlab.verify.comparison import data_rank, full_parameters, vocab_size
+from meshlab.verify.training import next_token_loss
+
+PHASES = ("forward", "output gradient", "parameter gradient", "update")
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4}
+"""The largest error (|difference| over the tensor's largest magnitude) of a correct layout,
+by dtype: see the module's docstring."""
+
+
+@dataclass(slots=True)
+class Difference:
+    """One tensor of the parallel run beside its part of the one-process run's."""
+
+    step: int
+    phase: str
+    module: str
+    rank: int
+    error: float
+    tolerance: float
+    shape: tuple[int, ...]
+    """The parallel tensor's shape on this rank."""
+    order: int = 0
+    """Its place in its phase: the order modules ran (forward) or were reached (backward)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+    def __str__(self) -> str:
+        return (f"step {self.step}, {self.phase} of {self.module or '(the model)'} on rank "
+                f"{self.rank}: {self.error:.1e} (tolerance {self.tolerance:.0e}, shape "
+                f"{list(self.shape)})")
+
+
+@dataclass(slots=True)
+class LayoutDiff:
+    """Every compared tensor on every rank, and the first that differs."""
+
+    differences: list[Difference]
+    tolerance: float
+    not_compared: list[str] = field(default_factory=list)
+    """Tensors with no part of the one-process run to set beside them, with their shapes."""
+
+    @property
+    def first(self) -> Difference | None:
+        """The first difference beyond the tolerance, in the order it is born."""
+        bad = [d for d in self.differences if not d.ok]
+        return min(bad, key=_born, default=None)
+
+    @property
+    def ok(self) -> bool:
+        return self.first is None
+
+    def worst(self, n: int = 10) -> list[Difference]:
+        """The ``n`` largest errors, one per (module, phase)."""
+        seen: dict[tuple[str, str], Difference] = {}
+        for d in self.differences:
+            key = (d.module, d.phase)
+            if key not in seen or d.error > seen[key].error:
+                seen[key] = d
+        return sorted(seen.values(), key=lambda d: -d.error)[:n]
+
+    def __str__(self) -> str:
+        first = self.first
+        if first is None:
+            return (f"matches one process: {len(self.differences)} tensors within "
+                    f"{self.tolerance:.0e}")
+        return f"first difference: {first}"
+
+
+def _born(d: Difference) -> tuple[int, int, int, int]:
+    return d.step, PHASES.index(d.phase), d.order, d.rank
+
+
+class Recorder:
+    """Hooks on ``model``'s modules: each forward output and output gradient, by step."""
+
+    def __init__(self, model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.model, self.full, self.step = model, full, 0
+        self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.order: dict[tuple[int, str, str], int] = {}
+        self.counts: dict[tuple[int, str], int] = {}
+        self.scales: dict[tuple[int, str, str], torch.Tensor] = {}
+        """What a tensor's error is relative to, where not its own largest magnitude."""
+        self.handles: list[Any] = []
+        # DDP's wrapper runs the model it holds: record that one's modules, by their own names
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        for name, module in inner.named_modules():
+            name = clean_name(name)
+            self.handles.append(module.register_forward_hook(self._forward(name)))
+            self.handles.append(module.register_full_backward_hook(self._backward(name)))
+
+    def _keep(self, phase: str, name: str, value: Any) -> None:
+        tensor = _first_tensor(value)
+        if tensor is None:
+            return
+        key = (self.step, phase, name)
+        if key not in self.tensors:  # a module called twice in a step: its first call
+            self.order[key] = self.counts.get(key[:2], 0)
+            self.counts[key[:2]] = self.order[key] + 1
+            self.tensors[key] = self.full(tensor).detach().clone()
+
+    def _forward(self, name: str) -> Callable[..., None]:
+        return lambda module, args, out: self._keep("forward", name, out)
+
+    def _backward(self, name: str) -> Callable[..., None]:
+        return lambda module, grad_in, grad_out: self._keep("output gradient", name, grad_out)
+
+    def parameters(self, phase: str, values: dict[str, torch.Tensor]) -> None:
+        """Per parameter, its module's ``phase`` (gradients, updates) for this step."""
+        for i, (name, value) in enumerate(values.items()):
+            self.tensors[(self.step, phase, name)] = value
+            self.order[(self.step, phase, name)] = i
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return next((t for v in value if (t := _first_tensor(v)) is not None), None)
+    return None
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {clean_name(n): _whole(p.grad).detach().clone() for n, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def refuse_untested(mesh: Any, plan: ParallelPlan) -> None:
+    """What the diff cannot set beside one process yet, refused before training."""
+    named = {"cp": "context parallelism", "ep": "expert parallelism", "pp": "pipelines"}
+    for axis, what in named.items():
+        if axis_size(mesh, axis) > 1:
+            raise ValueError(f"the layout diff does not yet follow {what} ({axis}="
+                             f"{axis_size(mesh, axis)}): compare_with_single_process checks "
+                             "the whole run; diff a layout without it")
+    if plan.replica_sync != "every_step" or plan.grad_accum > 1 or plan.mixed_precision:
+        raise ValueError("the layout diff runs every-step data parallel, one micro-step, in the "
+                         "model's dtype (replica_sync, grad_accum, mixed_precision unset): "
+                         "compare_with_single_process checks the others")
+
+
+def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
+                             plan: ParallelPlan, *, steps: int = 2, batch: int = 8,
+                             seq: int = 16, lr: float = 1e-2, dtype: torch.dtype = torch.float64,
+                             seed: int = 0,
+                             before: Callable[[nn.Module], nn.Module] | None = None,
+                             after: Callable[[nn.Module], nn.Module] | None = None
+                             ) -> LayoutDiff:
+    """The layout ``plan`` on ``mesh`` beside one process, module by module (see the module's
+    docstring). ``before`` and ``after`` edit the parallel run's model before and after
+    ``parallelize`` (the one-process run never sees them: the tests inject bugs with them).
+    Every rank returns the same diff."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype={dtype}: the diff holds float32 or float64 (low precision "
+                         "rounds each run its own way)")
+    refuse_untested(mesh, plan)
+    factory = (lambda: Transformer(model)) if isinstance(model, ModelConfig) else model
+    seed = model.seed if isinstance(model, ModelConfig) else seed
+
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        return factory().to(dtype)
+
+    reference = build()
+    shape = {"seq": seq, "vocab": vocab_size(reference), "seed": seed}
+    rank, ranks = data_rank(mesh)
+    alone = _train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
+                   lr, lambda t: t, ranks=1)
+    parallel = build()
+    parallel = parallelize(before(parallel) if before else parallel, mesh, plan, seed=seed)
+    parallel = after(parallel) if after else parallel
+    mine = _train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
+                             for s in range(steps)], lr, _whole, ranks=ranks)
+    found, missing = _set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (found, missing))
+    return LayoutDiff([d for f, _ in everyone for d in f], TOLERANCES[dtype],
+                      sorted({m for _, ms in everyone for m in ms}))
+
+
+def _train(model: nn.Module, batches: list[Any], lr: float,
+           full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int) -> Recorder:
+    """SGD steps with every module recorded; each rank's loss is its rows' mean, and its
+    output gradients are scaled to the whole batch's (x 1/ranks)."""
+    recorder = Recorder(model, full)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step, batch in enumerate(batches):
+        recorder.step = step
+        optimizer.zero_grad()
+        next_token_loss(model, batch).backward()
+        recorder.parameters("parameter gradient", _grads(model))
+        before = {n: t.clone() for n, t in full_parameters(model).items()}
+        optimizer.step()
+        after = full_parameters(model)
+        recorder.parameters("update", {n: after[n] - before[n] for n in after})
+        # float32 subtracts two parameters to get an update: u * |p| of noise, so its error is
+        # held relative to the parameter there (float64's noise stays far below its tolerance)
+        if next(iter(after.values())).dtype == torch.float32:
+            recorder.scales.update({(step, "update", n): after[n].abs().max() for n in after})
+    recorder.close()
+    for key, tensor in recorder.tensors.items():
+        if key[1] == "output gradient":
+            recorder.tensors[key] = tensor / ranks
+    return recorder
+
+
+def _set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int,
+                tolerance: float) -> tuple[list[Difference], list[str]]:
+    tp = axis_size(mesh, "tp")
+    tp_rank = mesh["tp"].get_local_rank() if tp > 1 else 0
+    me = dist.get_rank()
+    found, missing = [], []
+    for key, value in mine.tensors.items():
+        step, phase, name = key
+        ref = alone.tensors.get(key)
+        part = None if ref is None else part_of(ref, value, rank, ranks, tp, tp_rank,
+                                                 rows=phase in ("forward", "output gradient"))
+        if part is None:
+            missing.append(f"{phase} of {name or '(the model)'} "
+                           f"{list(value.shape)}" + ("" if ref is None else
+                                                     f" beside {list(ref.shape)}"))
+            continue
+        scale = alone.scales.get(key, part.abs().max()) if part.numel() else None
+        error = ((value - part).abs().max() / scale.clamp_min(1e-30)).item() \
+            if scale is not None else 0.0
+        found.append(Difference(step, phase, name, me, error, tolerance, tuple(value.shape),
+                                order=alone.order.get(key, mine.order[key])))
+    return found, missing
+
+
+def part_of(ref: torch.Tensor, value: torch.Tensor, rank: int, ranks: int, tp: int,
+            tp_rank: int, *, rows: bool) -> torch.Tensor | None:
+    """The part of the one-process tensor ``ref`` that ``value`` is on this rank: its rows of
+    the batch (dim 0, ``rows``), then this tp rank's chunk of each dimension tp split; None
+    where the shapes say neither."""
+    if rows and ranks > 1 and ref.dim() and ref.shape[0] == value.shape[0] * ranks:
+        n = value.shape[0]
+        ref = ref[rank * n:(rank + 1) * n]
+    for d in range(ref.dim()):
+        if ref.dim() != value.dim():
+            return None
+        if ref.shape[d] != value.shape[d]:
+            if tp == 1 or ref.shape[d] != value.shape[d] * tp:
+                return None
+            ref = ref.chunk(tp, dim=d)[tp_rank]
+    return ref if ref.shape == value.shape else None

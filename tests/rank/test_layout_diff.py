@@ -1,0 +1,86 @@
+"""The layout diff (meshlab.verify.layout_diff) on real ranks: correct layouts match one
+process module by module, and each deliberately broken plan is named where its bug lives.
+
+The bug kinds are here, not in the tool: each is an edit of the parallel run's model, before
+or after parallelize, that a real plan could make by mistake.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshlab.notebook.cluster import Cluster
+
+pytestmark = pytest.mark.cluster
+
+CELL = """
+import torch, meshlab.mesh
+from meshlab.models import ModelConfig
+from meshlab.parallel import ParallelPlan
+from meshlab.verify.layout_diff import diff_with_single_process
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64)
+
+def left_out_of_ddp(model):  # a replicated parameter DDP does not all-reduce
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["layers.1.ffn_norm.weight"])
+    return model
+
+def rows_swapped(model):  # tp rank 0's shard of a column-parallel weight in the wrong order
+    weight = model.layers["0"].attention.wk.weight
+    if meshlab.mesh.build("dp=2 tp=2")["tp"].get_local_rank() == 0:
+        with torch.no_grad():
+            local = weight.to_local()
+            local.copy_(local.roll(1, dims=0))
+    return model
+
+def untied(model):  # the output layer given its own copy of the tied embedding
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+def averaged_twice(model):  # a replicated weight's gradient divided by the dp ranks again
+    model.module.layers["1"].attention_norm.weight.register_hook(lambda grad: grad / 4)
+    return model
+
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+        tie_word_embeddings=True))
+
+CASES = {{
+    "ddp": ("dp=4", dict(data_parallel="ddp"), {{}}),
+    "zero3": ("dp=4", dict(data_parallel="zero3"), {{}}),
+    "tp_sp": ("dp=2 tp=2", dict(), {{}}),
+    "left_out_of_ddp": ("dp=4", dict(data_parallel="ddp"), dict(before=left_out_of_ddp)),
+    "rows_swapped": ("dp=2 tp=2", dict(), dict(after=rows_swapped)),
+    "averaged_twice": ("dp=4", dict(data_parallel="ddp"), dict(after=averaged_twice)),
+    "untied": ("dp=4", dict(data_parallel="ddp"), dict(before=untied, model=tied_llama)),
+}}
+diffs = {{}}
+for name, (mesh, plan, edits) in CASES.items():
+    model = edits.pop("model", cfg)
+    d = diff_with_single_process(model, meshlab.mesh.build(mesh), ParallelPlan(**plan),
+                                 steps=2, **edits)
+    first = d.first
+    diffs[name] = (max(x.error for x in d.differences), str(d),
+                   None if first is None else (first.step, first.phase, first.module),
+                   d.not_compared[:5])
+diffs
+"""
+
+
+def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
+        cluster: Cluster) -> None:
+    diffs = cluster.run(CELL.format(), keep_values=True, timeout=240).values[0]
+    for correct in ("ddp", "zero3", "tp_sp"):
+        worst, _, first, _ = diffs[correct]
+        assert first is None and worst < 1e-4, (correct, diffs[correct])
+    assert diffs["left_out_of_ddp"][2] == (0, "parameter gradient", "layers.1.ffn_norm.weight")
+    assert diffs["rows_swapped"][2] == (0, "forward", "layers.0.attention.wk")
+    assert diffs["averaged_twice"][2] == (0, "parameter gradient",
+                                          "layers.1.attention_norm.weight")
+    assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
