@@ -105,6 +105,14 @@ class MeshMagics(Magics):
     def _prove(self, args: Any) -> None:
         print(self.session.prove(args.model, args.plan, args.factory))
 
+    def _compare(self, args: Any) -> None:
+        diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype)
+        print(diff)
+        if not diff.ok:  # where else it differs, largest first
+            print("largest differences:\n" + "\n".join(f"  {d}" for d in diff.worst(10)))
+        if args.output:
+            self.shell.user_ns[args.output] = diff
+
     def _throttle(self, args: Any) -> None:
         print(self.session.throttle(None if args.ranks == "off" else args.ranks, args.factor))
 

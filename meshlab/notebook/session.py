@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import restore
@@ -37,6 +37,9 @@ from meshlab.notebook.session_pipelines import Pipelines
 from meshlab.notebook.session_planning import Planning
 from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.rank.private_files import output_folder
+
+if TYPE_CHECKING:
+    from meshlab.verify.layout_diff import LayoutDiff
 
 
 class Session(Inspection, Checkpoints, Pipelines, Planning):
@@ -226,6 +229,20 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             "from meshlab.verify.tiny import prove as _prove\n"
             f"str(_prove({model}, mesh, {plan}{given}))", keep_values=True)
         return str(result.values[min(result.values)])
+
+    def compare(self, model: str, plan: str, *, steps: int = 2, dtype: str = "float64"
+                ) -> LayoutDiff:
+        """Train ``plan`` (a ParallelPlan on the ranks) on ``model`` (a ModelConfig or a
+        factory on the ranks) on the current mesh beside one process, module by module: the
+        first step, phase, module and rank that differ (meshlab.verify.layout_diff)."""
+        if dtype not in ("float64", "float32"):
+            raise SessionError(f"dtype={dtype!r}: the layout diff runs float64 (the default) "
+                               "or float32")
+        result = self.need_cluster().run(
+            "from meshlab.verify.layout_diff import diff_with_single_process as _diff\n"
+            f"_diff({model}, mesh, {plan}, steps={int(steps)}, dtype={dtype!r})",
+            keep_values=True)
+        return cast("LayoutDiff", result.values[min(result.values)])
 
     # -- export ----------------------------------------------------------------------------
 

@@ -199,7 +199,8 @@ def refuse_untested(mesh: Any, plan: ParallelPlan) -> None:
 
 def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
                              plan: ParallelPlan, *, steps: int = 2, batch: int = 8,
-                             seq: int = 16, lr: float = 1e-2, dtype: torch.dtype = torch.float64,
+                             seq: int = 16, lr: float = 1e-2,
+                             dtype: torch.dtype | str = torch.float64,
                              seed: int = 0,
                              before: Callable[[nn.Module], nn.Module] | None = None,
                              after: Callable[[nn.Module], nn.Module] | None = None
@@ -208,6 +209,7 @@ def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh:
     docstring). ``before`` and ``after`` edit the parallel run's model before and after
     ``parallelize`` (the one-process run never sees them: the tests inject bugs with them).
     Every rank returns the same diff."""
+    dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype={dtype}: the diff holds float32 or float64 (low precision "
                          "rounds each run its own way)")

@@ -7,6 +7,8 @@ or after parallelize, that a real plan could make by mistake.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from meshlab.notebook.cluster import Cluster
@@ -84,3 +86,17 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
     assert diffs["averaged_twice"][2] == (0, "parameter gradient",
                                           "layers.1.attention_norm.weight")
     assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
+
+
+def test_mesh_compare_prints_the_verdict_and_keeps_the_diff(shell: Any, capsys: Any) -> None:
+    shell.run_line_magic("mesh", "init dp=4")
+    shell.run_cell_magic("mesh", "", "from meshlab.models import ModelConfig\n"
+                         "from meshlab.parallel import ParallelPlan\n"
+                         "tiny = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, "
+                         "vocab_size=64, ffn_hidden=64)\n"
+                         "zero3 = ParallelPlan(data_parallel='zero3')")
+    capsys.readouterr()
+    shell.run_line_magic("mesh", "compare tiny zero3 --steps 1 -o diff")
+    diff = shell.user_ns["diff"]
+    assert diff.ok and diff.differences and {d.rank for d in diff.differences} == {0, 1, 2, 3}
+    assert capsys.readouterr().out.startswith("matches one process: ")

@@ -132,7 +132,7 @@ def _pipeline(journal: Journal, args: Any, number: int, literals: dict[str, str]
 
 def add_command(commands: Any) -> None:
     """``meshlab export NOTEBOOK.ipynb -o train.py [--sbatch] [--nodes N] ...``"""
-    from meshlab.notebook import commands as commands_types
+    from meshlab.notebook import command_options as commands_types
     cmd = commands.add_parser("export", help="notebook -> train.py, launch.sh (job.sbatch)",
                               description="Write a saved meshlab notebook as a torchrun script.")
     cmd.add_argument("notebook", type=Path)
