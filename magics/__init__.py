@@ -31,6 +31,7 @@ from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_l
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
+from meshlab.notebook.tables.layout_diff import layout_diff_views
 from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.profile import profile_views
@@ -107,9 +108,7 @@ class MeshMagics(Magics):
 
     def _compare(self, args: Any) -> None:
         diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype)
-        print(diff)
-        if not diff.ok:  # where else it differs, largest first
-            print("largest differences:\n" + "\n".join(f"  {d}" for d in diff.worst(10)))
+        display(*layout_diff_views(diff))
         if args.output:
             self.shell.user_ns[args.output] = diff
 

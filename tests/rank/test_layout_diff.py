@@ -71,6 +71,8 @@ for name, (mesh, plan, edits) in CASES.items():
     diffs[name] = (max(x.error for x in d.differences), str(d),
                    None if first is None else (first.step, first.phase, first.module),
                    d.not_compared[:5])
+    if name == "rows_swapped":
+        diffs["rows_swapped diff"] = d
 diffs
 """
 
@@ -83,6 +85,19 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         assert first is None and worst < 1e-4, (correct, diffs[correct])
     assert diffs["left_out_of_ddp"][2] == (0, "parameter gradient", "layers.1.ffn_norm.weight")
     assert diffs["rows_swapped"][2] == (0, "forward", "layers.0.attention.wk")
+    # what %mesh compare shows of it: the table leads with the module, the picture outlines it
+    from meshlab.notebook.tables.layout_diff import layout_diff_frame, layout_diff_views
+
+    diff = diffs["rows_swapped diff"]
+    frame = layout_diff_frame(diff)
+    first = frame[frame["first"]]
+    assert list(first["module"]) == ["layers.0.attention.wk"], first
+    assert (first["ranks beyond"].iloc[0]) == "0,2"  # tp rank 0 of each dp pair
+    verdict, table, chart = layout_diff_views(diff)
+    assert str(verdict).startswith("first difference: step 0, forward of layers.0.attention.wk")
+    assert table.frame["error"].iloc[0] == frame["error"].max()
+    spec = chart.spec()
+    assert "outlined" in str(spec["title"]) and spec["facet"]["column"]["field"] == "phase"
     assert diffs["averaged_twice"][2] == (0, "parameter gradient",
                                           "layers.1.attention_norm.weight")
     assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
