@@ -107,7 +107,8 @@ class MeshMagics(Magics):
         print(self.session.prove(args.model, args.plan, args.factory))
 
     def _compare(self, args: Any) -> None:
-        diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype)
+        diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype,
+                                    itself=args.itself)
         display(*layout_diff_views(diff))
         if args.output:
             self.shell.user_ns[args.output] = diff

@@ -114,6 +114,8 @@ def prove(line: str) -> None:
 @argument("--steps", type=count, default=2, help="training steps (default 2)")
 @argument("--dtype", choices=["float64", "float32"], default="float64",
           help="both runs' dtype (default float64: the tightest tolerance, 1e-10)")
+@argument("--itself", action="store_true",
+          help="run PLAN twice instead: bit-identical, or the first tensor that is not")
 @output_option("the LayoutDiff")
 def compare(line: str) -> None:
     """%mesh compare MODEL PLAN: train PLAN on the current mesh beside one process, module by

@@ -230,16 +230,18 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             f"str(_prove({model}, mesh, {plan}{given}))", keep_values=True)
         return str(result.values[min(result.values)])
 
-    def compare(self, model: str, plan: str, *, steps: int = 2, dtype: str = "float64"
-                ) -> LayoutDiff:
+    def compare(self, model: str, plan: str, *, steps: int = 2, dtype: str = "float64",
+                itself: bool = False) -> LayoutDiff:
         """Train ``plan`` (a ParallelPlan on the ranks) on ``model`` (a ModelConfig or a
         factory on the ranks) on the current mesh beside one process, module by module: the
-        first step, phase, module and rank that differ (meshlab.verify.layout_diff)."""
+        first step, phase, module and rank that differ (meshlab.verify.layout_diff);
+        ``itself``: the layout twice, bit-identical or the first tensor that is not."""
         if dtype not in ("float64", "float32"):
             raise SessionError(f"dtype={dtype!r}: the layout diff runs float64 (the default) "
                                "or float32")
         result = self.need_cluster().run(
-            "from meshlab.verify.layout_diff import diff_with_single_process as _diff\n"
+            "from meshlab.verify.layout_diff import "
+            f"{'diff_with_itself' if itself else 'diff_with_single_process'} as _diff\n"
             f"_diff({model}, mesh, {plan}, steps={int(steps)}, dtype={dtype!r})",
             keep_values=True)
         return cast("LayoutDiff", result.values[min(result.values)])

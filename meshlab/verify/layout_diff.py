@@ -24,6 +24,10 @@ element's own gradient scale, so where a summed gradient nearly cancels a reorde
 changes its step a lot (meshlab.verify.compare), and an update's difference would say
 nothing of the layout.
 
+``diff_with_itself`` runs the layout twice from the same seed and data and names the first
+tensor that is not bit-identical (tolerance 0): a nondeterministic kernel, a random draw
+outside the seeded generator, a reduction whose order depends on arrival.
+
 Not yet: context parallelism, expert parallelism, replica modes, gradient accumulation and
 pipelines (each refused naming it); every tensor is kept whole (tiny shapes).
 """
@@ -85,6 +89,8 @@ class LayoutDiff:
     tolerance: float
     not_compared: list[str] = field(default_factory=list)
     """Tensors with no part of the one-process run to set beside them, with their shapes."""
+    against: str = "one process"
+    """What the run was set beside: one process, or itself (run twice)."""
 
     @property
     def first(self) -> Difference | None:
@@ -108,7 +114,10 @@ class LayoutDiff:
     def __str__(self) -> str:
         first = self.first
         if first is None:
-            return (f"matches one process: {len(self.differences)} tensors within "
+            if self.against == "itself":
+                return (f"bit-identical run to run: {len(self.differences)} tensors, each "
+                        "equal in both runs")
+            return (f"matches {self.against}: {len(self.differences)} tensors within "
                     f"{self.tolerance:.0e}")
         return f"first difference: {first}"
 
@@ -200,8 +209,7 @@ def refuse_untested(mesh: Any, plan: ParallelPlan) -> None:
 def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
                              plan: ParallelPlan, *, steps: int = 2, batch: int = 8,
                              seq: int = 16, lr: float = 1e-2,
-                             dtype: torch.dtype | str = torch.float64,
-                             seed: int = 0,
+                             dtype: torch.dtype | str = torch.float64, seed: int = 0,
                              before: Callable[[nn.Module], nn.Module] | None = None,
                              after: Callable[[nn.Module], nn.Module] | None = None
                              ) -> LayoutDiff:
@@ -209,33 +217,90 @@ def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh:
     docstring). ``before`` and ``after`` edit the parallel run's model before and after
     ``parallelize`` (the one-process run never sees them: the tests inject bugs with them).
     Every rank returns the same diff."""
+    dtype = _dtype(dtype)
+    refuse_untested(mesh, plan)
+    build = _builder(model, dtype, seed)
+    reference = build()
+    shape = {"seq": seq, "vocab": vocab_size(reference), "seed": _seed(model, seed)}
+    rank, ranks = data_rank(mesh)
+    alone = _train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
+                   lr, lambda t: t, ranks=1)
+    mine = _parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
+    found, missing = _set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
+    return _everyone(found, missing, TOLERANCES[dtype])
+
+
+def diff_with_itself(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
+                     plan: ParallelPlan, *, steps: int = 2, batch: int = 8, seq: int = 16,
+                     lr: float = 1e-2, dtype: torch.dtype | str = torch.float64, seed: int = 0,
+                     before: Callable[[nn.Module], nn.Module] | None = None,
+                     after: Callable[[nn.Module], nn.Module] | None = None) -> LayoutDiff:
+    """The layout ``plan`` run twice on ``mesh`` from the same seed and data: bit-identical
+    or not, and the first tensor that is not, in the order a difference is born. Each rank's
+    own tensors are set beside each other as they are: no reference, tolerance 0 (the
+    determinism check of Megatron's per-rank digests, module by module)."""
+    dtype = _dtype(dtype)
+    refuse_untested(mesh, plan)
+    build = _builder(model, dtype, seed)
+    shape = {"seq": seq, "vocab": vocab_size(build()), "seed": _seed(model, seed)}
+    first, second = (_parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
+                     for _ in range(2))
+    me = dist.get_rank()
+    found = []
+    for key, value in second.tensors.items():
+        was = first.tensors[key]
+        error = 0.0 if torch.equal(value, was) else (
+            (value - was).abs().max() / was.abs().max().clamp_min(1e-30)).item()
+        found.append(Difference(key[0], key[1], key[2], me, error, 0.0, tuple(value.shape),
+                                order=first.order[key]))
+    return _everyone(found, [], 0.0, against="itself")
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype={dtype}: the diff holds float32 or float64 (low precision "
                          "rounds each run its own way)")
-    refuse_untested(mesh, plan)
+    return dtype
+
+
+def _seed(model: ModelConfig | Callable[[], nn.Module], seed: int) -> int:
+    return model.seed if isinstance(model, ModelConfig) else seed
+
+
+def _builder(model: ModelConfig | Callable[[], nn.Module], dtype: torch.dtype, seed: int
+             ) -> Callable[[], nn.Module]:
+    """The model, built under one seed each time (the same weights for every run)."""
     factory = (lambda: Transformer(model)) if isinstance(model, ModelConfig) else model
-    seed = model.seed if isinstance(model, ModelConfig) else seed
+    seed = _seed(model, seed)
 
     def build() -> nn.Module:
         torch.manual_seed(seed)
         return factory().to(dtype)
 
-    reference = build()
-    shape = {"seq": seq, "vocab": vocab_size(reference), "seed": seed}
+    return build
+
+
+def _parallel_run(build: Callable[[], nn.Module], mesh: Any, plan: ParallelPlan,
+                  shape: dict[str, int], steps: int, batch: int, lr: float,
+                  before: Callable[[nn.Module], nn.Module] | None,
+                  after: Callable[[nn.Module], nn.Module] | None) -> Recorder:
     rank, ranks = data_rank(mesh)
-    alone = _train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
-                   lr, lambda t: t, ranks=1)
     parallel = build()
-    parallel = parallelize(before(parallel) if before else parallel, mesh, plan, seed=seed)
+    parallel = parallelize(before(parallel) if before else parallel, mesh, plan,
+                           seed=shape["seed"])
     parallel = after(parallel) if after else parallel
-    mine = _train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
+    return _train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
                              for s in range(steps)], lr, _whole, ranks=ranks)
-    found, missing = _set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
+
+
+def _everyone(found: list[Difference], missing: list[str], tolerance: float, *,
+              against: str = "one process") -> LayoutDiff:
+    """Every rank's differences, on every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (found, missing))
-    return LayoutDiff([d for f, _ in everyone for d in f], TOLERANCES[dtype],
-                      sorted({m for _, ms in everyone for m in ms}))
+    return LayoutDiff([d for f, _ in everyone for d in f], tolerance,
+                      sorted({m for _, ms in everyone for m in ms}), against=against)
 
 
 def _train(model: nn.Module, batches: list[Any], lr: float,

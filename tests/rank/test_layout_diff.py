@@ -19,10 +19,11 @@ CELL = """
 import torch, meshlab.mesh
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
-from meshlab.verify.layout_diff import diff_with_single_process
+from meshlab.verify.layout_diff import diff_with_itself, diff_with_single_process
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+diffs = {{}}
 cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64)
 
 def left_out_of_ddp(model):  # a replicated parameter DDP does not all-reduce
@@ -53,6 +54,21 @@ def tied_llama():
         intermediate_size=64, vocab_size=64, max_position_embeddings=16,
         tie_word_embeddings=True))
 
+def unseeded_noise(model):  # a draw outside the seeded generator, as a racing kernel would
+    import time
+    noise = torch.Generator().manual_seed(time.monotonic_ns())
+    model.layers["1"].feed_forward.register_forward_hook(
+        lambda m, args, out: out + 1e-9 * torch.rand(out.shape, generator=noise,
+                                                     dtype=out.dtype))
+    return model
+
+for name, edits in (("itself", {{}}), ("itself, unseeded", dict(after=unseeded_noise))):
+    d = diff_with_itself(cfg, meshlab.mesh.build("dp=4"), ParallelPlan(data_parallel="zero3"),
+                         steps=2, **edits)
+    first = d.first
+    diffs[name] = (max(x.error for x in d.differences), str(d),
+                   None if first is None else (first.step, first.phase, first.module), [])
+
 CASES = {{
     "ddp": ("dp=4", dict(data_parallel="ddp"), {{}}),
     "zero3": ("dp=4", dict(data_parallel="zero3"), {{}}),
@@ -62,7 +78,6 @@ CASES = {{
     "averaged_twice": ("dp=4", dict(data_parallel="ddp"), dict(after=averaged_twice)),
     "untied": ("dp=4", dict(data_parallel="ddp"), dict(before=untied, model=tied_llama)),
 }}
-diffs = {{}}
 for name, (mesh, plan, edits) in CASES.items():
     model = edits.pop("model", cfg)
     d = diff_with_single_process(model, meshlab.mesh.build(mesh), ParallelPlan(**plan),
@@ -83,6 +98,8 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
     for correct in ("ddp", "zero3", "tp_sp"):
         worst, _, first, _ = diffs[correct]
         assert first is None and worst < 1e-4, (correct, diffs[correct])
+    assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
+    assert diffs["itself, unseeded"][2] == (0, "forward", "layers.1.feed_forward")
     assert diffs["left_out_of_ddp"][2] == (0, "parameter gradient", "layers.1.ffn_norm.weight")
     assert diffs["rows_swapped"][2] == (0, "forward", "layers.0.attention.wk")
     # what %mesh compare shows of it: the table leads with the module, the picture outlines it
@@ -115,3 +132,5 @@ def test_mesh_compare_prints_the_verdict_and_keeps_the_diff(shell: Any, capsys: 
     diff = shell.user_ns["diff"]
     assert diff.ok and diff.differences and {d.rank for d in diff.differences} == {0, 1, 2, 3}
     assert capsys.readouterr().out.startswith("matches one process: ")
+    shell.run_line_magic("mesh", "compare tiny zero3 --steps 1 --itself")
+    assert capsys.readouterr().out.startswith("bit-identical run to run: ")

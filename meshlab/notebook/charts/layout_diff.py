@@ -18,9 +18,10 @@ def layout_diff_chart(frame: pd.DataFrame) -> OfflineChart:
     """A module x step heat map per phase of each tensor's error over its tolerance (log10:
     0 is the tolerance, above it red), the first difference outlined in black; hovering
     gives the module, shape, error, tolerance and the ranks beyond it."""
+    # run against itself the tolerance is 0: any difference is beyond it
     data = frame.assign(
-        level=[math.log10(max(e, 1e-300) / t) for e, t in zip(frame["error"],
-                                                              frame["tolerance"], strict=True)])
+        level=[math.log10(max(e, 1e-300) / t) if t else (6.0 if e else -6.0)
+               for e, t in zip(frame["error"], frame["tolerance"], strict=True)])
     data = data.assign(level=data["level"].clip(-6, 6))
     modules = list(dict.fromkeys(data.sort_values("order")["module"]))
     phases = [p for p in PHASES if p in set(data["phase"])]
