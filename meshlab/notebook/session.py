@@ -239,7 +239,11 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         if dtype not in ("float64", "float32"):
             raise SessionError(f"dtype={dtype!r}: the layout diff runs float64 (the default) "
                                "or float32")
-        result = self.need_cluster().run(
+        cluster = self.need_cluster()
+        if cluster.mesh_spec is None:
+            raise SessionError("the layout diff runs on the ranks' mesh, and there is none: "
+                               "%mesh init AXES first (e.g. %mesh init dp=4)")
+        result = cluster.run(
             "from meshlab.verify.layout_diff import "
             f"{'diff_with_itself' if itself else 'diff_with_single_process'} as _diff\n"
             f"_diff({model}, mesh, {plan}, steps={int(steps)}, dtype={dtype!r})",
