@@ -322,8 +322,14 @@ def test_a_stopped_cluster_leaves_no_folder_or_engine_record_behind(test_profile
 
 
 def test_one_stuck_rank_is_named_in_the_singular(cluster: Cluster) -> None:
+    # stuck in a group whose timeout outlasts the stop's ladder (a 1 s limit, SIGINT, 2 s
+    # grace, the stop signal, 2 s grace) however loaded the machine: in the default group
+    # (6 s) a loaded machine saw the collective time out first ("the process group failed")
+    cluster.run("import datetime\n"
+                "patient = dist.new_group(timeout=datetime.timedelta(seconds=20))")
     with pytest.raises(MeshError) as info:
-        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1))", timeout=1)
+        cluster.run("if rank == 1:\n    dist.all_reduce(torch.ones(1), group=patient)",
+                    timeout=1)
     assert "rank 1 is stuck in native code" in info.value.result.summary()
     after = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")
     assert after.results() == "Out[ranks 0-3]: 4.0"
