@@ -21,10 +21,10 @@ before it: in float32 that subtraction alone carries u * |p|, so there an update
 held relative to the parameter's largest magnitude. Measured on a 2-layer model over 3 steps
 under DDP, ZeRO-3 and TP+SP on 4 ranks: float64's worst 5.6e-13 (an update), float32's
 6.8e-7 (a gradient): each tolerance is about 150x its measure. A missing reduction, a wrong
-shard or an untied weight differs by O(1). The diff steps SGD: AdamW divides each element's step by that
-element's own gradient scale, so where a summed gradient nearly cancels a reordered sum
-changes its step a lot (meshlab.verify.compare), and an update's difference would say
-nothing of the layout.
+shard or an untied weight differs by O(1). The diff steps SGD: AdamW divides each element's
+step by that element's own gradient scale, so where a summed gradient nearly cancels a
+reordered sum changes its step a lot (meshlab.verify.compare), and an update's difference
+would say nothing of the layout.
 
 ``diff_with_itself`` runs the layout twice from the same seed and data and names the first
 tensor that is not bit-identical (tolerance 0): a nondeterministic kernel, a random draw
