@@ -117,6 +117,10 @@ class RankCalls:
                                         or self._engines[r] not in self._client.ids):
                 self._dead[r] = self._processes.cause_of_death(h["pid"]) if h["host"] == here \
                     else self._silent_host(h["host"])
+            elif h["host"] != here and self._dead.get(r, "").startswith("its engine on "):
+                # a host falls silent one heartbeat at a time: once its last rank goes too,
+                # the ones seen first are told as what they were, the host
+                self._dead[r] = self._silent_host(h["host"])
         return dict(self._dead)
 
     def _silent_host(self, host: str) -> str:
