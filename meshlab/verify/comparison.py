@@ -56,16 +56,20 @@ def data_rank(mesh: DeviceMesh) -> tuple[int, int]:
     return 0, 1
 
 
-def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole (DTensors gathered), under the plain model's names."""
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (DTensors gathered), under the plain model's names."""
     # FSDP over TP leaves a _StridedShard that torch gathers in two steps, warning each time
     quiet = logging.getLogger("torch.distributed.tensor._redistribute")
     level, quiet.level = quiet.level, logging.ERROR
     try:
-        return {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                for n, p in model.named_parameters()}
+        return {clean_name(n): whole(p).detach() for n, p in model.named_parameters()}
     finally:
         quiet.setLevel(level)
 

@@ -49,7 +49,7 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import ParallelPlan, parallelize
-from meshlab.verify.comparison import data_rank, full_parameters, vocab_size
+from meshlab.verify.comparison import data_rank, full_parameters, vocab_size, whole
 from meshlab.verify.training import next_token_loss
 
 PHASES = ("forward", "output gradient", "parameter gradient", "update")
@@ -97,12 +97,16 @@ class LayoutDiff:
     @property
     def first(self) -> Difference | None:
         """The first difference beyond the tolerance, in the order it is born."""
-        bad = [d for d in self.differences if not d.ok]
-        return min(bad, key=_born, default=None)
+        return next((d for d in self.born() if not d.ok), None)
 
     @property
     def ok(self) -> bool:
         return self.first is None
+
+    def born(self) -> list[Difference]:
+        """Every compared tensor in the order a difference is born (step, phase, the order
+        its modules ran or were reached, rank)."""
+        return sorted(self.differences, key=_born)
 
     def worst(self, n: int = 10) -> list[Difference]:
         """The ``n`` largest errors, one per (module, phase)."""
@@ -183,14 +187,8 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {clean_name(n): _whole(p.grad).detach().clone() for n, p in model.named_parameters()
+    return {clean_name(n): whole(p.grad).detach().clone() for n, p in model.named_parameters()
             if p.grad is not None}
 
 
@@ -293,7 +291,7 @@ def _parallel_run(build: Callable[[], nn.Module], mesh: Any, plan: ParallelPlan,
                            seed=shape["seed"])
     parallel = after(parallel) if after else parallel
     return _train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
-                             for s in range(steps)], lr, _whole, ranks=ranks)
+                             for s in range(steps)], lr, whole, ranks=ranks)
 
 
 def _everyone(found: list[Difference], missing: list[str], tolerance: float, *,

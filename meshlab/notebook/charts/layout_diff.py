@@ -11,8 +11,6 @@ import pandas as pd
 from meshlab.notebook.charts.fit import ROW, chart_legend
 from meshlab.notebook.charts.offline import OfflineChart
 
-PHASES = ["forward", "output gradient", "parameter gradient", "update"]
-
 
 def layout_diff_chart(frame: pd.DataFrame) -> OfflineChart:
     """A module x step heat map per phase of each tensor's error over its tolerance (log10:
@@ -23,8 +21,8 @@ def layout_diff_chart(frame: pd.DataFrame) -> OfflineChart:
         level=[math.log10(max(e, 1e-300) / t) if t else (6.0 if e else -6.0)
                for e, t in zip(frame["error"], frame["tolerance"], strict=True)])
     data = data.assign(level=data["level"].clip(-6, 6))
-    modules = list(dict.fromkeys(data.sort_values("order")["module"]))
-    phases = [p for p in PHASES if p in set(data["phase"])]
+    born = data.sort_values("born")  # the frame's rows in the order differences are born
+    modules, phases = (list(dict.fromkeys(born[c])) for c in ("module", "phase"))
     cells = alt.Chart(data).mark_rect(strokeWidth=2).encode(
         x=alt.X("step:O", title="step"),
         y=alt.Y("module:N", sort=modules, title=None, axis=alt.Axis(labelLimit=0)),

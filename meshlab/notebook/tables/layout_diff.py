@@ -12,34 +12,30 @@ from meshlab.notebook.tables.table import Lines, Table, sig
 if TYPE_CHECKING:
     from meshlab.verify.layout_diff import LayoutDiff
 
-PHASES = ("forward", "output gradient", "parameter gradient", "update")
-
-
 def layout_diff_frame(diff: LayoutDiff) -> pd.DataFrame:
     """One row per (phase, module, step): the largest error over the ranks, the ranks beyond
     the tolerance, the shape, its place in the order differences are born, and whether it is
     the first difference."""
     rows = [{"phase": d.phase, "module": d.module or "(the model)", "step": d.step,
              "rank": d.rank, "error": d.error, "tolerance": d.tolerance,
-             "shape": "x".join(map(str, d.shape)), "order": d.order, "ok": d.ok}
-            for d in diff.differences]
+             "shape": "x".join(map(str, d.shape)), "born": i, "ok": d.ok}
+            for i, d in enumerate(diff.born())]
     if not rows:
         return pd.DataFrame(columns=["phase", "module", "step", "error", "tolerance", "shape",
-                                     "order", "ranks beyond", "first"])
+                                     "born", "ranks beyond", "first"])
     frame = pd.DataFrame(rows)
     beyond = (frame[~frame["ok"]].groupby(["phase", "module", "step"])["rank"]
               .agg(lambda r: ",".join(map(str, sorted(r)))))
     keys = ["phase", "module", "step"]
     worst = frame.sort_values("error").groupby(keys).tail(1).set_index(keys)
+    worst["born"] = frame.groupby(keys)["born"].min()  # where the key's first rank is born
     worst["ranks beyond"] = [beyond.get(key, "") for key in worst.index]
     out = worst.reset_index().drop(columns=["rank", "ok"])
     first = diff.first
     out["first"] = [first is not None and (p, m, s) == (first.phase, first.module or
                                                        "(the model)", first.step)
                     for p, m, s in zip(out["phase"], out["module"], out["step"], strict=True)]
-    out["phase_index"] = out["phase"].map(PHASES.index)
-    return out.sort_values(["step", "phase_index", "order"]).drop(columns="phase_index") \
-        .reset_index(drop=True)
+    return out.sort_values("born").reset_index(drop=True)
 
 
 def worst_table(diff: LayoutDiff, n: int = 10) -> Table:
