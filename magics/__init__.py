@@ -108,7 +108,8 @@ class MeshMagics(Magics):
 
     def _compare(self, args: Any) -> None:
         diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype,
-                                    itself=args.itself)
+                                    itself=args.itself, beside=args.beside,
+                                    beside_mesh=args.beside_mesh)
         display(*layout_diff_views(diff))
         if args.output:
             self.shell.user_ns[args.output] = diff

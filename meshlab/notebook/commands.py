@@ -116,11 +116,16 @@ def prove(line: str) -> None:
           help="both runs' dtype (default float64: the tightest tolerance, 1e-10)")
 @argument("--itself", action="store_true",
           help="run PLAN twice instead: bit-identical, or the first tensor that is not")
+@argument("--beside", metavar="PLAN2", help="another ParallelPlan on the ranks: set the two "
+          "layouts beside each other instead of one process")
+@argument("--beside-mesh", metavar="AXES", help="PLAN2's mesh, e.g. dp=2,tp=2 (default the "
+          "current mesh)")
 @output_option("the LayoutDiff")
 def compare(line: str) -> None:
-    """%mesh compare MODEL PLAN: train PLAN on the current mesh beside one process, module by
-    module, and name the first step, phase (forward, output gradient, parameter gradient,
-    update), module and rank where they differ beyond the dtype's tolerance."""
+    """%mesh compare MODEL PLAN: train PLAN on the current mesh beside one process (or beside
+    itself, or beside another layout), module by module, and name the first step, phase
+    (forward, output gradient, parameter gradient, update), module and rank where they differ
+    beyond the dtype's tolerance."""
 
 
 @magic_arguments()

@@ -231,23 +231,37 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         return str(result.values[min(result.values)])
 
     def compare(self, model: str, plan: str, *, steps: int = 2, dtype: str = "float64",
-                itself: bool = False) -> LayoutDiff:
+                itself: bool = False, beside: str | None = None,
+                beside_mesh: str | None = None) -> LayoutDiff:
         """Train ``plan`` (a ParallelPlan on the ranks) on ``model`` (a ModelConfig or a
         factory on the ranks) on the current mesh beside one process, module by module: the
         first step, phase, module and rank that differ (meshlab.verify.layout_diff);
-        ``itself``: the layout twice, bit-identical or the first tensor that is not."""
+        ``itself``: the layout twice, bit-identical or the first tensor that is not;
+        ``beside``: another plan, on ``beside_mesh`` (axes; default the current mesh's),
+        the two layouts set beside each other (meshlab.verify.two_layouts)."""
         if dtype not in ("float64", "float32"):
             raise SessionError(f"dtype={dtype!r}: the layout diff runs float64 (the default) "
                                "or float32")
+        if itself and beside:
+            raise SessionError(f"itself and beside={beside!r}: a layout is run twice, or set "
+                               "beside another, not both")
         cluster = self.need_cluster()
         if cluster.mesh_spec is None:
             raise SessionError("the layout diff runs on the ranks' mesh, and there is none: "
                                "%mesh init AXES first (e.g. %mesh init dp=4)")
-        result = cluster.run(
-            "from meshlab.verify.layout_diff import "
-            f"{'diff_with_itself' if itself else 'diff_with_single_process'} as _diff\n"
-            f"_diff({model}, mesh, {plan}, steps={int(steps)}, dtype={dtype!r})",
-            keep_values=True)
+        options = f"steps={int(steps)}, dtype={dtype!r}"
+        if beside:
+            spec = cluster.mesh_spec
+            mine = str(spec)
+            other = mine if beside_mesh is None else str(_mesh_spec(beside_mesh, spec.size))
+            code = ("from meshlab.verify.two_layouts import diff_layouts as _diff\n"
+                    f"_diff({model}, ({mine!r}, {plan}), ({other!r}, {beside}), names="
+                    f"({plan + ' on ' + mine!r}, {beside + ' on ' + other!r}), {options})")
+        else:
+            code = ("from meshlab.verify.layout_diff import "
+                    f"{'diff_with_itself' if itself else 'diff_with_single_process'} as _diff\n"
+                    f"_diff({model}, mesh, {plan}, {options})")
+        result = cluster.run(code, keep_values=True)
         return cast("LayoutDiff", result.values[min(result.values)])
 
     # -- export ----------------------------------------------------------------------------
@@ -275,3 +289,13 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
 
 
 __all__ = ["Session", "SessionError"]
+
+
+def _mesh_spec(axes: str, ranks: int) -> MeshSpec:
+    """``axes`` as a mesh of ``ranks`` ranks, or a SessionError saying why not."""
+    try:
+        spec = MeshSpec.parse(axes)
+        spec.check(ranks)
+    except ValueError as e:
+        raise SessionError(f"beside_mesh={axes!r}: {e}") from None
+    return spec

@@ -72,14 +72,21 @@ class Difference:
     """The parallel tensor's shape on this rank."""
     order: int = 0
     """Its place in its phase: the order modules ran (forward) or were reached (backward)."""
+    layout: str = ""
+    """Whose rank it is, where two layouts are set beside each other (meshlab.verify.
+    two_layouts); empty beside one process or itself."""
 
     @property
     def ok(self) -> bool:
         return self.error <= self.tolerance
 
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank}" + (f" of {self.layout}" if self.layout else "")
+
     def __str__(self) -> str:
-        return (f"step {self.step}, {self.phase} of {self.module or '(the model)'} on rank "
-                f"{self.rank}: {self.error:.1e} (tolerance {self.tolerance:.0e}, shape "
+        return (f"step {self.step}, {self.phase} of {self.module or '(the model)'} on "
+                f"{self.where}: {self.error:.1e} (tolerance {self.tolerance:.0e}, shape "
                 f"{list(self.shape)})")
 
 
@@ -92,7 +99,9 @@ class LayoutDiff:
     not_compared: list[str] = field(default_factory=list)
     """Tensors with no part of the one-process run to set beside them, with their shapes."""
     against: str = "one process"
-    """What the run was set beside: one process, or itself (run twice)."""
+    """What the run was set beside: one process, itself (run twice), or another layout."""
+    beside_one_process: dict[str, str] = field(default_factory=dict)
+    """Where two layouts are diffed: each one's verdict beside one process, by name."""
 
     @property
     def first(self) -> Difference | None:
@@ -119,13 +128,17 @@ class LayoutDiff:
 
     def __str__(self) -> str:
         first = self.first
-        if first is None:
-            if self.against == "itself":
-                return (f"bit-identical run to run: {len(self.differences)} tensors, each "
-                        "equal in both runs")
-            return (f"matches {self.against}: {len(self.differences)} tensors within "
-                    f"{self.tolerance:.0e}")
-        return f"first difference: {first}"
+        if first is not None:
+            beside = "run to run" if self.against == "itself" else f"from {self.against}"
+            verdict = f"first difference {beside}: {first}"
+        elif self.against == "itself":
+            verdict = (f"bit-identical run to run: {len(self.differences)} tensors, each "
+                       "equal in both runs")
+        else:
+            verdict = (f"matches {self.against}: {len(self.differences)} tensors within "
+                       f"{self.tolerance:.0e}")
+        return verdict + "".join(f"\n  {name}: {said}"
+                                 for name, said in self.beside_one_process.items())
 
 
 def _born(d: Difference) -> tuple[int, int, int, int]:
@@ -217,17 +230,17 @@ def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh:
     docstring). ``before`` and ``after`` edit the parallel run's model before and after
     ``parallelize`` (the one-process run never sees them: the tests inject bugs with them).
     Every rank returns the same diff."""
-    dtype = _dtype(dtype)
+    dtype = as_dtype(dtype)
     refuse_untested(mesh, plan)
-    build = _builder(model, dtype, seed)
+    build = builder(model, dtype, seed)
     reference = build()
     shape = {"seq": seq, "vocab": vocab_size(reference), "seed": _seed(model, seed)}
     rank, ranks = data_rank(mesh)
-    alone = _train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
+    alone = train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
                    lr, lambda t: t, ranks=1)
-    mine = _parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
-    found, missing = _set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
-    return _everyone(found, missing, TOLERANCES[dtype])
+    mine = parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
+    found, missing = set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
+    return everyone(found, missing, TOLERANCES[dtype])
 
 
 def diff_with_itself(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
@@ -239,11 +252,11 @@ def diff_with_itself(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
     or not, and the first tensor that is not, in the order a difference is born. Each rank's
     own tensors are set beside each other as they are: no reference, tolerance 0 (the
     determinism check of Megatron's per-rank digests, module by module)."""
-    dtype = _dtype(dtype)
+    dtype = as_dtype(dtype)
     refuse_untested(mesh, plan)
-    build = _builder(model, dtype, seed)
+    build = builder(model, dtype, seed)
     shape = {"seq": seq, "vocab": vocab_size(build()), "seed": _seed(model, seed)}
-    first, second = (_parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
+    first, second = (parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
                      for _ in range(2))
     me = dist.get_rank()
     found = []
@@ -253,10 +266,10 @@ def diff_with_itself(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
             (value - was).abs().max() / was.abs().max().clamp_min(1e-30)).item()
         found.append(Difference(key[0], key[1], key[2], me, error, 0.0, tuple(value.shape),
                                 order=first.order[key]))
-    return _everyone(found, [], 0.0, against="itself")
+    return everyone(found, [], 0.0, against="itself")
 
 
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype={dtype}: the diff holds float32 or float64 (low precision "
@@ -268,7 +281,7 @@ def _seed(model: ModelConfig | Callable[[], nn.Module], seed: int) -> int:
     return model.seed if isinstance(model, ModelConfig) else seed
 
 
-def _builder(model: ModelConfig | Callable[[], nn.Module], dtype: torch.dtype, seed: int
+def builder(model: ModelConfig | Callable[[], nn.Module], dtype: torch.dtype, seed: int
              ) -> Callable[[], nn.Module]:
     """The model, built under one seed each time (the same weights for every run)."""
     factory = (lambda: Transformer(model)) if isinstance(model, ModelConfig) else model
@@ -281,7 +294,7 @@ def _builder(model: ModelConfig | Callable[[], nn.Module], dtype: torch.dtype, s
     return build
 
 
-def _parallel_run(build: Callable[[], nn.Module], mesh: Any, plan: ParallelPlan,
+def parallel_run(build: Callable[[], nn.Module], mesh: Any, plan: ParallelPlan,
                   shape: dict[str, int], steps: int, batch: int, lr: float,
                   before: Callable[[nn.Module], nn.Module] | None,
                   after: Callable[[nn.Module], nn.Module] | None) -> Recorder:
@@ -290,11 +303,11 @@ def _parallel_run(build: Callable[[], nn.Module], mesh: Any, plan: ParallelPlan,
     parallel = parallelize(before(parallel) if before else parallel, mesh, plan,
                            seed=shape["seed"])
     parallel = after(parallel) if after else parallel
-    return _train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
+    return train(parallel, [local_batch(step=s, batch=batch, rank=rank, ranks=ranks, **shape)
                              for s in range(steps)], lr, whole, ranks=ranks)
 
 
-def _everyone(found: list[Difference], missing: list[str], tolerance: float, *,
+def everyone(found: list[Difference], missing: list[str], tolerance: float, *,
               against: str = "one process") -> LayoutDiff:
     """Every rank's differences, on every rank."""
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -303,7 +316,7 @@ def _everyone(found: list[Difference], missing: list[str], tolerance: float, *,
                       sorted({m for _, ms in everyone for m in ms}), against=against)
 
 
-def _train(model: nn.Module, batches: list[Any], lr: float,
+def train(model: nn.Module, batches: list[Any], lr: float,
            full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int) -> Recorder:
     """SGD steps with every module recorded; each rank's loss is its rows' mean, and its
     output gradients are scaled to the whole batch's (x 1/ranks)."""
@@ -329,7 +342,7 @@ def _train(model: nn.Module, batches: list[Any], lr: float,
     return recorder
 
 
-def _set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int,
+def set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int,
                 tolerance: float) -> tuple[list[Difference], list[str]]:
     tp = axis_size(mesh, "tp")
     tp_rank = mesh["tp"].get_local_rank() if tp > 1 else 0
@@ -355,17 +368,26 @@ def _set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: in
 
 def part_of(ref: torch.Tensor, value: torch.Tensor, rank: int, ranks: int, tp: int,
             tp_rank: int, *, rows: bool) -> torch.Tensor | None:
-    """The part of the one-process tensor ``ref`` that ``value`` is on this rank: its rows of
-    the batch (dim 0, ``rows``), then this tp rank's chunk of each dimension tp split; None
-    where the shapes say neither."""
-    if rows and ranks > 1 and ref.dim() and ref.shape[0] == value.shape[0] * ranks:
-        n = value.shape[0]
-        ref = ref[rank * n:(rank + 1) * n]
-    for d in range(ref.dim()):
-        if ref.dim() != value.dim():
+    """The part of the one-process tensor ``ref`` that ``value`` is on this rank (locate)."""
+    index = locate(tuple(ref.shape), tuple(value.shape), rank, ranks, tp, tp_rank, rows=rows)
+    return None if index is None else ref[index]
+
+
+def locate(ref: tuple[int, ...], value: tuple[int, ...], rank: int, ranks: int, tp: int,
+           tp_rank: int, *, rows: bool) -> tuple[slice, ...] | None:
+    """Where in a one-process tensor of shape ``ref`` a tensor of shape ``value`` lies on
+    this rank: its rows of the batch (dim 0, ``rows``), then this tp rank's chunk of each
+    dimension tp split; None where the shapes say neither."""
+    if len(ref) != len(value):
+        return None
+    index = []
+    for d, (whole_size, mine) in enumerate(zip(ref, value, strict=True)):
+        if d == 0 and rows and ranks > 1 and whole_size == mine * ranks:
+            index.append(slice(rank * mine, (rank + 1) * mine))
+        elif whole_size == mine:
+            index.append(slice(None))
+        elif tp > 1 and whole_size == mine * tp:
+            index.append(slice(tp_rank * mine, (tp_rank + 1) * mine))
+        else:
             return None
-        if ref.shape[d] != value.shape[d]:
-            if tp == 1 or ref.shape[d] != value.shape[d] * tp:
-                return None
-            ref = ref.chunk(tp, dim=d)[tp_rank]
-    return ref if ref.shape == value.shape else None
+    return tuple(index)

@@ -20,6 +20,7 @@ import torch, meshlab.mesh
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan
 from meshlab.verify.layout_diff import diff_with_itself, diff_with_single_process
+from meshlab.verify.two_layouts import diff_layouts
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -88,6 +89,18 @@ for name, (mesh, plan, edits) in CASES.items():
                    d.not_compared[:5])
     if name == "rows_swapped":
         diffs["rows_swapped diff"] = d
+
+# two layouts beside each other: ZeRO-3 on dp=4 and TP+SP on dp=2 tp=2, then the second
+# given the wrong shard (its ranks named, and which of the two departed from one process)
+zero3 = ("dp=4", ParallelPlan(data_parallel="zero3"))
+tp_sp = ("dp=2 tp=2", ParallelPlan())
+for name, edits in (("two layouts", {{}}), ("two layouts, rows_swapped",
+                                          dict(after=rows_swapped))):
+    d = diff_layouts(cfg, zero3, tp_sp, names=("zero3", "tp_sp"), steps=2, **edits)
+    first = d.first
+    diffs[name] = (max(x.error for x in d.differences), str(d),
+                   None if first is None else (first.step, first.phase, first.module,
+                                               first.layout, first.rank), d.not_compared[:5])
 diffs
 """
 
@@ -111,13 +124,24 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
     assert list(first["module"]) == ["layers.0.attention.wk"], first
     assert (first["ranks beyond"].iloc[0]) == "0,2"  # tp rank 0 of each dp pair
     verdict, table, chart = layout_diff_views(diff)
-    assert str(verdict).startswith("first difference: step 0, forward of layers.0.attention.wk")
+    assert str(verdict).startswith(
+        "first difference from one process: step 0, forward of layers.0.attention.wk")
     assert table.frame["error"].iloc[0] == frame["error"].max()
     spec = chart.spec()
     assert "outlined" in str(spec["title"]) and spec["facet"]["column"]["field"] == "phase"
     assert diffs["averaged_twice"][2] == (0, "parameter gradient",
                                           "layers.1.attention_norm.weight")
     assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
+    # two layouts: every tensor of each compared with the other's, both ways
+    worst, said, first, unheld = diffs["two layouts"]
+    assert first is None and worst < 1e-10 and not unheld, diffs["two layouts"]
+    assert said.startswith("matches zero3: ") and "tp_sp: matches one process" in said
+    worst, said, first, _ = diffs["two layouts, rows_swapped"]
+    assert first[:4] == (0, "forward", "layers.0.attention.wk", "tp_sp"), said
+    assert first[4] in (0, 2)  # tp rank 0 of a dp pair: the ranks whose shard was rolled
+    assert "zero3: matches one process" in said
+    assert "tp_sp: first difference from one process: step 0, forward of " \
+        "layers.0.attention.wk" in said
 
 
 def test_mesh_compare_prints_the_verdict_and_keeps_the_diff(shell: Any, capsys: Any) -> None:
@@ -126,7 +150,8 @@ def test_mesh_compare_prints_the_verdict_and_keeps_the_diff(shell: Any, capsys: 
                          "from meshlab.parallel import ParallelPlan\n"
                          "tiny = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, "
                          "vocab_size=64, ffn_hidden=64)\n"
-                         "zero3 = ParallelPlan(data_parallel='zero3')")
+                         "zero3 = ParallelPlan(data_parallel='zero3')\n"
+                         "tp_sp = ParallelPlan()")
     capsys.readouterr()
     shell.run_line_magic("mesh", "compare tiny zero3 --steps 1 -o diff")
     diff = shell.user_ns["diff"]
@@ -134,3 +159,10 @@ def test_mesh_compare_prints_the_verdict_and_keeps_the_diff(shell: Any, capsys: 
     assert capsys.readouterr().out.startswith("matches one process: ")
     shell.run_line_magic("mesh", "compare tiny zero3 --steps 1 --itself")
     assert capsys.readouterr().out.startswith("bit-identical run to run: ")
+    shell.run_line_magic("mesh", "compare tiny zero3 --steps 1 --beside tp_sp "
+                         "--beside-mesh dp=2,tp=2")
+    said = capsys.readouterr().out
+    assert said.startswith("matches zero3 on dp_shard=4: "), said
+    assert "tp_sp on dp_shard=2 tp=2: matches one process" in said
+    with pytest.raises(Exception, match=r"beside_mesh='dp=3'.*4 ranks"):
+        shell.run_line_magic("mesh", "compare tiny zero3 --beside tp_sp --beside-mesh dp=3")

@@ -12,10 +12,11 @@ from meshlab.notebook.charts.fit import ROW, chart_legend
 from meshlab.notebook.charts.offline import OfflineChart
 
 
-def layout_diff_chart(frame: pd.DataFrame) -> OfflineChart:
+def layout_diff_chart(frame: pd.DataFrame, against: str = "one process") -> OfflineChart:
     """A module x step heat map per phase of each tensor's error over its tolerance (log10:
     0 is the tolerance, above it red), the first difference outlined in black; hovering
-    gives the module, shape, error, tolerance and the ranks beyond it."""
+    gives the module, shape, error, tolerance and the ranks beyond it. ``against``: what
+    the run was set beside (one process, itself, another layout)."""
     # run against itself the tolerance is 0: any difference is beyond it
     data = frame.assign(
         level=[math.log10(max(e, 1e-300) / t) if t else (6.0 if e else -6.0)
@@ -41,5 +42,5 @@ def layout_diff_chart(frame: pd.DataFrame) -> OfflineChart:
              f"first difference: step {first['step'].iloc[0]}, {first['phase'].iloc[0]} of "
              f"{first['module'].iloc[0]} (outlined)")
     return OfflineChart(cells.facet(column=alt.Column("phase:N", sort=phases, title=None))
-                        .properties(title=f"error beside one process, by module and step: "
+                        .properties(title=f"error beside {against}, by module and step: "
                                           f"{title}"))

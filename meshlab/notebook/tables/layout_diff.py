@@ -17,7 +17,8 @@ def layout_diff_frame(diff: LayoutDiff) -> pd.DataFrame:
     the tolerance, the shape, its place in the order differences are born, and whether it is
     the first difference."""
     rows = [{"phase": d.phase, "module": d.module or "(the model)", "step": d.step,
-             "rank": d.rank, "error": d.error, "tolerance": d.tolerance,
+             "rank": f"{d.layout} {d.rank}" if d.layout else d.rank, "error": d.error,
+             "tolerance": d.tolerance,
              "shape": "x".join(map(str, d.shape)), "born": i, "ok": d.ok}
             for i, d in enumerate(diff.born())]
     if not rows:
@@ -45,7 +46,7 @@ def worst_table(diff: LayoutDiff, n: int = 10) -> Table:
            .head(n))
     return Table(top[["module", "phase", "step", "error", "tolerance", "shape",
                       "ranks beyond"]],
-                 caption=f"the {min(n, len(top))} largest differences from one process",
+                 caption=f"the {min(n, len(top))} largest differences from {diff.against}",
                  formats={"error": sig(2), "tolerance": sig(1)},
                  note="error: largest |difference| over the tensor's largest magnitude "
                       "(an update in float32: over its parameter's)")
@@ -60,5 +61,5 @@ def layout_diff_views(diff: LayoutDiff) -> list[Any]:
     if not diff.ok:
         views.append(worst_table(diff))
     if diff.differences:
-        views.append(layout_diff_chart(layout_diff_frame(diff)))
+        views.append(layout_diff_chart(layout_diff_frame(diff), diff.against))
     return views
