@@ -32,6 +32,7 @@ from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
 from meshlab.notebook.tables.dryrun import dryrun_views, verified_table
 from meshlab.notebook.tables.layout_diff import layout_diff_views
+from meshlab.notebook.tables.losses import losses_views
 from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.profile import profile_views
@@ -113,6 +114,12 @@ class MeshMagics(Magics):
         display(*layout_diff_views(diff))
         if args.output:
             self.shell.user_ns[args.output] = diff
+
+    def _losses(self, args: Any) -> None:
+        comparison = self.session.compare_losses(args.runs, tolerance=args.tolerance)
+        display(*losses_views(comparison))
+        if args.output:
+            self.shell.user_ns[args.output] = comparison
 
     def _throttle(self, args: Any) -> None:
         print(self.session.throttle(None if args.ranks == "off" else args.ranks, args.factor))

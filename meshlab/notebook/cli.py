@@ -1,5 +1,5 @@
-"""The ``meshlab`` console command: ``meshlab export``, ``meshlab plan`` and
-``meshlab lab-settings``."""
+"""The ``meshlab`` console command: ``meshlab export``, ``meshlab plan``, ``meshlab
+lab-settings`` and ``meshlab compare-losses``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from meshlab.notebook import lab_settings
 from meshlab.notebook.export import notebook
 from meshlab.plan import cli as plan_cli
+from meshlab.verify import losses_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     notebook.add_command(commands)
     plan_cli.add_command(commands)
     lab_settings.add_command(commands)
+    losses_cli.add_command(commands)
     args = parser.parse_args(argv)
     try:
         code = int(args.run(args, parser))

@@ -129,6 +129,18 @@ def compare(line: str) -> None:
 
 
 @magic_arguments()
+@argument("runs", nargs="+", metavar="RUN", help="files LossLog or save_losses wrote (two or "
+          "more)")
+@argument("--tolerance", type=float, default=0.0,
+          help="relative difference a step may have from the first run's (default 0: equal)")
+@output_option("the LossComparison")
+def losses(line: str) -> None:
+    """%mesh losses RUN RUN...: runs' losses side by side (meshlab.verify.loss_curves), each
+    named with its layout and code version, the first step where one differs from the first
+    run's beyond the tolerance, and their curves. Needs no cluster."""
+
+
+@magic_arguments()
 @argument("expr", nargs="+", help="a DTensor, tensor or nn.Module (any expression) on the ranks")
 @ranks_option
 def inspect(line: str) -> None:
@@ -251,7 +263,7 @@ SUBCOMMANDS = {"start": start, "stop": stop, "restart": restart, "status": statu
                "step": step, "bench": bench, "calibrate": calibrate, "plan": plan,
                "dryrun": dryrun, "export": export, "checkpoint": checkpoint, "stacks": stacks,
                "debug": debug, "throttle": throttle, "prove": prove,
-               "compare": compare}
+               "compare": compare, "losses": losses}
 
 
 def _name_the_usage(fn: Parser, name: str) -> None:

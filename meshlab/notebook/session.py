@@ -40,6 +40,7 @@ from meshlab.rank.private_files import output_folder
 
 if TYPE_CHECKING:
     from meshlab.verify.layout_diff import LayoutDiff
+    from meshlab.verify.loss_curves import LossComparison
 
 
 class Session(Inspection, Checkpoints, Pipelines, Planning):
@@ -263,6 +264,17 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
                     f"_diff({model}, mesh, {plan}, {options})")
         result = cluster.run(code, keep_values=True)
         return cast("LayoutDiff", result.values[min(result.values)])
+
+    def compare_losses(self, runs: list[str], *, tolerance: float = 0.0) -> LossComparison:
+        """Runs' losses (files LossLog wrote, where rank 0 ran) side by side, and the first
+        step where one differs from the first run's by more than ``tolerance`` (relative;
+        meshlab.verify.loss_curves). Needs no cluster."""
+        from meshlab.verify.loss_curves import compare_losses, load_runs
+
+        try:
+            return compare_losses(load_runs(runs), tolerance)
+        except ValueError as e:
+            raise SessionError(str(e)) from None
 
     # -- export ----------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ asynchronous runs all train through ``train``."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,9 @@ import torch.distributed as dist
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.optimizers import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from meshlab.verify.loss_curves import LossLog
 
 LossFn = Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
@@ -46,8 +49,10 @@ def replica_rows(batch: tuple[torch.Tensor, torch.Tensor], replica: int, replica
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any],
           average_over: Any | None = None,
           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
-          loss: LossFn = next_token_loss, grad_accum: int | list[int] = 1) -> list[float]:
-    """Training steps; each returns its loss averaged over ``average_over`` (a process group).
+          loss: LossFn = next_token_loss, grad_accum: int | list[int] = 1,
+          log: LossLog | None = None) -> list[float]:
+    """Training steps; each returns its loss averaged over ``average_over`` (a process group),
+    and records it in ``log`` (meshlab.verify.loss_curves: ``meshlab compare-losses``).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
     through the model's pipeline (a model ``parallelize`` split over a pp axis), or
@@ -85,6 +90,8 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
             dist.all_reduce(value, group=average_over)
             value /= dist.get_world_size(average_over)
         losses.append(value.item())
+        if log is not None:
+            log.record(len(losses) - 1, losses[-1])
     if hasattr(sync, "finish"):
         sync.finish()
     return losses

@@ -248,6 +248,7 @@ TRAIN = """%%mesh
 from meshlab.models import ModelConfig, Transformer, local_batch
 from meshlab.parallel import ParallelPlan, build_optimizer, parallelize
 from meshlab.verify.compare import data_rank, train
+from meshlab.verify.loss_curves import LossLog
 
 torch.manual_seed(0)
 cfg = ModelConfig()
@@ -257,7 +258,8 @@ optimizer = build_optimizer(model, mesh, plan, lr=lr)
 dp_rank, dp_ranks = data_rank(mesh)
 batches = [local_batch(step=s, batch=8, seq=16, vocab=cfg.vocab_size, rank=dp_rank,
                        ranks=dp_ranks) for s in range(4)]
-losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group())
+losses = train(model, optimizer, batches, average_over=mesh["dp"].get_group(),
+               log=LossLog(losses_file, layout=f"{strategy} on {mesh_axes}"))
 if rank == 0:  # one writer: four processes' lines interleave on torchrun's stdout
     print("losses", losses)
 """
@@ -284,8 +286,10 @@ def test_the_exported_script_reproduces_the_sessions_losses(
         shell: Any, tmp_path: Path, mesh: str, strategy: str) -> None:
     session = shell.magics_manager.registry["MeshMagics"].session
     session.journal = Journal(4, session.cluster.backend)  # this session only
-    shell.user_ns.update(lr=0.01, strategy=strategy)
-    for cell in [f"%mesh init {mesh}", "%mesh push lr strategy", TRAIN,
+    # the run's losses kept by LossLog, the notebook's and then the script's, in one file
+    losses_file = str(tmp_path / "losses.jsonl")
+    shell.user_ns.update(lr=0.01, strategy=strategy, losses_file=losses_file, mesh_axes=mesh)
+    for cell in [f"%mesh init {mesh}", "%mesh push lr strategy losses_file mesh_axes", TRAIN,
                  "%%mesh --ranks 0\nprint('rank 0 is done')", "%mesh status",
                  "%%mesh\n# meshlab: skip\nprint('not in the script')",
                  f"%mesh export {tmp_path / 'train.py'}"]:
@@ -293,6 +297,7 @@ def test_the_exported_script_reproduces_the_sessions_losses(
     interactive = shell.run_line_magic("mesh", "pull losses")
     assert len(set(map(tuple, interactive.values()))) == 1  # averaged over dp: one curve
 
+    kept = Path(losses_file).rename(tmp_path / "notebook.jsonl")  # the script writes anew
     text = (tmp_path / "train.py").read_text()
     assert "not in the script" not in text and "status" not in text
     out = run_exported(tmp_path / "launch.sh", tmp_path / "blockers")
@@ -300,6 +305,14 @@ def test_the_exported_script_reproduces_the_sessions_losses(
                if line.startswith("losses ")]
     assert out.count("rank 0 is done") == 1
     assert printed == [interactive[0]], (printed, interactive)
+    # the same held by the saved curves: `meshlab compare-losses --assert-equal` as CI runs it
+    done = subprocess.run(["meshlab", "compare-losses", str(kept), losses_file,
+                           "--assert-equal"], capture_output=True, text=True)
+    assert done.returncode == 0 and "4 steps equal in every run: notebook (" in done.stdout, \
+        done.stdout + done.stderr
+    assert f"{strategy} on {mesh}, code " in done.stdout
+    shell.run_line_magic("mesh", f"losses {kept} {losses_file} -o comparison")
+    assert shell.user_ns["comparison"].ok and shell.user_ns["comparison"].steps == [0, 1, 2, 3]
 
 
 def test_export_with_nothing_recorded_names_the_fix(shell: Any, tmp_path: Path) -> None:
