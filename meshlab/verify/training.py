@@ -13,6 +13,7 @@ import torch.distributed as dist
 from meshlab.models.llama import loss_fn
 from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.optimizers import OPTIMIZERS
+from meshlab.verify.anomaly import RerunOnAnomaly, random_state
 
 if TYPE_CHECKING:
     from meshlab.verify.loss_curves import LossLog
@@ -50,9 +51,12 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
           average_over: Any | None = None,
           step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, *,
           loss: LossFn = next_token_loss, grad_accum: int | list[int] = 1,
-          log: LossLog | None = None) -> list[float]:
+          log: LossLog | None = None, on_anomaly: RerunOnAnomaly | None = None
+          ) -> list[float]:
     """Training steps; each returns its loss averaged over ``average_over`` (a process group),
-    and records it in ``log`` (meshlab.verify.loss_curves: ``meshlab compare-losses``).
+    and records it in ``log`` (meshlab.verify.loss_curves: ``meshlab compare-losses``). With
+    ``on_anomaly``, a non-finite or jumping loss re-runs its step before the optimizer steps
+    (meshlab.verify.anomaly).
 
     ``step(inputs, targets)`` runs forward and backward and returns the loss; by default
     through the model's pipeline (a model ``parallelize`` split over a pp axis), or
@@ -84,7 +88,13 @@ def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: lis
         sync.check_fixed_steps(len(batches))
     for inputs, targets in batches:
         optimizer.zero_grad()
+        rng = random_state() if on_anomaly is not None else ()
         value = (step or forward_backward)(inputs, targets).detach().clone()
+        if on_anomaly is not None:
+            value = on_anomaly.check(
+                len(losses), model, value, rng,
+                lambda: (step or forward_backward)(inputs, targets),  # noqa: B023 (called now)
+                optimizer.zero_grad)
         optimizer.step()
         if average_over is not None:
             dist.all_reduce(value, group=average_over)
