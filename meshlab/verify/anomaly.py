@@ -210,7 +210,8 @@ class _NonFinite:
 def _non_finite(value: Any) -> bool:
     if isinstance(value, torch.Tensor):  # a DTensor's own shard: no collective in a hook
         local = value.to_local() if isinstance(value, DTensor) else value
-        return bool(local.is_floating_point() and not torch.isfinite(local).all())
+        return bool(local.is_floating_point() and not local.is_meta  # a shape inference
+                    and not torch.isfinite(local).all())
     if isinstance(value, dict):
         value = list(value.values())
     return isinstance(value, list | tuple) and any(_non_finite(v) for v in value)

@@ -30,8 +30,10 @@ would say nothing of the layout.
 tensor that is not bit-identical (tolerance 0): a nondeterministic kernel, a random draw
 outside the seeded generator, a reduction whose order depends on arrival.
 
-Not yet: context parallelism, expert parallelism, replica modes, gradient accumulation and
-pipelines (each refused naming it); every tensor is kept whole (tiny shapes).
+Pipelines: a module's calls of a step (one per micro-batch) are joined along the batch, and
+its output gradients scaled by the micro-batches (torch scales parameter gradients by 1/m).
+Not yet: context parallelism, expert parallelism, replica modes, gradient accumulation (each
+refused naming it); every tensor is kept whole (tiny shapes).
 """
 
 from __future__ import annotations
@@ -148,8 +150,13 @@ def _born(d: Difference) -> tuple[int, int, int, int]:
 class Recorder:
     """Hooks on ``model``'s modules: each forward output and output gradient, by step."""
 
-    def __init__(self, model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.model, self.full, self.step = model, full, 0
+    def __init__(self, model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor], *,
+                 joined: bool = False) -> None:
+        # joined: a pipeline calls each module once per micro-batch, in order; its calls in
+        # a step are joined along the batch (end_step), not the first kept
+        self.model, self.full, self.step, self.joined = model, full, 0, joined
+        self.paused = False
+        self.calls: dict[tuple[int, str, str], list[torch.Tensor]] = {}
         self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
         self.order: dict[tuple[int, str, str], int] = {}
         self.counts: dict[tuple[int, str], int] = {}
@@ -165,13 +172,29 @@ class Recorder:
 
     def _keep(self, phase: str, name: str, value: Any) -> None:
         tensor = _first_tensor(value)
-        if tensor is None:
+        if tensor is None or self.paused:
             return
         key = (self.step, phase, name)
-        if key not in self.tensors:  # a module called twice in a step: its first call
-            self.order[key] = self.counts.get(key[:2], 0)
-            self.counts[key[:2]] = self.order[key] + 1
+        if key in self.tensors or key in self.calls:  # a module called again in a step
+            if self.joined:
+                self.calls[key].append(self.full(tensor).detach().clone())
+            return  # else its first call stands for it
+        self.order[key] = self.counts.get(key[:2], 0)
+        self.counts[key[:2]] = self.order[key] + 1
+        if self.joined:
+            self.calls[key] = [self.full(tensor).detach().clone()]
+        else:
             self.tensors[key] = self.full(tensor).detach().clone()
+
+    def end_step(self, rows: int) -> None:
+        """A pipeline's micro-batches (``rows`` each) of each module joined into the step's
+        tensor; one not of a micro-batch's rows, or the same in every call (a rotary
+        table, whatever the tokens), is the first call's."""
+        for key, calls in self.calls.items():
+            joined = (calls[0].dim() and all(c.shape[0] == rows for c in calls)
+                      and not all(torch.equal(c, calls[0]) for c in calls[1:]))
+            self.tensors[key] = torch.cat(calls) if joined else calls[0]
+        self.calls.clear()
 
     def _forward(self, name: str) -> Callable[..., None]:
         return lambda module, args, out: self._keep("forward", name, out)
@@ -201,13 +224,26 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {clean_name(n): whole(p.grad).detach().clone() for n, p in model.named_parameters()
-            if p.grad is not None}
+    return _with_aliases(model, {clean_name(n): whole(p.grad).detach().clone()
+                                 for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _with_aliases(model: nn.Module, values: dict[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """``values`` under every name of a tied parameter too (``lm_head.weight`` beside
+    ``model.embed_tokens.weight``): a pipeline's last stage holds the tie's other name."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = clean_name(name)
+        first.setdefault(id(p), name)
+        if name not in values and first[id(p)] in values:
+            values[name] = values[first[id(p)]]
+    return values
 
 
 def refuse_untested(mesh: Any, plan: ParallelPlan) -> None:
     """What the diff cannot set beside one process yet, refused before training."""
-    named = {"cp": "context parallelism", "ep": "expert parallelism", "pp": "pipelines"}
+    named = {"cp": "context parallelism", "ep": "expert parallelism"}
     for axis, what in named.items():
         if axis_size(mesh, axis) > 1:
             raise ValueError(f"the layout diff does not yet follow {what} ({axis}="
@@ -320,25 +356,38 @@ def train(model: nn.Module, batches: list[Any], lr: float,
            full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int) -> Recorder:
     """SGD steps with every module recorded; each rank's loss is its rows' mean, and its
     output gradients are scaled to the whole batch's (x 1/ranks)."""
-    recorder = Recorder(model, full)
+    pipeline = getattr(model, "pipeline", None)
+    recorder = Recorder(model, full, joined=pipeline is not None)
+    if pipeline is not None and batches:  # torch's stages infer shapes by running a forward
+        recorder.paused = True
+        pipeline.begin(*batches[0])
+        recorder.paused = False
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     for step, batch in enumerate(batches):
         recorder.step = step
         optimizer.zero_grad()
-        next_token_loss(model, batch).backward()
+        if pipeline is not None:
+            pipeline.step(*batch)
+            recorder.end_step(batch[0].shape[0] // pipeline.schedule.microbatches)
+        else:
+            next_token_loss(model, batch).backward()
         recorder.parameters("parameter gradient", _grads(model))
-        before = {n: t.clone() for n, t in full_parameters(model).items()}
+        before = _with_aliases(model, {n: t.clone() for n, t in
+                                       full_parameters(model).items()})
         optimizer.step()
-        after = full_parameters(model)
+        after = _with_aliases(model, full_parameters(model))
         recorder.parameters("update", {n: after[n] - before[n] for n in after})
         # float32 subtracts two parameters to get an update: u * |p| of noise, so its error is
         # held relative to the parameter there (float64's noise stays far below its tolerance)
         if next(iter(after.values())).dtype == torch.float32:
             recorder.scales.update({(step, "update", n): after[n].abs().max() for n in after})
     recorder.close()
+    # a pipeline's micro-batch losses are each their rows' mean (torch scales the parameters'
+    # gradients by 1/m after): its output gradients are m x the rank's
+    micro = pipeline.schedule.microbatches if pipeline is not None else 1
     for key, tensor in recorder.tensors.items():
         if key[1] == "output gradient":
-            recorder.tensors[key] = tensor / ranks
+            recorder.tensors[key] = tensor / (ranks * micro)
     return recorder
 
 

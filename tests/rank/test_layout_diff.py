@@ -70,6 +70,24 @@ for name, edits in (("itself", {{}}), ("itself, unseeded", dict(after=unseeded_n
     diffs[name] = (max(x.error for x in d.differences), str(d),
                    None if first is None else (first.step, first.phase, first.module), [])
 
+deep = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64)
+
+def sp_without_gather(model):  # the attention's input not gathered over the sequence: each tp
+    tp = meshlab.mesh.build("dp=2 tp=2")["tp"]  # rank tiles its own chunk in its place
+    def tiled(module, args, kwargs):
+        x = args[0] if args else kwargs["x"]
+        local = x.to_local() if isinstance(x, DTensor) else x
+        mine = local.chunk(2, dim=1)[tp.get_local_rank()].repeat(1, 2, 1)
+        mine = DTensor.from_local(mine, x.device_mesh, x.placements) \
+            if isinstance(x, DTensor) else mine
+        return ((mine, *args[1:]), kwargs) if args else (args, {{**kwargs, "x": mine}})
+    model.layers["0"].attention.register_forward_pre_hook(tiled, with_kwargs=True)
+    return model
+
+def wrong_block(model):  # stage 1 opened with block 1's weights (a loader off by one block)
+    model.layers["2"].load_state_dict(model.layers["1"].state_dict())
+    return model
+
 CASES = {{
     "ddp": ("dp=4", dict(data_parallel="ddp"), {{}}),
     "zero3": ("dp=4", dict(data_parallel="zero3"), {{}}),
@@ -78,6 +96,11 @@ CASES = {{
     "rows_swapped": ("dp=2 tp=2", dict(), dict(after=rows_swapped)),
     "averaged_twice": ("dp=4", dict(data_parallel="ddp"), dict(after=averaged_twice)),
     "untied": ("dp=4", dict(data_parallel="ddp"), dict(before=untied, model=tied_llama)),
+    "pp": ("dp=2 pp=2", dict(microbatches=2), dict(model=deep)),
+    "pp_gpipe_llama": ("dp=2 pp=2", dict(pipeline_schedule="gpipe", microbatches=4),
+                       dict(model=tied_llama)),
+    "wrong_block": ("dp=2 pp=2", dict(), dict(model=deep, before=wrong_block)),
+    "sp_without_gather": ("dp=2 tp=2", dict(), dict(after=sp_without_gather)),
 }}
 for name, (mesh, plan, edits) in CASES.items():
     model = edits.pop("model", cfg)
@@ -108,9 +131,9 @@ diffs
 def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         cluster: Cluster) -> None:
     diffs = cluster.run(CELL.format(), keep_values=True, timeout=240).values[0]
-    for correct in ("ddp", "zero3", "tp_sp"):
-        worst, _, first, _ = diffs[correct]
-        assert first is None and worst < 1e-4, (correct, diffs[correct])
+    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama"):
+        worst, _, first, unheld = diffs[correct]
+        assert first is None and worst < 1e-4 and not unheld, (correct, diffs[correct])
     assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
     assert diffs["itself, unseeded"][2] == (0, "forward", "layers.1.feed_forward")
     assert diffs["left_out_of_ddp"][2] == (0, "parameter gradient", "layers.1.ffn_norm.weight")
@@ -132,6 +155,11 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
     assert diffs["averaged_twice"][2] == (0, "parameter gradient",
                                           "layers.1.attention_norm.weight")
     assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
+    assert diffs["sp_without_gather"][2] == (0, "forward", "layers.0.attention.wq"), \
+        diffs["sp_without_gather"]
+    # the block's first weight (its norm's are ones in both blocks, as initialised)
+    assert diffs["wrong_block"][2] == (0, "forward", "layers.2.attention.wq"), \
+        diffs["wrong_block"]
     # two layouts: every tensor of each compared with the other's, both ways
     worst, said, first, unheld = diffs["two layouts"]
     assert first is None and worst < 1e-10 and not unheld, diffs["two layouts"]
