@@ -32,8 +32,9 @@ outside the seeded generator, a reduction whose order depends on arrival.
 
 Pipelines: a module's calls of a step (one per micro-batch) are joined along the batch, and
 its output gradients scaled by the micro-batches (torch scales parameter gradients by 1/m).
-Not yet: context parallelism, expert parallelism, replica modes, gradient accumulation (each
-refused naming it); every tensor is kept whole (tiny shapes).
+Expert parallelism: an expert slice's parameter is set beside its rows of the whole (the
+slice materialize marks). Not yet: context parallelism, replica modes, gradient accumulation
+(each refused naming it); every tensor is kept whole (tiny shapes).
 """
 
 from __future__ import annotations
@@ -45,14 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
-from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.compose import ParallelPlan, parallelize
-from meshlab.verify.comparison import data_rank, full_parameters, vocab_size, whole
-from meshlab.verify.training import next_token_loss
+from meshlab.verify.comparison import data_rank, vocab_size, whole
+from meshlab.verify.diff_recorder import Recorder, train
 
 PHASES = ("forward", "output gradient", "parameter gradient", "update")
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-4}
@@ -147,103 +146,9 @@ def _born(d: Difference) -> tuple[int, int, int, int]:
     return d.step, PHASES.index(d.phase), d.order, d.rank
 
 
-class Recorder:
-    """Hooks on ``model``'s modules: each forward output and output gradient, by step."""
-
-    def __init__(self, model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor], *,
-                 joined: bool = False) -> None:
-        # joined: a pipeline calls each module once per micro-batch, in order; its calls in
-        # a step are joined along the batch (end_step), not the first kept
-        self.model, self.full, self.step, self.joined = model, full, 0, joined
-        self.paused = False
-        self.calls: dict[tuple[int, str, str], list[torch.Tensor]] = {}
-        self.tensors: dict[tuple[int, str, str], torch.Tensor] = {}
-        self.order: dict[tuple[int, str, str], int] = {}
-        self.counts: dict[tuple[int, str], int] = {}
-        self.scales: dict[tuple[int, str, str], torch.Tensor] = {}
-        """What a tensor's error is relative to, where not its own largest magnitude."""
-        self.handles: list[Any] = []
-        # DDP's wrapper runs the model it holds: record that one's modules, by their own names
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        for name, module in inner.named_modules():
-            name = clean_name(name)
-            self.handles.append(module.register_forward_hook(self._forward(name)))
-            self.handles.append(module.register_full_backward_hook(self._backward(name)))
-
-    def _keep(self, phase: str, name: str, value: Any) -> None:
-        tensor = _first_tensor(value)
-        if tensor is None or self.paused:
-            return
-        key = (self.step, phase, name)
-        if key in self.tensors or key in self.calls:  # a module called again in a step
-            if self.joined:
-                self.calls[key].append(self.full(tensor).detach().clone())
-            return  # else its first call stands for it
-        self.order[key] = self.counts.get(key[:2], 0)
-        self.counts[key[:2]] = self.order[key] + 1
-        if self.joined:
-            self.calls[key] = [self.full(tensor).detach().clone()]
-        else:
-            self.tensors[key] = self.full(tensor).detach().clone()
-
-    def end_step(self, rows: int) -> None:
-        """A pipeline's micro-batches (``rows`` each) of each module joined into the step's
-        tensor; one not of a micro-batch's rows, or the same in every call (a rotary
-        table, whatever the tokens), is the first call's."""
-        for key, calls in self.calls.items():
-            joined = (calls[0].dim() and all(c.shape[0] == rows for c in calls)
-                      and not all(torch.equal(c, calls[0]) for c in calls[1:]))
-            self.tensors[key] = torch.cat(calls) if joined else calls[0]
-        self.calls.clear()
-
-    def _forward(self, name: str) -> Callable[..., None]:
-        return lambda module, args, out: self._keep("forward", name, out)
-
-    def _backward(self, name: str) -> Callable[..., None]:
-        return lambda module, grad_in, grad_out: self._keep("output gradient", name, grad_out)
-
-    def parameters(self, phase: str, values: dict[str, torch.Tensor]) -> None:
-        """Per parameter, its module's ``phase`` (gradients, updates) for this step."""
-        for i, (name, value) in enumerate(values.items()):
-            self.tensors[(self.step, phase, name)] = value
-            self.order[(self.step, phase, name)] = i
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, list | tuple):
-        return next((t for v in value if (t := _first_tensor(v)) is not None), None)
-    return None
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return _with_aliases(model, {clean_name(n): whole(p.grad).detach().clone()
-                                 for n, p in model.named_parameters() if p.grad is not None})
-
-
-def _with_aliases(model: nn.Module, values: dict[str, torch.Tensor]
-                  ) -> dict[str, torch.Tensor]:
-    """``values`` under every name of a tied parameter too (``lm_head.weight`` beside
-    ``model.embed_tokens.weight``): a pipeline's last stage holds the tie's other name."""
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        name = clean_name(name)
-        first.setdefault(id(p), name)
-        if name not in values and first[id(p)] in values:
-            values[name] = values[first[id(p)]]
-    return values
-
-
 def refuse_untested(mesh: Any, plan: ParallelPlan) -> None:
     """What the diff cannot set beside one process yet, refused before training."""
-    named = {"cp": "context parallelism", "ep": "expert parallelism"}
+    named = {"cp": "context parallelism"}
     for axis, what in named.items():
         if axis_size(mesh, axis) > 1:
             raise ValueError(f"the layout diff does not yet follow {what} ({axis}="
@@ -352,45 +257,6 @@ def everyone(found: list[Difference], missing: list[str], tolerance: float, *,
                       sorted({m for _, ms in everyone for m in ms}), against=against)
 
 
-def train(model: nn.Module, batches: list[Any], lr: float,
-           full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int) -> Recorder:
-    """SGD steps with every module recorded; each rank's loss is its rows' mean, and its
-    output gradients are scaled to the whole batch's (x 1/ranks)."""
-    pipeline = getattr(model, "pipeline", None)
-    recorder = Recorder(model, full, joined=pipeline is not None)
-    if pipeline is not None and batches:  # torch's stages infer shapes by running a forward
-        recorder.paused = True
-        pipeline.begin(*batches[0])
-        recorder.paused = False
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for step, batch in enumerate(batches):
-        recorder.step = step
-        optimizer.zero_grad()
-        if pipeline is not None:
-            pipeline.step(*batch)
-            recorder.end_step(batch[0].shape[0] // pipeline.schedule.microbatches)
-        else:
-            next_token_loss(model, batch).backward()
-        recorder.parameters("parameter gradient", _grads(model))
-        before = _with_aliases(model, {n: t.clone() for n, t in
-                                       full_parameters(model).items()})
-        optimizer.step()
-        after = _with_aliases(model, full_parameters(model))
-        recorder.parameters("update", {n: after[n] - before[n] for n in after})
-        # float32 subtracts two parameters to get an update: u * |p| of noise, so its error is
-        # held relative to the parameter there (float64's noise stays far below its tolerance)
-        if next(iter(after.values())).dtype == torch.float32:
-            recorder.scales.update({(step, "update", n): after[n].abs().max() for n in after})
-    recorder.close()
-    # a pipeline's micro-batch losses are each their rows' mean (torch scales the parameters'
-    # gradients by 1/m after): its output gradients are m x the rank's
-    micro = pipeline.schedule.microbatches if pipeline is not None else 1
-    for key, tensor in recorder.tensors.items():
-        if key[1] == "output gradient":
-            recorder.tensors[key] = tensor / (ranks * micro)
-    return recorder
-
-
 def set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int,
                 tolerance: float) -> tuple[list[Difference], list[str]]:
     tp = axis_size(mesh, "tp")
@@ -401,7 +267,8 @@ def set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int
         step, phase, name = key
         ref = alone.tensors.get(key)
         part = None if ref is None else part_of(ref, value, rank, ranks, tp, tp_rank,
-                                                 rows=phase in ("forward", "output gradient"))
+                                                 rows=phase in ("forward", "output gradient"),
+                                                 cut=mine.slices.get(name))
         if part is None:
             missing.append(f"{phase} of {name or '(the model)'} "
                            f"{list(value.shape)}" + ("" if ref is None else
@@ -416,23 +283,29 @@ def set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int
 
 
 def part_of(ref: torch.Tensor, value: torch.Tensor, rank: int, ranks: int, tp: int,
-            tp_rank: int, *, rows: bool) -> torch.Tensor | None:
+            tp_rank: int, *, rows: bool, cut: tuple[int, int] | None = None
+            ) -> torch.Tensor | None:
     """The part of the one-process tensor ``ref`` that ``value`` is on this rank (locate)."""
-    index = locate(tuple(ref.shape), tuple(value.shape), rank, ranks, tp, tp_rank, rows=rows)
+    index = locate(tuple(ref.shape), tuple(value.shape), rank, ranks, tp, tp_rank, rows=rows,
+                   cut=cut)
     return None if index is None else ref[index]
 
 
 def locate(ref: tuple[int, ...], value: tuple[int, ...], rank: int, ranks: int, tp: int,
-           tp_rank: int, *, rows: bool) -> tuple[slice, ...] | None:
+           tp_rank: int, *, rows: bool, cut: tuple[int, int] | None = None
+           ) -> tuple[slice, ...] | None:
     """Where in a one-process tensor of shape ``ref`` a tensor of shape ``value`` lies on
-    this rank: its rows of the batch (dim 0, ``rows``), then this tp rank's chunk of each
-    dimension tp split; None where the shapes say neither."""
+    this rank: its rows of the batch (dim 0, ``rows``), or the slice ``cut`` (dim, start: an
+    expert-parallel rank's experts), then this tp rank's chunk of each dimension tp split;
+    None where the shapes say neither."""
     if len(ref) != len(value):
         return None
     index = []
     for d, (whole_size, mine) in enumerate(zip(ref, value, strict=True)):
         if d == 0 and rows and ranks > 1 and whole_size == mine * ranks:
             index.append(slice(rank * mine, (rank + 1) * mine))
+        elif cut is not None and d == cut[0] and cut[1] + mine <= whole_size:
+            index.append(slice(cut[1], cut[1] + mine))
         elif whole_size == mine:
             index.append(slice(None))
         elif tp > 1 and whole_size == mine * tp:

@@ -30,11 +30,11 @@ from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, global_batch
 from meshlab.parallel.compose import ParallelPlan
 from meshlab.verify.comparison import data_rank, vocab_size
+from meshlab.verify.diff_recorder import Recorder, train
 from meshlab.verify.layout_diff import (
     TOLERANCES,
     Difference,
     LayoutDiff,
-    Recorder,
     as_dtype,
     builder,
     everyone,
@@ -42,7 +42,6 @@ from meshlab.verify.layout_diff import (
     parallel_run,
     refuse_untested,
     set_beside,
-    train,
 )
 
 Layout = tuple[str, ParallelPlan]
@@ -109,7 +108,7 @@ def _parts(run: Recorder, alone: Recorder, mesh: Any) -> list[Parts]:
         ref = alone.tensors.get(key)
         index = None if ref is None else locate(
             tuple(ref.shape), tuple(value.shape), rank, ranks, tp, tp_rank,
-            rows=key[1] in ("forward", "output gradient"))
+            rows=key[1] in ("forward", "output gradient"), cut=run.slices.get(key[2]))
         if index is not None:
             mine[key] = (index, value)
     gathered: list[Any] = [None] * dist.get_world_size()

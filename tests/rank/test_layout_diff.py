@@ -84,6 +84,16 @@ def sp_without_gather(model):  # the attention's input not gathered over the seq
     model.layers["0"].attention.register_forward_pre_hook(tiled, with_kwargs=True)
     return model
 
+moe = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64,
+                  n_experts=4, top_k=2)
+
+def wrong_expert_rank(model):  # each token sent to the other ep rank's expert of its index
+    layer = model.layers["0"].feed_forward
+    send = layer.dispatch
+    layer.dispatch = lambda m, tokens, experts, weights: send(m, tokens, (experts + 2) % 4,
+                                                              weights)
+    return model
+
 def wrong_block(model):  # stage 1 opened with block 1's weights (a loader off by one block)
     model.layers["2"].load_state_dict(model.layers["1"].state_dict())
     return model
@@ -101,6 +111,9 @@ CASES = {{
                        dict(model=tied_llama)),
     "wrong_block": ("dp=2 pp=2", dict(), dict(model=deep, before=wrong_block)),
     "sp_without_gather": ("dp=2 tp=2", dict(), dict(after=sp_without_gather)),
+    "ep": ("dp=4 ep=2", dict(data_parallel="none"), dict(model=moe)),
+    "wrong_expert_rank": ("dp=4 ep=2", dict(data_parallel="none"),
+                          dict(model=moe, after=wrong_expert_rank)),
 }}
 for name, (mesh, plan, edits) in CASES.items():
     model = edits.pop("model", cfg)
@@ -131,7 +144,7 @@ diffs
 def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         cluster: Cluster) -> None:
     diffs = cluster.run(CELL.format(), keep_values=True, timeout=240).values[0]
-    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama"):
+    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama", "ep"):
         worst, _, first, unheld = diffs[correct]
         assert first is None and worst < 1e-4 and not unheld, (correct, diffs[correct])
     assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
@@ -155,6 +168,8 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
     assert diffs["averaged_twice"][2] == (0, "parameter gradient",
                                           "layers.1.attention_norm.weight")
     assert diffs["untied"][2] == (0, "parameter gradient", "model.embed_tokens.weight")
+    assert diffs["wrong_expert_rank"][2] == (0, "forward", "layers.0.feed_forward"), \
+        diffs["wrong_expert_rank"]
     assert diffs["sp_without_gather"][2] == (0, "forward", "layers.0.attention.wq"), \
         diffs["sp_without_gather"]
     # the block's first weight (its norm's are ones in both blocks, as initialised)
