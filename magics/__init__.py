@@ -110,7 +110,7 @@ class MeshMagics(Magics):
     def _compare(self, args: Any) -> None:
         diff = self.session.compare(args.model, args.plan, steps=args.steps, dtype=args.dtype,
                                     itself=args.itself, beside=args.beside,
-                                    beside_mesh=args.beside_mesh)
+                                    beside_mesh=args.beside_mesh, vocab=args.vocab)
         display(*layout_diff_views(diff))
         if args.output:
             self.shell.user_ns[args.output] = diff

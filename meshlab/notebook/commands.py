@@ -120,6 +120,8 @@ def prove(line: str) -> None:
           "layouts beside each other instead of one process")
 @argument("--beside-mesh", metavar="AXES", help="PLAN2's mesh, e.g. dp=2,tp=2 (default the "
           "current mesh)")
+@argument("--vocab", type=count, metavar="N", help="the token ids' range, where MODEL's "
+          "config does not say it (default: its config's, or its one nn.Embedding's)")
 @output_option("the LayoutDiff")
 def compare(line: str) -> None:
     """%mesh compare MODEL PLAN: train PLAN on the current mesh beside one process (or beside

@@ -233,13 +233,14 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
 
     def compare(self, model: str, plan: str, *, steps: int = 2, dtype: str = "float64",
                 itself: bool = False, beside: str | None = None,
-                beside_mesh: str | None = None) -> LayoutDiff:
+                beside_mesh: str | None = None, vocab: int | None = None) -> LayoutDiff:
         """Train ``plan`` (a ParallelPlan on the ranks) on ``model`` (a ModelConfig or a
         factory on the ranks) on the current mesh beside one process, module by module: the
         first step, phase, module and rank that differ (meshlab.verify.layout_diff);
         ``itself``: the layout twice, bit-identical or the first tensor that is not;
         ``beside``: another plan, on ``beside_mesh`` (axes; default the current mesh's),
-        the two layouts set beside each other (meshlab.verify.two_layouts)."""
+        the two layouts set beside each other (meshlab.verify.two_layouts); ``vocab``: the
+        token ids' range where the model's config does not say it."""
         if dtype not in ("float64", "float32"):
             raise SessionError(f"dtype={dtype!r}: the layout diff runs float64 (the default) "
                                "or float32")
@@ -250,7 +251,7 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         if cluster.mesh_spec is None:
             raise SessionError("the layout diff runs on the ranks' mesh, and there is none: "
                                "%mesh init AXES first (e.g. %mesh init dp=4)")
-        options = f"steps={int(steps)}, dtype={dtype!r}"
+        options = f"steps={int(steps)}, dtype={dtype!r}, vocab={vocab!r}"
         if beside:
             spec = cluster.mesh_spec
             mine = str(spec)

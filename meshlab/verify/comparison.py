@@ -80,10 +80,16 @@ TOLERANCES = {torch.bfloat16: (8e-4, 8e-3), torch.float16: (1e-4, 1e-3),
 
 
 def vocab_size(model: torch.nn.Module) -> int:
-    """The model's vocabulary, from its config (meshlab's cfg or transformers' config)."""
+    """The model's vocabulary, from its config (meshlab's cfg or transformers' config), or
+    from its one nn.Embedding (a model written by hand; with two, which is the tokens' is a
+    guess, and none is made)."""
     for config in (getattr(model, "cfg", None), getattr(model, "config", None)):
         size = getattr(config, "vocab_size", None)
         if isinstance(size, int):
             return size
+    embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if len(embeddings) == 1:
+        return embeddings[0].num_embeddings
     raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__} (looked for "
-                     "cfg.vocab_size and config.vocab_size): pass vocab=N")
+                     f"cfg.vocab_size, config.vocab_size and one nn.Embedding; it has "
+                     f"{len(embeddings)}): pass vocab=N")

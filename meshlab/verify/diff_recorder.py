@@ -29,6 +29,7 @@ class Recorder:
         # a step are joined along the batch (end_step), not the first kept
         self.model, self.full, self.step, self.joined = model, full, 0, joined
         self.paused = False
+        self.levels: dict[tuple[int, str], torch.Tensor] = {}
         self.slices: dict[str, tuple[int, int]] = {}
         """Parameters that hold a slice of the whole (dim, start): an EP rank's experts."""
         self.calls: dict[tuple[int, str, str], list[torch.Tensor]] = {}
@@ -82,6 +83,15 @@ class Recorder:
         for i, (name, value) in enumerate(values.items()):
             self.tensors[(self.step, phase, name)] = value
             self.order[(self.step, phase, name)] = i
+
+    def level(self, step: int, phase: str) -> torch.Tensor:
+        """The largest magnitude of any tensor of ``phase`` at ``step``."""
+        key = (step, phase)
+        if key not in self.levels:
+            self.levels[key] = max((t.abs().max() for (s, p, _), t in self.tensors.items()
+                                    if (s, p) == key and t.numel()),
+                                   default=torch.tensor(0.0))
+        return self.levels[key]
 
     def close(self) -> None:
         for handle in self.handles:

@@ -37,6 +37,7 @@ from meshlab.verify.layout_diff import (
     LayoutDiff,
     as_dtype,
     builder,
+    error_of,
     everyone,
     locate,
     parallel_run,
@@ -54,7 +55,8 @@ Whole = tuple[torch.Tensor, torch.Tensor]
 
 def diff_layouts(model: ModelConfig | Callable[[], nn.Module], first: Layout, second: Layout,
                  *, names: tuple[str, str] | None = None, steps: int = 2, batch: int = 8,
-                 seq: int = 16, lr: float = 1e-2, dtype: torch.dtype | str = torch.float64,
+                 seq: int = 16, vocab: int | None = None, lr: float = 1e-2,
+                 dtype: torch.dtype | str = torch.float64,
                  seed: int = 0, before: Callable[[nn.Module], nn.Module] | None = None,
                  after: Callable[[nn.Module], nn.Module] | None = None) -> LayoutDiff:
     """``first`` and ``second`` (each ``(mesh axes, plan)``) trained on ``model`` on the same
@@ -71,7 +73,7 @@ def diff_layouts(model: ModelConfig | Callable[[], nn.Module], first: Layout, se
         refuse_untested(mesh, plan)
     build = builder(model, dtype, seed)
     reference = build()
-    shape = {"seq": seq, "vocab": vocab_size(reference),
+    shape = {"seq": seq, "vocab": vocab or vocab_size(reference),
              "seed": model.seed if isinstance(model, ModelConfig) else seed}
     alone = train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
                   lr, lambda t: t, ranks=1)
@@ -142,10 +144,7 @@ def _beside(run: Recorder, mine: Parts, other: dict[tuple[int, str, str], Whole]
             continue
         index, value = mine[key]
         theirs = other[key][0][index]
-        scale = alone.scales.get(key, theirs.abs().max()) if value.numel() else None
-        error = 0.0 if scale is None else \
-            ((value - theirs).abs().max() / scale.clamp_min(1e-30)).item()
         found.append(Difference(key[0], key[1], key[2], me,
-                                error if error == error else float("inf"), tolerance,
+                                error_of(value, theirs, key, alone), tolerance,
                                 tuple(value.shape), order=alone.order[key], layout=name))
     return found, missing

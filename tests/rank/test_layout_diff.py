@@ -84,6 +84,31 @@ def sp_without_gather(model):  # the attention's input not gathered over the seq
     model.layers["0"].attention.register_forward_pre_hook(tiled, with_kwargs=True)
     return model
 
+class Attention(torch.nn.Module):  # written by hand, with biases (a key bias's gradient is 0)
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.norm(x)
+        q, k, v = (f(h).view(B, T, 4, 8).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(B, T, 32))
+
+class GPT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64)
+        self.blocks = torch.nn.ModuleList([Attention(), Attention()])
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
 moe = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=64,
                   n_experts=4, top_k=2)
 
@@ -112,6 +137,7 @@ CASES = {{
     "wrong_block": ("dp=2 pp=2", dict(), dict(model=deep, before=wrong_block)),
     "sp_without_gather": ("dp=2 tp=2", dict(), dict(after=sp_without_gather)),
     "ep": ("dp=4 ep=2", dict(data_parallel="none"), dict(model=moe)),
+    "gpt_zero3": ("dp=4", dict(data_parallel="zero3"), dict(model=GPT)),
     "wrong_expert_rank": ("dp=4 ep=2", dict(data_parallel="none"),
                           dict(model=moe, after=wrong_expert_rank)),
 }}
@@ -144,7 +170,7 @@ diffs
 def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         cluster: Cluster) -> None:
     diffs = cluster.run(CELL.format(), keep_values=True, timeout=240).values[0]
-    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama", "ep"):
+    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama", "ep", "gpt_zero3"):
         worst, _, first, unheld = diffs[correct]
         assert first is None and worst < 1e-4 and not unheld, (correct, diffs[correct])
     assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
