@@ -507,3 +507,22 @@ def test_long_context_notebook_measures_each_method_beside_its_formula(executed:
     charts = [c for c in code if any(k.startswith("application/vnd.vegalite")
                                      for o in c.get("outputs", []) for k in o.get("data", {}))]
     assert len(charts) >= 5, len(charts)
+
+
+def test_where_runs_part_notebook_names_the_injected_bug(executed: Any) -> None:
+    nb, _ = executed("18-where-runs-part.ipynb")
+    shown = {c.source.splitlines()[0]: texts(c) for c in nb.cells if c.cell_type == "code"}
+    assert "matches one process: 928 tensors within 1e-10" in shown["%mesh init dp=4"]
+    bug = shown["%mesh compare leaky_gpt ddp -o diff"]
+    assert bug.startswith("first difference from one process: step 0, parameter gradient of "
+                          "blocks.1.norm2.weight on rank 0: "), bug
+    beside = shown["%mesh compare llama zero3 --beside tp_sp --beside-mesh dp=2,tp=2"]
+    assert beside.startswith("matches zero3 on dp_shard=4: ")
+    assert "tp_sp on dp_shard=2 tp=2: matches one process" in beside
+    assert shown["%mesh compare gpt zero3 --itself"].startswith("bit-identical run to run: ")
+    losses = next(t for s, t in shown.items() if s.startswith("%mesh losses"))
+    assert losses.startswith("6 steps within 1e-09 in every run: ddp (ddp on dp=4, code ")
+    assert set(scratch_files(nb)) == {"ddp.jsonl", "zero3.jsonl"}
+    charts = sum("image/svg+xml" in o.get("data", {}) for c in nb.cells
+                 for o in c.get("outputs", []))
+    assert charts == 5  # four diffs' heat maps and the loss curves

@@ -28,4 +28,5 @@ def losses_chart(frame: pd.DataFrame, first: str) -> OfflineChart:
                 scale=alt.Scale(type="log")),
         color=colour, tooltip=["run", "step", alt.Tooltip("difference:Q", format=".2e")],
     ).properties(width=300, height=200, title=f"relative difference from {first}")
-    return OfflineChart(alt.hconcat(curves, differences))
+    return OfflineChart(alt.hconcat(curves, differences).properties(
+        title=f"{frame['run'].nunique()} runs' losses, and each beside {first}'s"))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from meshlab.notebook.tables.table import Lines, Table, sig
+from meshlab.notebook.tables.table import Lines, Table
 
 if TYPE_CHECKING:
     from meshlab.verify.layout_diff import LayoutDiff
@@ -39,6 +39,11 @@ def layout_diff_frame(diff: LayoutDiff) -> pd.DataFrame:
     return out.sort_values("born").reset_index(drop=True)
 
 
+def sci(value: float) -> str:
+    """An error or tolerance as a power of ten reads: 1.9e+00, 1e-10."""
+    return f"{value:.1e}" if value else "0"
+
+
 def worst_table(diff: LayoutDiff, n: int = 10) -> Table:
     """The ``n`` largest errors, one per (module, phase), with the ranks beyond tolerance."""
     frame = layout_diff_frame(diff)
@@ -47,7 +52,7 @@ def worst_table(diff: LayoutDiff, n: int = 10) -> Table:
     return Table(top[["module", "phase", "step", "error", "tolerance", "shape",
                       "ranks beyond"]],
                  caption=f"the {min(n, len(top))} largest differences from {diff.against}",
-                 formats={"error": sig(2), "tolerance": sig(1)},
+                 formats={"error": sci, "tolerance": sci},
                  note="error: largest |difference| over the tensor's largest magnitude "
                       "(an update in float32: over its parameter's)")
 

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from meshlab.notebook.tables.table import Lines, Table, sig
+from meshlab.notebook.tables.layout_diff import sci
+from meshlab.notebook.tables.table import Lines, Table
 
 if TYPE_CHECKING:
     from meshlab.verify.loss_curves import LossComparison
@@ -33,6 +34,6 @@ def losses_views(comparison: LossComparison) -> list[Any]:
         rows = pd.DataFrame(comparison.rows())
         views.append(Table(rows, caption="each run's loss by step, and the largest relative "
                            f"difference from {comparison.runs[0].name}'s",
-                           formats={"largest difference": sig(2)}))
+                           formats={"largest difference": sci}))
         views.append(losses_chart(losses_frame(comparison), comparison.runs[0].name))
     return views
