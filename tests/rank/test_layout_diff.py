@@ -63,7 +63,10 @@ def unseeded_noise(model):  # a draw outside the seeded generator, as a racing k
                                                      dtype=out.dtype))
     return model
 
-for name, edits in (("itself", {{}}), ("itself, unseeded", dict(after=unseeded_noise))):
+import meshlab.verify.layout_diff as layout_diff
+for name, edits in (("itself", {{}}), ("itself, unseeded", dict(after=unseeded_noise)),
+                    ("itself, unseeded, digests", dict(after=unseeded_noise))):
+    layout_diff.DIGEST_ABOVE = 0 if "digests" in name else 1 << 20  # every tensor a digest
     d = diff_with_itself(cfg, meshlab.mesh.build("dp=4"), ParallelPlan(data_parallel="zero3"),
                          steps=2, **edits)
     first = d.first
@@ -175,6 +178,9 @@ def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         assert first is None and worst < 1e-4 and not unheld, (correct, diffs[correct])
     assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
     assert diffs["itself, unseeded"][2] == (0, "forward", "layers.1.feed_forward")
+    # the first run kept as digests: the same tensor named, its error infinite (no magnitude)
+    assert diffs["itself, unseeded, digests"][2] == (0, "forward", "layers.1.feed_forward")
+    assert diffs["itself, unseeded, digests"][0] == float("inf")
     assert diffs["left_out_of_ddp"][2] == (0, "parameter gradient", "layers.1.ffn_norm.weight")
     assert diffs["rows_swapped"][2] == (0, "forward", "layers.0.attention.wk")
     # what %mesh compare shows of it: the table leads with the module, the picture outlines it
