@@ -1,8 +1,9 @@
 """The layout diff's recorded runs (meshlab.verify.layout_diff): SGD steps with hooks on every
 module keeping, per step, each forward output and the gradient flowing back into it, every
 parameter's gradient and update, under the names of the plain model. A pipeline's micro-
-batches are joined into the step's tensors; a tied weight is kept under each of its names;
-an expert-parallel rank's expert slices say where they lie in the whole tensor.
+batches, or a gradient accumulation's micro-steps, are joined into the step's tensors; a
+tied weight is kept under each of its names; an expert-parallel rank's expert slices say
+where they lie in the whole tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from meshlab.parallel.accumulate import micro_batches
 from meshlab.parallel.blocks import clean_name
 from meshlab.parallel.materialize import marked_slice
 from meshlab.verify.comparison import full_parameters, whole
@@ -62,13 +64,13 @@ class Recorder:
         else:
             self.tensors[key] = self.full(tensor).detach().clone()
 
-    def end_step(self, rows: int) -> None:
-        """A pipeline's micro-batches (``rows`` each) of each module joined into the step's
-        tensor; one not of a micro-batch's rows, or the same in every call (a rotary
-        table, whatever the tokens), is the first call's."""
+    def end_step(self) -> None:
+        """A pipeline's micro-batches (or an accumulation's micro-steps) of each module
+        joined along dim 0 into the step's tensor, in the order they ran (a micro-batch's
+        rows, or its tokens flattened, come in that order); a tensor the same in every call
+        (a rotary table, whatever the tokens) is the first call's."""
         for key, calls in self.calls.items():
-            joined = (calls[0].dim() and all(c.shape[0] == rows for c in calls)
-                      and not all(torch.equal(c, calls[0]) for c in calls[1:]))
+            joined = calls[0].dim() and not all(torch.equal(c, calls[0]) for c in calls[1:])
             self.tensors[key] = torch.cat(calls) if joined else calls[0]
         self.calls.clear()
 
@@ -138,11 +140,13 @@ def _with_aliases(model: nn.Module, values: dict[str, torch.Tensor]
 
 
 def train(model: nn.Module, batches: list[Any], lr: float,
-           full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int) -> Recorder:
+           full: Callable[[torch.Tensor], torch.Tensor], *, ranks: int,
+           accumulate: int = 1) -> Recorder:
     """SGD steps with every module recorded; each rank's loss is its rows' mean, and its
-    output gradients are scaled to the whole batch's (x 1/ranks)."""
+    output gradients are scaled to the whole batch's (x 1/ranks). ``accumulate``: micro-steps
+    a step (gradient accumulation, each micro-batch's loss over ``accumulate``)."""
     pipeline = getattr(model, "pipeline", None)
-    recorder = Recorder(model, full, joined=pipeline is not None)
+    recorder = Recorder(model, full, joined=pipeline is not None or accumulate > 1)
     if pipeline is not None and batches:  # torch's stages infer shapes by running a forward
         recorder.paused = True
         pipeline.begin(*batches[0])
@@ -153,7 +157,11 @@ def train(model: nn.Module, batches: list[Any], lr: float,
         optimizer.zero_grad()
         if pipeline is not None:
             pipeline.step(*batch)
-            recorder.end_step(batch[0].shape[0] // pipeline.schedule.microbatches)
+            recorder.end_step()
+        elif accumulate > 1:  # each micro-step's rows a 1/accumulate share of the step's
+            for inputs, targets in micro_batches(model, batch, accumulate):
+                (next_token_loss(model, (inputs, targets)) / accumulate).backward()
+            recorder.end_step()
         else:
             next_token_loss(model, batch).backward()
         recorder.parameters("parameter gradient", _grads(model))

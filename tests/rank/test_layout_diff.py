@@ -141,6 +141,10 @@ CASES = {{
     "sp_without_gather": ("dp=2 tp=2", dict(), dict(after=sp_without_gather)),
     "ep": ("dp=4 ep=2", dict(data_parallel="none"), dict(model=moe)),
     "gpt_zero3": ("dp=4", dict(data_parallel="zero3"), dict(model=GPT)),
+    # options in pairs: the accumulation EP once trained wrong with, a pipeline over TP
+    "ep_accum": ("dp=4 ep=2", dict(data_parallel="none", grad_accum=2), dict(model=moe)),
+    "zero3_accum": ("dp=4", dict(grad_accum=2), {{}}),
+    "pp_tp": ("pp=2 tp=2", dict(), dict(model=deep)),
     "wrong_expert_rank": ("dp=4 ep=2", dict(data_parallel="none"),
                           dict(model=moe, after=wrong_expert_rank)),
 }}
@@ -173,7 +177,8 @@ diffs
 def test_correct_layouts_match_and_each_broken_one_is_named_where_its_bug_lives(
         cluster: Cluster) -> None:
     diffs = cluster.run(CELL.format(), keep_values=True, timeout=240).values[0]
-    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama", "ep", "gpt_zero3"):
+    for correct in ("ddp", "zero3", "tp_sp", "pp", "pp_gpipe_llama", "ep", "gpt_zero3",
+                    "ep_accum", "zero3_accum", "pp_tp"):
         worst, _, first, unheld = diffs[correct]
         assert first is None and worst < 1e-4 and not unheld, (correct, diffs[correct])
     assert diffs["itself"][0] == 0.0 and diffs["itself"][1].startswith("bit-identical")
