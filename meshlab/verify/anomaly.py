@@ -82,7 +82,7 @@ class RerunOnAnomaly:
     spike: float | None = None
     window: int = 10
     anomalies: list[Anomaly] = field(default_factory=list)
-    _recent: list[float] = field(default_factory=list)
+    _recent: list[float] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.spike is not None and not self.spike > 1:
