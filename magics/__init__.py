@@ -96,7 +96,7 @@ class MeshMagics(Magics):
                                       group_readable=args.group_readable))
 
     def _stacks(self, args: Any) -> None:
-        print(self.session.stacks(args.ranks))
+        print(self.session.stacks(args.ranks, native=args.native))
 
     def _debug(self, args: Any) -> None:
         print(self.session.postmortem(args.rank))

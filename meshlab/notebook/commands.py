@@ -68,6 +68,9 @@ def checkpoint(line: str) -> None:
 
 @magic_arguments()
 @ranks_option
+@argument("--native", action="store_true",
+          help="py-spy's stacks instead, C and C++ frames (gloo's, NCCL's) among the Python "
+          "ones (needs py-spy where the ranks run: pip install 'meshlab[debug]')")
 def stacks(line: str) -> None:
     """%mesh stacks: every rank's current Python stack (identical ones once) and its last
     collectives; answers while a cell runs or hangs."""

@@ -38,9 +38,15 @@ class RankProbes:
             rows.append(row)
         return pd.DataFrame(rows).set_index("rank")
 
-    def stacks(self, ranks: str | list[int] | None = None) -> dict[int, str]:
-        """The main-thread Python stack of each rank: where a running cell is right now."""
-        return self._probe(self._ranks(ranks, check_dead=False), "stack")
+    def stacks(self, ranks: str | list[int] | None = None, *, native: bool = False
+               ) -> dict[int, str]:
+        """The main-thread Python stack of each rank: where a running cell is right now;
+        ``native``: py-spy's, C and C++ frames included (meshlab.rank.native_stacks), or why
+        there is none."""
+        chosen = self._ranks(ranks, check_dead=False)
+        if native:  # py-spy pauses the rank a moment; the ranks answer side by side
+            return self._probe(chosen, "native_stack", timeout=30.0)
+        return self._probe(chosen, "stack")
 
     def stop_ignored(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         """Where each rank's cell is after SIGINTs did not end it; those that caught it and

@@ -26,11 +26,13 @@ class Inspection:
         """One row per rank: host, pid, device, alive, busy, memory."""
         return self.need_cluster().status()
 
-    def stacks(self, ranks: str | list[int] | None = None) -> str:
-        """Every rank's current stack (identical ones once) and its last collectives."""
+    def stacks(self, ranks: str | list[int] | None = None, *, native: bool = False) -> str:
+        """Every rank's current stack (identical ones once) and its last collectives;
+        ``native``: py-spy's stacks, C and C++ frames among the Python ones."""
         cluster = self.need_cluster()
         chosen = parse_ranks(ranks, cluster.world_size)
-        return stacks_text(cluster.stacks(chosen), cluster.collectives(chosen), chosen)
+        return stacks_text(cluster.stacks(chosen, native=native), cluster.collectives(chosen),
+                           chosen)
 
     def postmortem(self, rank: int) -> str:
         """Post-mortem of the last failed cell on ``rank``."""

@@ -133,6 +133,11 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         return time.time_ns()
     if what == "stack":
         return main_thread_stack()
+    if what == "native_stack":
+        from meshlab.rank.native_stacks import native_stack
+
+        return native_stack(cells={os.path.basename(path): n
+                                   for path, n in _cell_files.items()})
     if what == "stop":
         return stop_ignored()
     if what == "status":
@@ -147,8 +152,8 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         return postmortem()
     if what == "defined":
         return [n for n in request.get("names", []) if n in namespace]
-    raise ValueError(f"unknown probe {what!r}: expected clock, stack, stop, status, complete, "
-                     "collectives, optimizer_steps, postmortem or defined")
+    raise ValueError(f"unknown probe {what!r}: expected clock, stack, native_stack, stop, "
+                     "status, complete, collectives, optimizer_steps, postmortem or defined")
 
 
 def serve(kernel: Any, namespace: dict[str, Any],

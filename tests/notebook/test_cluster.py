@@ -461,3 +461,38 @@ def test_a_large_pull_streams_past_the_controller_and_is_held_once(cluster: Clus
     assert grew["controller"] < 16 * 2**20, grew
     got.clear()
     cluster.run("del big", ranks=[0])
+
+
+def test_native_stacks_show_the_frames_below_a_collective_a_rank_is_stuck_in(
+        cluster: Cluster) -> None:
+    from meshlab.rank.native_stacks import main_thread
+
+    def hang() -> None:
+        with pytest.raises(MeshError):  # ranks 1-3 wait for rank 0, until the time limit
+            cluster.run("def stuck_here():\n    dist.all_reduce(torch.ones(1))\n"
+                        "if rank != 0:\n    stuck_here()", timeout=3)
+
+    runner = threading.Thread(target=hang)
+    runner.start()
+    time.sleep(1.0)
+    stacks = cluster.stacks("1-3", native=True)
+    runner.join()
+    assert sorted(stacks) == [1, 2, 3], stacks
+    for rank, stack in stacks.items():
+        assert stack.startswith("main thread ("), (rank, stack)
+        assert "stuck_here" in stack and "all_reduce" in stack, (rank, stack)
+        assert ".so" in stack, (rank, stack)  # a native frame: a shared library's
+        assert "0x…" in stack or "0x" not in stack  # raw addresses elided: ranks read alike
+    # the next cell waits out the stuck collective and is right
+    assert cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").results() == \
+        "Out[ranks 0-3]: 4.0"
+    # a dump's main thread, as the rank reads it; the reason where there is no stack
+    dump = ('Process 7: python\nPython v3.11\n\nThread 7 (active): "MainThread"\n'
+            "    wait (libc.so.6)\n    0x7f00aa (libc.so.6)\nThread 9 (idle): \"Thread-1\"\n"
+            "    run (threading.py:975)\n")
+    assert main_thread(dump) == ("main thread (active), native frames included:\n"
+                                 "    wait (libc.so.6)\n    0x… (libc.so.6)")
+    cell = ('Thread 7 (idle): "MainThread"\n    stuck (443894094.py:2)\n'
+            "    execute (meshlab/rank/cell_exec.py:130)\n    run_cell (x.py:1)\n")
+    assert main_thread(cell, {"443894094.py": 12}).splitlines()[1:] == [
+        "    stuck (Cell In[12], line 2)", "    … (the engine's frames below the cell)"]
