@@ -181,7 +181,7 @@ def compare_losses(runs: Sequence[LossRun], tolerance: float = 0.0) -> LossCompa
     differs from the first run's by more than ``tolerance`` (relative; 0: bit-equal)."""
     if len(runs) < 2:
         raise ValueError(f"{len(runs)} run given: compare two or more")
-    if tolerance < 0:
+    if not tolerance >= 0:  # NaN too: no difference would exceed it
         raise ValueError(f"tolerance={tolerance}: a relative difference, 0 or more")
     steps = sorted(set.intersection(*(set(r.losses) for r in runs)))
     first = next(((s, r.name, e) for s in steps for r in runs[1:]

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.assert_equal and args.tolerance is not None:
         parser.error("compare-losses: --assert-equal and --tolerance: give one (--assert-equal "
                      "is --tolerance 0)")
-    if args.tolerance is not None and args.tolerance < 0:
+    if args.tolerance is not None and not args.tolerance >= 0:  # NaN too: it would pass all
         parser.error(f"compare-losses: --tolerance {args.tolerance}: a relative difference, "
                      "0 or more")
     try:

@@ -58,6 +58,8 @@ def test_runs_side_by_side_name_the_first_step_apart(tmp_path: Path) -> None:
         compare_losses([a])
     with pytest.raises(ValueError, match="tolerance=-1: a relative difference"):
         compare_losses([a, b], tolerance=-1)
+    with pytest.raises(ValueError, match="tolerance=nan: a relative difference"):
+        compare_losses([a, b], tolerance=float("nan"))
 
     verdict, table, chart = losses_views(exact)
     assert str(verdict) == str(exact) and list(table.frame["step"]) == [0, 1, 2]
@@ -85,7 +87,8 @@ def test_compare_losses_exits_1_for_ci_and_refuses_bad_files_naming_them(tmp_pat
             (["a.jsonl", "binary"], "binary: it is not JSON text"),
             (["a.jsonl", "bad.jsonl"], "bad.jsonl: a line lacks or garbles 'loss'"),
             (["a.jsonl", "b.jsonl", "--assert-equal", "--tolerance", "0"], "give one"),
-            (["a.jsonl", "b.jsonl", "--tolerance", "-1"], "--tolerance -1.0: a relative")]:
+            (["a.jsonl", "b.jsonl", "--tolerance", "-1"], "--tolerance -1.0: a relative"),
+            (["a.jsonl", "b.jsonl", "--tolerance", "nan"], "--tolerance nan: a relative")]:
         done = cli(*args, cwd=tmp_path)
         assert done.returncode == 2 and said in done.stderr, (args, done.stderr)
         assert "Traceback" not in done.stderr
