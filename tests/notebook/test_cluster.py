@@ -468,13 +468,16 @@ def test_native_stacks_show_the_frames_below_a_collective_a_rank_is_stuck_in(
     from meshlab.rank.native_stacks import main_thread
 
     def hang() -> None:
-        with pytest.raises(MeshError):  # ranks 1-3 wait for rank 0, until the time limit
+        with pytest.raises(MeshError):  # ranks 1-3 wait for rank 0 until the time limit
             cluster.run("def stuck_here():\n    dist.all_reduce(torch.ones(1))\n"
-                        "if rank != 0:\n    stuck_here()", timeout=3)
+                        "if rank != 0:\n    stuck_here()", timeout=5)
 
     runner = threading.Thread(target=hang)
     runner.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 4  # until all three are inside it (a loaded machine is slow)
+    while time.monotonic() < deadline and not all(
+            "stuck_here" in s for s in cluster.stacks("1-3").values()):
+        time.sleep(0.1)
     stacks = cluster.stacks("1-3", native=True)
     runner.join()
     assert sorted(stacks) == [1, 2, 3], stacks
