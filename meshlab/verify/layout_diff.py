@@ -180,11 +180,9 @@ def diff_with_single_process(model: ModelConfig | Callable[[], nn.Module], mesh:
     dtype = as_dtype(dtype)
     refuse_untested(mesh, plan)
     build = builder(model, dtype, seed)
-    reference = build()
-    shape = {"seq": seq, "vocab": vocab or vocab_size(reference), "seed": _seed(model, seed)}
+    shape, alone = one_process_run(build, model, seq=seq, vocab=vocab, seed=seed, steps=steps,
+                                   batch=batch, lr=lr)
     rank, ranks = data_rank(mesh)
-    alone = train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
-                   lr, lambda t: t, ranks=1)
     mine = parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
     found, missing = set_beside(mine, alone, mesh, rank, ranks, TOLERANCES[dtype])
     return everyone(found, missing, TOLERANCES[dtype])
@@ -204,7 +202,7 @@ def diff_with_itself(model: ModelConfig | Callable[[], nn.Module], mesh: Any,
     dtype = as_dtype(dtype)
     refuse_untested(mesh, plan)
     build = builder(model, dtype, seed)
-    shape = {"seq": seq, "vocab": vocab or vocab_size(build()), "seed": _seed(model, seed)}
+    shape = data_shape(model, build(), seq, vocab, seed)
     first = parallel_run(build, mesh, plan, shape, steps, batch, lr, before, after)
     kept: dict[Any, torch.Tensor | str] = {
         key: digest(value) if value.numel() > DIGEST_ABOVE else value
@@ -243,6 +241,23 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
         raise ValueError(f"dtype={dtype}: the diff holds float32 or float64 (low precision "
                          "rounds each run its own way)")
     return dtype
+
+
+def data_shape(model: ModelConfig | Callable[[], nn.Module], built: nn.Module, seq: int,
+               vocab: int | None, seed: int) -> dict[str, int]:
+    """The batches' shape and seed: ``vocab`` or the built model's vocabulary."""
+    return {"seq": seq, "vocab": vocab or vocab_size(built), "seed": _seed(model, seed)}
+
+
+def one_process_run(build: Callable[[], nn.Module], model: ModelConfig | Callable[[], nn.Module],
+                    *, seq: int, vocab: int | None, seed: int, steps: int, batch: int,
+                    lr: float) -> tuple[dict[str, int], Recorder]:
+    """The batches' shape, and the run every layout is set beside: the model alone on the
+    global batches."""
+    reference = build()
+    shape = data_shape(model, reference, seq, vocab, seed)
+    batches = [global_batch(step=s, batch=batch, **shape) for s in range(steps)]
+    return shape, train(reference, batches, lr, lambda t: t, ranks=1)
 
 
 def _seed(model: ModelConfig | Callable[[], nn.Module], seed: int) -> int:

@@ -27,10 +27,10 @@ from torch import nn
 
 import meshlab.mesh
 from meshlab.mesh import axis_size
-from meshlab.models import ModelConfig, global_batch
+from meshlab.models import ModelConfig
 from meshlab.parallel.compose import ParallelPlan
-from meshlab.verify.comparison import data_rank, vocab_size
-from meshlab.verify.diff_recorder import Recorder, train
+from meshlab.verify.comparison import data_rank
+from meshlab.verify.diff_recorder import Recorder
 from meshlab.verify.layout_diff import (
     TOLERANCES,
     Difference,
@@ -40,6 +40,7 @@ from meshlab.verify.layout_diff import (
     error_of,
     everyone,
     locate,
+    one_process_run,
     parallel_run,
     refuse_untested,
     set_beside,
@@ -72,11 +73,8 @@ def diff_layouts(model: ModelConfig | Callable[[], nn.Module], first: Layout, se
     for mesh, (_, plan) in zip(meshes, (first, second), strict=True):
         refuse_untested(mesh, plan)
     build = builder(model, dtype, seed)
-    reference = build()
-    shape = {"seq": seq, "vocab": vocab or vocab_size(reference),
-             "seed": model.seed if isinstance(model, ModelConfig) else seed}
-    alone = train(reference, [global_batch(step=s, batch=batch, **shape) for s in range(steps)],
-                  lr, lambda t: t, ranks=1)
+    shape, alone = one_process_run(build, model, seq=seq, vocab=vocab, seed=seed, steps=steps,
+                                   batch=batch, lr=lr)
     runs = [parallel_run(build, meshes[0], first[1], shape, steps, batch, lr, None, None),
             parallel_run(build, meshes[1], second[1], shape, steps, batch, lr, before, after)]
     verdicts = {}
