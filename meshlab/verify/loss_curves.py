@@ -149,7 +149,7 @@ class LossComparison:
         first run's."""
         base = self.runs[0]
         return [{"step": s, **{r.name: r.losses[s] for r in self.runs},
-                 "largest difference": max(_relative(r.losses[s], base.losses[s])
+                 "largest difference": max(relative(r.losses[s], base.losses[s])
                                            for r in self.runs[1:])}
                 for s in self.steps]
 
@@ -170,7 +170,8 @@ class LossComparison:
                 f"{self.tolerance:g}); {base.label} beside {other.label}")
 
 
-def _relative(a: float, b: float) -> float:
+def relative(a: float, b: float) -> float:
+    """|a - b| over |b|; 0 where equal, infinite where either is NaN."""
     if a == b:
         return 0.0
     return abs(a - b) / max(abs(b), 1e-30) if a == a and b == b else float("inf")
@@ -185,5 +186,5 @@ def compare_losses(runs: Sequence[LossRun], tolerance: float = 0.0) -> LossCompa
         raise ValueError(f"tolerance={tolerance}: a relative difference, 0 or more")
     steps = sorted(set.intersection(*(set(r.losses) for r in runs)))
     first = next(((s, r.name, e) for s in steps for r in runs[1:]
-                  if (e := _relative(r.losses[s], runs[0].losses[s])) > tolerance), None)
+                  if (e := relative(r.losses[s], runs[0].losses[s])) > tolerance), None)
     return LossComparison(list(runs), tolerance, steps, first)

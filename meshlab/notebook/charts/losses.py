@@ -21,7 +21,8 @@ def losses_chart(frame: pd.DataFrame, first: str) -> OfflineChart:
         color=colour, tooltip=["run", "layout", "code", "step",
                                alt.Tooltip("loss:Q", format=".10g")],
     ).properties(width=300, height=200, title="loss")
-    apart = frame[(frame["run"] != first) & (frame["difference"] > 0)]
+    difference = frame["difference"]  # a NaN loss's is infinite: no point on a log scale
+    apart = frame[(frame["run"] != first) & (difference > 0) & (difference < float("inf"))]
     differences = alt.Chart(apart).mark_line(point=True).encode(
         x=alt.X("step:Q", title="step"),
         y=alt.Y("difference:Q", title=f"|loss - {first}'s| / {first}'s",

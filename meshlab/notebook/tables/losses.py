@@ -9,6 +9,7 @@ import pandas as pd
 
 from meshlab.notebook.tables.layout_diff import sci
 from meshlab.notebook.tables.table import Lines, Table
+from meshlab.verify.loss_curves import relative
 
 if TYPE_CHECKING:
     from meshlab.verify.loss_curves import LossComparison
@@ -20,8 +21,7 @@ def losses_frame(comparison: LossComparison) -> pd.DataFrame:
     base = comparison.runs[0]
     return pd.DataFrame([{"run": r.name, "layout": r.layout, "code": r.code, "step": s,
                           "loss": r.losses[s],
-                          "difference": abs(r.losses[s] - base.losses[s])
-                          / max(abs(base.losses[s]), 1e-30)}
+                          "difference": relative(r.losses[s], base.losses[s])}
                          for r in comparison.runs for s in comparison.steps])
 
 
