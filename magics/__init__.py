@@ -27,6 +27,7 @@ from meshlab.notebook.charts import (
     timeline_chart,
 )
 from meshlab.notebook.cluster import ClusterError
+from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
@@ -99,7 +100,12 @@ class MeshMagics(Magics):
         print(self.session.stacks(args.ranks, native=args.native))
 
     def _debug(self, args: Any) -> None:
-        print(self.session.postmortem(args.rank))
+        if not args.target.isdigit():  # list, attach, cast: the prompt's own commands
+            raise UsageError(f"`%mesh debug {args.target}` is typed at the debugger's prompt, "
+                             "while a rank is stopped at breakpoint() in a %%mesh cell; no "
+                             "cell is running now. `%mesh debug RANK [--live]` examines a "
+                             "rank's last failed cell")
+        print(self.session.postmortem(int(args.target), live=args.live))
 
     def _status(self, args: Any) -> Table:
         return status_table(self.session.status())  # Session.status(): the frame
@@ -273,20 +279,20 @@ class MeshMagics(Magics):
         print(f"wrote {', '.join(map(str, written))}; run it with: bash {written[1]}")
 
     def _cell(self, args: Any, cell: str) -> None:
-        live = LiveOutput()
+        live, prompt = LiveOutput(), Prompt()
         try:
             result = self.session.run(cell, args.ranks, args.timeout, on_output=live.update,
                                       keep_values=bool(args.output), comms=args.comms,
                                       profile=args.profile, profile_dir=args.profile_dir,
-                                      max_lines=args.max_lines)
+                                      max_lines=args.max_lines, on_breakpoint=prompt)
         except MeshError as e:
-            live.finish(e.result)
+            live.finish(e.result, prompt.transcript)
             if args.output:
                 self.shell.user_ns[args.output] = e.result.values
             if e.result.profile is not None:
                 display(*profile_views(e.result.profile))
             raise
-        live.finish(result)
+        live.finish(result, prompt.transcript)
         if args.output:
             self.shell.user_ns[args.output] = result.values
         if args.comms and (cluster := self.session.cluster) is not None:

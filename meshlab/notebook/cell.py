@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from meshlab.notebook.cell_channel import SentCell
+from meshlab.notebook.debugger import Debugger, DebuggerTimeout, where_text
 from meshlab.notebook.output import CellResult, RankError, RankOutput
 from meshlab.rank import value_wire
 from meshlab.rank.cell_exec import STOP_SIGNAL
@@ -36,10 +37,16 @@ class CellRun:
 
     def __init__(self, cluster: Cluster, sent: SentCell, timeout: float | None,
                  on_output: Callable[[CellResult], None] | None = None,
-                 spent: float = 0.0) -> None:
+                 spent: float = 0.0,
+                 on_breakpoint: Callable[[Debugger], None] | None = None) -> None:
         """``spent``: seconds of ``timeout`` used before the cell was sent (waiting for ranks
-        an earlier cell left stuck)."""
+        an earlier cell left stuck). ``on_breakpoint`` is handed the Debugger when a rank
+        stops at ``breakpoint()``; the ranks still stopped when it returns go on. Without
+        it they go on at once, and the result says so."""
         self.cluster, self.sent, self.on_output = cluster, sent, on_output
+        self.on_breakpoint = on_breakpoint
+        self.debugger: Debugger | None = None  # once a rank stopped at a breakpoint
+        self._stops = 0  # stop notices handed on
         ranks = sent.ranks
         self.result = CellResult(ranks, {r: RankOutput(r) for r in ranks}, timeout=timeout)
         # what is left of the limit once stuck ranks were waited for, but at least a grace
@@ -65,6 +72,8 @@ class CellRun:
             while not self.sent.ready():
                 channel.poll(POLL)
                 self._stream()
+                if sum(got.stops for got in self.sent.replies.values()) > self._stops:
+                    self._debug()
                 if self.sent.ready() or time.monotonic() - looked < POLL:
                     continue  # a look at the processes costs more than a no-op cell
                 looked = time.monotonic()
@@ -77,10 +86,33 @@ class CellRun:
                     break
         except KeyboardInterrupt:
             self._stop("interrupted")
+        except DebuggerTimeout:
+            self._stop("timeout")
         self._stream()
         self._classify()
         self._let_go()
         return self.result
+
+    def _debug(self) -> None:
+        """A rank stopped at a breakpoint: the handler drives the debugger, then the ranks
+        still stopped go on. A stop noticed meanwhile brings the next call."""
+        self._stops = sum(got.stops for got in self.sent.replies.values())
+        if self.debugger is None:
+            self.debugger = Debugger(self.cluster, self.sent, self.deadline, self._refresh)
+        if not self.debugger.stopped():
+            return  # the handler saw this one already
+        if self.on_breakpoint is not None:
+            self.on_breakpoint(self.debugger)
+        else:
+            note = ("breakpoint() reached and continued: this cell ran with no debugger "
+                    "(a %%mesh cell or Session.run opens one)")
+            if note not in self.result.notes:
+                self.result.notes.append(note)
+        self.debugger.cont()
+
+    def _refresh(self) -> None:
+        self.cluster.cell_channel.poll(0)
+        self._stream()
 
     def values(self) -> tuple[dict[int, Any], dict[int, str]]:
         """``({rank: value of the last expression}, {rank: why it could not be sent})``, as
@@ -196,6 +228,8 @@ class CellRun:
                    if not self._done(r) and self.result.outputs[r].status != "died"]
         if not running:  # the only rank still running just died
             return
+        # ranks at a pdb prompt: Ctrl-C ends their debugger and cell like any other's
+        debugging = dict(self.debugger._where) if self.debugger is not None else {}
         stacks = self.cluster.stacks(running) if why == "timeout" else {}
         found: dict[int, dict[str, Any]] = {}  # rank -> meshlab.rank.probe_server.stop_ignored's
         self.cluster.interrupt(running)
@@ -233,6 +267,10 @@ class CellRun:
                                     f"stop signal ({STOP_SIGNAL.name}) ended the cell")
                 continue  # an error like any other: _classify takes it from the reply
             out.status = why
+            if r in debugging:
+                out.reason = (f"was stopped in the debugger at {where_text(debugging[r])} when "
+                              + (f"the {self.result.timeout:g} s time limit passed"
+                                 if why == "timeout" else "Ctrl-C came"))
             if not self._done(r):
                 self.places[r] = place
                 if ignored:

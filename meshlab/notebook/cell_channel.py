@@ -33,6 +33,8 @@ class RankReply:
     reply: dict[str, Any] | None = None  # the end-of-cell header; None while it runs
     value: bytes | None = None  # the pickled last value, when asked for
     pulled: list[bytearray] | None = None  # a pulled value's parts (meshlab.rank.value_wire)
+    stop: dict[str, Any] | None = None  # where its debugger last stopped (a notice)
+    stops: int = 0  # notices of a stop so far: a new one is news
     batches: int = 0  # output messages received: the reply says how many were sent
     tail: tuple[str, str] | None = None  # the reply's (stdout, stderr), held until
     # the batches sent before it are in, so the text stays in order
@@ -175,6 +177,8 @@ class CellChannel:
             got.stdout += header.get("stdout", "")
             got.stderr += header.get("stderr", "")
             got.batches += 1
+        elif kind == cell_wire.NOTICE and "debugger" in header:
+            got.stop, got.stops = header["debugger"], got.stops + 1
         elif kind == cell_wire.VALUE:  # each part allocated once, filled as pieces come
             got.pulled = [bytearray(int(n)) for n in header["sizes"]]
         elif kind == cell_wire.CHUNK and got.pulled is not None and blobs:

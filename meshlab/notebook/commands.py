@@ -77,10 +77,16 @@ def stacks(line: str) -> None:
 
 
 @magic_arguments()
-@argument("rank", type=int, help="the rank whose last failed cell to examine")
+@argument("target", help="the rank whose last failed cell to examine; at the debugger's prompt "
+          "also list, attach N or cast RANKS CMD")
+@argument("rest", nargs="*", help="at the prompt: attach's rank; cast's ranks and pdb command")
+@argument("--live", action="store_true",
+          help="pdb at the failing frame, at a prompt in the notebook (as breakpoint() in a "
+          "cell gives one)")
 def debug(line: str) -> None:
-    """%mesh debug RANK: post-mortem of the last failed cell on RANK (traceback, the failing
-    frame's variables)."""
+    """%mesh debug RANK [--live]: post-mortem of the last failed cell on RANK (traceback, the
+    failing frame's variables; --live: pdb there). A cell's breakpoint() stops its rank at a
+    pdb prompt, where %mesh debug list, attach N and cast RANKS CMD steer the ranks."""
 
 
 @magic_arguments()

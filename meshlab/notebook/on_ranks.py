@@ -19,6 +19,7 @@ def setup_rank(cwd: str, cells: str, cells_key: bytes, **kwargs: Any) -> None:
     import os
 
     import meshlab.rank.cell_server
+    import meshlab.rank.debugger
     import meshlab.rank.probe_server
     import meshlab.runtime
 
@@ -29,6 +30,7 @@ def setup_rank(cwd: str, cells: str, cells_key: bytes, **kwargs: Any) -> None:
     meshlab.rank.cell_server.serve(shell, cells, kwargs["rank"], cells_key)
     # IPython's own record of which cell file is In [n]: stacks name cells as tracebacks do
     meshlab.rank.probe_server.serve(shell.kernel, shell.user_ns, shell.compile._filename_map)
+    meshlab.rank.debugger.install()  # breakpoint() in a cell stops for the notebook's pdb
 
 
 @ipp.interactive

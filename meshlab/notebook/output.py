@@ -305,11 +305,15 @@ class LiveOutput:
                     self._show(name, render_groups(
                         new, suffix=f" thread {thread!r}:" if thread else ""))
 
-    def finish(self, result: CellResult) -> None:
-        if self._live:
+    def finish(self, result: CellResult, debugged: list[str] | None = None) -> None:
+        """Replace the live output by the cell's grouped output; ``debugged``: the lines of
+        a debugger session at its prompt (cleared with the rest), shown again first."""
+        if self._live or debugged:
             from IPython.display import clear_output
 
             clear_output()
+        if debugged:
+            self._show("stdout", "\n".join(["pdb session:", *debugged]))
         for name, text in (("stdout", result.thread_output("stdout")),
                            ("stderr", result.thread_output("stderr")),
                            ("stdout", result.stdout()), ("stderr", result.stderr()),

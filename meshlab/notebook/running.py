@@ -20,6 +20,7 @@ from meshlab.notebook.recovery import GROUP_CREATION
 if TYPE_CHECKING:
     from meshlab.mesh import MeshSpec
     from meshlab.notebook.cluster import Cluster
+    from meshlab.notebook.debugger import Debugger
     from meshlab.notebook.profiles import Profile
 
 
@@ -55,6 +56,7 @@ class CellRunning:
         profile: bool = False,
         trace: bool = False,
         number: int | None = None,
+        on_breakpoint: Callable[[Debugger], None] | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
 
@@ -68,6 +70,8 @@ class CellRunning:
         own trace of every rank in it too (what a Perfetto file shows: every op and thread).
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
+        ``on_breakpoint`` drives the debugger when a rank stops at ``breakpoint()`` (see
+        CellRun); without it the rank goes on.
         """
         ranks = self._ranks(ranks)
         timeout = timeout if timeout is not None else self.profile.cell_timeout
@@ -86,7 +90,7 @@ class CellRunning:
         number = self._cells_run if number is None else number
         cell = CellRun(cast("Cluster", self),  # the Cluster this is mixed into
                        self.cell_channel.send(ranks, code, number, keep_values),
-                       timeout, on_output, spent=spent)
+                       timeout, on_output, spent=spent, on_breakpoint=on_breakpoint)
         result = cell.wait()
         if profile:
             result.profile = self._collect_profiles([r for r in ranks if r not in cell.stuck],

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 from meshlab.mesh import MeshSpec
 from meshlab.notebook import restore
 from meshlab.notebook.cluster import Cluster
+from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.errors import SessionError
 from meshlab.notebook.export import Journal, export
 from meshlab.notebook.output import CellResult, MeshError
@@ -39,6 +40,7 @@ from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.rank.private_files import output_folder
 
 if TYPE_CHECKING:
+    from meshlab.notebook.debugger import Debugger
     from meshlab.verify.layout_diff import LayoutDiff
     from meshlab.verify.loss_curves import LossComparison
 
@@ -139,14 +141,18 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             timeout: float | None = None, *, on_output: Callable[[CellResult], None] | None
             = None, keep_values: bool = False, comms: bool = False,
             profile: bool = False, profile_dir: str | Path | None = None,
-            max_lines: int | None = None) -> CellResult:
+            max_lines: int | None = None,
+            on_breakpoint: Callable[[Debugger], None] | None = None) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options. ``max_lines``: keep at most this many lines of
         each rank's stdout and stderr for this cell (default ``cluster.max_output_lines``);
         the rest goes to a file per rank that ``result.full_output`` names. ``profile``:
         every rank's timeline on one clock into ``result.profile`` (a CellProfile);
-        ``profile_dir`` also writes it there as one Chrome/Perfetto trace, ``cell-N.json``."""
+        ``profile_dir`` also writes it there as one Chrome/Perfetto trace, ``cell-N.json``.
+        ``on_breakpoint``: called with a Debugger (meshlab.notebook.debugger) when a rank
+        stops at ``breakpoint()``; by default a pdb prompt where ``input()`` reads
+        (meshlab.notebook.debug_prompt)."""
         cluster, number = self.need_cluster(), self.cell_number()
         if profile_dir is not None:  # before it runs: a trace it cannot write loses no cell
             profile_dir = output_folder(profile_dir, "--profile-dir")
@@ -156,7 +162,8 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             result = cluster.run(code, ranks, timeout, on_output=on_output,
                                  keep_values=keep_values, comms=comms,
                                  profile=profile or profile_dir is not None,
-                                 trace=profile_dir is not None, number=number)
+                                 trace=profile_dir is not None, number=number,
+                                 on_breakpoint=on_breakpoint or Prompt())
         except MeshError as e:  # not exported, but export names what later cells needed
             self.need_journal().record_failure(code, number)
             if profile_dir is not None and e.result.profile is not None:

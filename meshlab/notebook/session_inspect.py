@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.errors import ClusterError, SessionError
-from meshlab.notebook.output import postmortem_text, stacks_text
+from meshlab.notebook.output import MeshError, postmortem_text, stacks_text
 from meshlab.notebook.ranks import parse_ranks
 
 if TYPE_CHECKING:
@@ -15,12 +16,17 @@ if TYPE_CHECKING:
 
     from meshlab.measure.sharding import ModuleReport, ShardingReport
     from meshlab.notebook.cluster import Cluster
+    from meshlab.notebook.debugger import Debugger
+
+# pdb at the last failed cell's frame, run on the rank as a cell; no name left behind
+POST_MORTEM = '__import__("meshlab.rank.debugger").rank.debugger.post_mortem()'
 
 
 class Inspection:
     """status, stacks, postmortem, inspect and memory."""
 
     need_cluster: Callable[[], Cluster]
+    cell_number: Callable[[], int]
 
     def status(self) -> pd.DataFrame:
         """One row per rank: host, pid, device, alive, busy, memory."""
@@ -34,9 +40,23 @@ class Inspection:
         return stacks_text(cluster.stacks(chosen, native=native), cluster.collectives(chosen),
                            chosen)
 
-    def postmortem(self, rank: int) -> str:
-        """Post-mortem of the last failed cell on ``rank``."""
-        return postmortem_text(rank, self.need_cluster().postmortem(rank))
+    def postmortem(self, rank: int, *, live: bool = False,
+                   on_breakpoint: Callable[[Debugger], None] | None = None) -> str:
+        """Post-mortem of the last failed cell on ``rank``: its traceback and the failing
+        frame's variables; ``live``: pdb at that frame, driven by ``on_breakpoint`` (by
+        default the prompt, as a cell's ``breakpoint()``)."""
+        cluster = self.need_cluster()
+        found = cluster.postmortem(rank)
+        if not live or found is None:  # nothing to debug: the text says so
+            return postmortem_text(rank, found)
+        try:  # on the rank's main thread, as a cell: pdb needs the thread the frames are on
+            cluster.run(POST_MORTEM, [rank], number=self.cell_number(),
+                        on_breakpoint=on_breakpoint or Prompt())
+        except MeshError as e:
+            error = e.result.outputs[rank].error
+            if error is None or error.ename != "BdbQuit":
+                raise
+        return f"rank {rank}: post-mortem debugger closed ({found['error']})"
 
     def inspect(self, expr: str, ranks: str | list[int] | None = None
                 ) -> ShardingReport | ModuleReport:

@@ -99,8 +99,9 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
         header.update(status="error", ename=errors[-1][0], evalue=errors[-1][1],
                       traceback=errors[-1][2])
     elif failure is not None:  # a UsageError: IPython prints it without a traceback
-        header.update(status="error", ename=type(failure).__name__, evalue=str(failure),
-                      traceback=[])
+        header.update(status="error", ename=type(failure).__name__, evalue=str(failure) or (
+            "quit from the debugger: the cell ended there" if isinstance(failure, bdb.BdbQuit)
+            else ""), traceback=[])
     blobs: list[bytes] = []
     if keep and "value" in shown and header["status"] == "ok":
         try:  # pickled here, so a value that cannot travel costs only this rank's

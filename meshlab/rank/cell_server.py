@@ -50,6 +50,14 @@ def stream_value(value: Any) -> None:
     _server.stream(value_wire.dumps(value))
 
 
+def notify(header: dict[str, Any]) -> None:
+    """Tell the notebook something about the running cell as it runs (a debugger's stop);
+    from the main thread, which owns the socket. Nothing when no cell runs."""
+    if _server is not None and _server.cell is not None:
+        _server._socket.send_multipart(cell_wire.pack(
+            _server.key, {**header, "kind": cell_wire.NOTICE, "id": _server.cell}))
+
+
 class RankStream:
     """sys.stdout or sys.stderr of a rank: text waits here for the next batch."""
 

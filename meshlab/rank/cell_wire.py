@@ -36,6 +36,7 @@ import zmq.utils.z85
 
 CELL, HELLO, OUTPUT, REPLY, THREADS = "cell", "hello", "output", "reply", "threads"
 VALUE, CHUNK = "value", "chunk"  # a pulled value: its parts' sizes, then each part in pieces
+NOTICE = "notice"  # news of a running cell: a rank stopped in the debugger
 PIECE = 4 * 2**20
 """A pulled value's piece: each end holds a few (queued, encrypted) beside the value."""
 

@@ -34,11 +34,40 @@ def main_thread_stack(limit: int = 60) -> str:
         return "(no main thread frame)"
     if frame.f_code.co_filename.endswith(("selectors.py", "base_events.py")):
         return "(idle: waiting for the next cell)"  # the engine's event loop, not a cell
-    lines = [_short_paths(line) for line in traceback.format_stack(frame, limit=limit)]
+    lines = [short_paths(line) for line in traceback.format_stack(frame, limit=limit)]
     # Start at the user's cell: the engine's event-loop frames above it are noise.
     cell = [i for i, line in enumerate(lines)
             if line.lstrip().startswith(('Cell In[', 'File "cell '))]
-    return "".join(lines[cell[0]:] if cell else lines).rstrip()
+    # and end there when it is at a pdb prompt: the debugger's frames are not the cell's
+    pdb = [i for i, line in enumerate(lines) if '/bdb.py"' in line]
+    return "".join(lines[cell[0] if cell else 0:pdb[0] if pdb else None]).rstrip()
+
+
+def main_thread_state() -> dict[str, Any]:
+    """Where the main thread is, and in what: ``state`` "collective" (in torch.distributed;
+    ``place`` is then the call that got there, "`dist.all_reduce(t)` (Cell In[5], line 2)"),
+    "debugger" (stopped at a breakpoint), "running" (a cell, elsewhere) or "no cell" (busy
+    with something else, or done); ``place`` the innermost frame, "`time.sleep(.1)` (Cell
+    In[5], line 3)"."""
+    from meshlab.rank import cell_exec, debugger
+
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    place = _place(frame) if frame is not None else "(no main thread frame)"
+    stopped = debugger.stopped()
+    if not cell_exec.running:
+        state = "no cell"
+    elif stopped is not None:
+        state = "debugger"
+        place = f"`{stopped['code']}` ({stopped['file']}, line {stopped['line']})"
+    elif frame is not None and "/torch/distributed/" in frame.f_code.co_filename:
+        state = "collective"
+        caller = frame  # the place is the call that got there: `dist.all_reduce(t)`
+        while caller.f_back is not None and "/torch/" in caller.f_code.co_filename:
+            caller = caller.f_back
+        place = _place(caller)
+    else:
+        state = "running"
+    return {"state": state, "place": place}
 
 
 def stop_ignored() -> dict[str, Any]:
@@ -49,38 +78,28 @@ def stop_ignored() -> dict[str, Any]:
     collective returns, at the process-group timeout, and a stop pending then would cut
     short what the cell does about it, so none is sent), "ignored" (signalled), "native" (a
     call that has not returned to Python since the SIGINT came) or "no cell" (not in a
-    cell: busy with something else, or done).
-    ``place`` is the innermost frame, "`time.sleep(.1)` (Cell In[5], line 3)" (in a
-    collective, the call that got there: "`dist.all_reduce(t)` (Cell In[5], line 2)").
+    cell: busy with something else, or done); ``place`` as main_thread_state says.
     """
     from meshlab.rank import cell_exec
 
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
-    place = _place(frame) if frame is not None else "(no main thread frame)"
-    if not cell_exec.running:
-        state = "no cell"
-    elif frame is not None and "/torch/distributed/" in frame.f_code.co_filename:
-        state = "collective"
-        caller = frame  # the place is the call that got there: `dist.all_reduce(t)`
-        while caller.f_back is not None and "/torch/" in caller.f_code.co_filename:
-            caller = caller.f_back
-        place = _place(caller)
-    elif cell_exec.interrupts:  # its SIGINT handler ran, yet the cell goes on: it caught it
-        state = "ignored"
-        signal.pthread_kill(threading.main_thread().ident or 0, cell_exec.STOP_SIGNAL)
-    else:
-        state = "native"
-    return {"state": state, "place": place, "stack": main_thread_stack()}
+    found = main_thread_state()
+    if found["state"] in ("running", "debugger"):
+        if cell_exec.interrupts:  # its SIGINT handler ran, yet the cell goes on: it caught it
+            found["state"] = "ignored"
+            signal.pthread_kill(threading.main_thread().ident or 0, cell_exec.STOP_SIGNAL)
+        else:
+            found["state"] = "native"
+    return {**found, "stack": main_thread_stack()}
 
 
 def _place(frame: Any) -> str:
     path, line = frame.f_code.co_filename, frame.f_lineno
-    name = _short_paths(f'File "{path}"').removeprefix('File "').strip('"')
+    name = short_paths(f'File "{path}"').removeprefix('File "').strip('"')
     code = linecache.getline(path, line).strip()
     return f"`{code}` ({name}, line {line})" if code else f"{name}, line {line}"
 
 
-def _short_paths(line: str) -> str:
+def short_paths(line: str) -> str:
     # Same code on every rank should give the same text, so stacks group across ranks;
     # a cell reads as in a traceback, "Cell In[7]", where the kernel knows its number.
     line = re.sub(f'File "({_CELL_FILE})"', lambda m: _cell_name(m[1], quoted=True), line)
@@ -140,6 +159,13 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
                                    for path, n in _cell_files.items()})
     if what == "stop":
         return stop_ignored()
+    if what == "where":
+        return main_thread_state()
+    if what == "debug":
+        from meshlab.rank import debugger
+
+        return debugger.command(str(request.get("command", "")),
+                                float(request.get("wait", debugger.STEP_WAIT)))
     if what == "status":
         return rank_status(runtime._state)
     if what == "complete":
@@ -153,7 +179,8 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
     if what == "defined":
         return [n for n in request.get("names", []) if n in namespace]
     raise ValueError(f"unknown probe {what!r}: expected clock, stack, native_stack, stop, "
-                     "status, complete, collectives, optimizer_steps, postmortem or defined")
+                     "where, debug, status, complete, collectives, optimizer_steps, "
+                     "postmortem or defined")
 
 
 def serve(kernel: Any, namespace: dict[str, Any],
@@ -236,9 +263,9 @@ def postmortem(limit: int = 40) -> dict[str, Any] | None:
              if not name.startswith("__")}
     return {
         "error": f"{type(error).__name__}: {error}",
-        "traceback": "".join(_short_paths(line) for line in
+        "traceback": "".join(short_paths(line) for line in
                              traceback.format_exception(type(error), error, error.__traceback__)),
-        "frame": f"{_short_paths(frame.f_code.co_filename)}, line {frame.f_lineno}, in "
+        "frame": f"{short_paths(frame.f_code.co_filename)}, line {frame.f_lineno}, in "
                  f"{frame.f_code.co_name}",
         "locals": local,
     }
