@@ -11,7 +11,8 @@
 #               predicted step beside the measured one (ratio)
 #   tests_gpu   pytest tests/gpu (torch's ring attention at cp=1, FP8 through torchao, chunked
 #               attention's HBM peak, fp16 loss scaling, 8-bit AdamW beside torchao's, the
-#               fused attention kernels calibrate times)
+#               fused attention kernels calibrate times, a training step's CUDA allocator
+#               history for pytorch.org/memory_viz)
 #   tests_rank  pytest tests/rank/test_offload_gpu.py tests/rank/test_kernel_bench.py
 #   kernels     benchmarks/kernels.py: meshlab's Triton kernels beside eager, torch.compile
 #               and Liger-Kernel, % of HBM peak
@@ -105,6 +106,7 @@ part calibrate 100 "$PY" $H/calibrate_pass.py --backend "$BACKEND" ${RANKS:+--ra
     --profile "$GPU_PASS_RESULTS/calibrated.toml"
 part tests_gpu 150 "$PY" -m pytest tests/gpu/test_ring_attention_gpu.py tests/gpu/test_fp8_gpu.py \
     tests/gpu/test_long_context_gpu.py tests/gpu/test_attention_gpu.py \
+    tests/gpu/test_memory_history_gpu.py \
     -q --timeout 120 -p no:cacheprovider -s \
     --junitxml "$GPU_PASS_RESULTS/tests_gpu.xml" -rs
 part tests_rank 80 "$PY" -m pytest tests/rank/test_offload_gpu.py tests/rank/test_kernel_bench.py \

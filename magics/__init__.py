@@ -22,12 +22,14 @@ from meshlab.notebook.calibrate import calibration_tables
 from meshlab.notebook.charts import (
     comms_chart,
     memory_chart,
+    memory_timeline_chart,
     plan_comm_chart,
     plan_memory_chart,
     timeline_chart,
 )
 from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.debug_prompt import Prompt
+from meshlab.notebook.memory_snapshots import ran_out
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
@@ -284,9 +286,13 @@ class MeshMagics(Magics):
             result = self.session.run(cell, args.ranks, args.timeout, on_output=live.update,
                                       keep_values=bool(args.output), comms=args.comms,
                                       profile=args.profile, profile_dir=args.profile_dir,
-                                      max_lines=args.max_lines, on_breakpoint=prompt)
+                                      max_lines=args.max_lines, on_breakpoint=prompt,
+                                      memory=args.memory, memory_dir=args.memory_dir,
+                                      on_oom=args.on_oom or None)
         except MeshError as e:
             live.finish(e.result, prompt.transcript)
+            if e.result.memory and (args.memory or args.memory_dir or ran_out(e.result)):
+                display(memory_timeline_chart(e.result.memory, ran_out(e.result)))
             if args.output:
                 self.shell.user_ns[args.output] = e.result.values
             if e.result.profile is not None:
@@ -300,6 +306,8 @@ class MeshMagics(Magics):
             display(*comms_tables(frame), comms_chart(frame))
         if result.profile is not None:
             display(*profile_views(result.profile))
+        if result.memory:
+            display(memory_timeline_chart(result.memory))
 
     def _auto_off(self) -> None:
         self.auto = False

@@ -264,6 +264,14 @@ def export(line: str) -> None:
 @argument("--max-lines", type=count, metavar="N",
           help="keep at most N lines of each rank's stdout and stderr (default 5000); the "
           "rest goes to a file per rank, named under the output")
+@argument("--memory", action="store_true",
+          help="every rank's memory over the cell, by category (parameters, gradients, "
+          "optimizer states, activations, temporaries) and module: a chart per rank, the "
+          "peak named")
+@argument("--memory-dir", metavar="DIR", help="with --memory (implied): also write each rank's "
+          "snapshot as DIR/rank<N>.pickle, which pytorch.org/memory_viz opens")
+@argument("--on-oom", action="store_true", help="track memory too; a rank that runs out writes "
+          "its snapshot, and the error says where and shows its chart")
 def cell(line: str) -> None:
     """%%mesh: run the cell on every rank; `rank`, `world_size`, `device`, `dist` are defined."""
 

@@ -54,6 +54,14 @@ def measure_memory(model: str, optimizer: str | None, inputs: str | None) -> Any
 
 
 @ipp.interactive
+def start_memory() -> str:
+    import meshlab.measure.memory_timeline
+
+    # the models and optimizers the cell can reach by name are what it tracks
+    return meshlab.measure.memory_timeline.start(globals())
+
+
+@ipp.interactive
 def build_mesh(spec: Any) -> None:
     import meshlab.mesh
 

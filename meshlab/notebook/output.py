@@ -74,6 +74,7 @@ class CellResult:
     values: dict[int, Any] = field(default_factory=dict)  # last-expression values, if pulled
     comms: dict[int, list[Any]] = field(default_factory=dict)  # traced collectives, if asked
     profile: Any = None  # a CellProfile (meshlab.notebook.cell_profile), if asked
+    memory: dict[int, Any] = field(default_factory=dict)  # rank -> its MemoryTimeline, if asked
     collectives: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # on a hang
     full_output: str | None = None  # folder with each rank's whole output, if some was cut
     # what threads other than the cell's printed meanwhile (or since the last cell): thread

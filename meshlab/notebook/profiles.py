@@ -36,6 +36,9 @@ class Profile:
     """Seconds to wait for engines to register before failing with their logs."""
     debug: bool = False
     """Set TORCH_DISTRIBUTED_DEBUG=DETAIL on every rank (mismatched collectives raise at once)."""
+    memory_on_oom: bool = False
+    """Track every cell's memory (as ``%%mesh --on-oom``): a rank that runs out writes its
+    snapshot, the error says where. On CPU ranks each op then costs more."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set on every rank before torch initialises."""
     controller_ip: str = "127.0.0.1"
@@ -187,7 +190,8 @@ def from_dict(name: str, data: dict[str, Any]) -> Profile:
         )
     cluster = dict(data.get("cluster", {}))
     known = {"launcher", "ranks", "backend", "cell_timeout", "pg_timeout", "start_timeout", "debug",
-             "controller_ip", "allow_all_interfaces", "hosts", "ranks_per_host", "fork"}
+             "memory_on_oom", "controller_ip", "allow_all_interfaces", "hosts", "ranks_per_host",
+             "fork"}
     unknown = set(cluster) - known
     if unknown:
         raise ValueError(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import meshlab.measure.comms
 import meshlab.measure.profiling
+import meshlab.notebook.on_ranks
 from meshlab.notebook.cell import CellRun
 from meshlab.notebook.output import CellResult, MeshError, group
 from meshlab.notebook.ranks import label
@@ -55,6 +56,7 @@ class CellRunning:
         comms: bool = False,
         profile: bool = False,
         trace: bool = False,
+        memory: bool = False,
         number: int | None = None,
         on_breakpoint: Callable[[Debugger], None] | None = None,
     ) -> CellResult:
@@ -68,6 +70,8 @@ class CellRunning:
         ``profile`` profiles every rank (torch.profiler and timed collectives) into
         ``result.profile``, a CellProfile on the notebook's clock; ``trace`` keeps torch's
         own trace of every rank in it too (what a Perfetto file shows: every op and thread).
+        ``memory`` tracks every rank's memory over the cell, by category and module, into
+        ``result.memory`` (rank -> meshlab.measure.memory_timeline.MemoryTimeline).
         ``number``: the ranks run the cell as In [number] (the notebook's), so tracebacks
         and stacks name it; without it, the count of cells this cluster ran.
         ``on_breakpoint`` drives the debugger when a rank stops at ``breakpoint()`` (see
@@ -86,6 +90,9 @@ class CellRunning:
                 view.apply_sync(meshlab.measure.profiling.start, trace)
             else:
                 view.apply_sync(meshlab.measure.comms.start)
+        if memory:  # last before the cell: the tracker sees the cell's ops only
+            self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(
+                meshlab.notebook.on_ranks.start_memory)
         self._cells_run += 1
         number = self._cells_run if number is None else number
         cell = CellRun(cast("Cluster", self),  # the Cluster this is mixed into
@@ -99,6 +106,8 @@ class CellRunning:
                 result.comms = {r: p.collectives for r, p in result.profile.ranks.items()}
         elif comms:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
+        if memory:
+            result.memory = self._collect_memory([r for r in ranks if r not in cell.stuck])
         self._after_cell(cell, result, code)
         if keep_values:
             result.values, unsent = cell.values()
@@ -126,6 +135,13 @@ class CellRunning:
         ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
             meshlab.measure.comms.stop)
         return dict(zip(alive, ar.get(timeout=30), strict=True))
+
+    def _collect_memory(self, ranks: list[int]) -> dict[int, Any]:
+        from meshlab.measure.memory_timeline import stop  # torch's trackers: when asked for
+
+        pending = {r: self._client[self._engines[r]].apply_async(stop, rank=r)
+                   for r in ranks if r not in self._dead}
+        return {r: t for r, ar in pending.items() if (t := ar.get(timeout=60)) is not None}
 
     def _collect_profiles(self, ranks: list[int], clocks_before: dict[int, tuple[int, int]]
                           ) -> Any:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from meshlab.mesh import MeshSpec
-from meshlab.notebook import restore
+from meshlab.notebook import memory_snapshots, restore
 from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.errors import SessionError
@@ -142,7 +142,9 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             = None, keep_values: bool = False, comms: bool = False,
             profile: bool = False, profile_dir: str | Path | None = None,
             max_lines: int | None = None,
-            on_breakpoint: Callable[[Debugger], None] | None = None) -> CellResult:
+            on_breakpoint: Callable[[Debugger], None] | None = None,
+            memory: bool = False, memory_dir: str | Path | None = None,
+            on_oom: bool | None = None) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options. ``max_lines``: keep at most this many lines of
@@ -152,10 +154,18 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         ``profile_dir`` also writes it there as one Chrome/Perfetto trace, ``cell-N.json``.
         ``on_breakpoint``: called with a Debugger (meshlab.notebook.debugger) when a rank
         stops at ``breakpoint()``; by default a pdb prompt where ``input()`` reads
-        (meshlab.notebook.debug_prompt)."""
+        (meshlab.notebook.debug_prompt).
+        ``memory``: every rank's memory over the cell by category and module, into
+        ``result.memory``; ``memory_dir`` also writes each rank's snapshot there as
+        ``rank<N>.pickle`` (pytorch.org/memory_viz opens it); ``on_oom`` (default: the
+        profile's ``memory_on_oom``) tracks it too and writes the snapshot of a rank that ran
+        out of memory, its error saying where (meshlab.notebook.memory_snapshots)."""
         cluster, number = self.need_cluster(), self.cell_number()
         if profile_dir is not None:  # before it runs: a trace it cannot write loses no cell
             profile_dir = output_folder(profile_dir, "--profile-dir")
+        memory_folder = output_folder(memory_dir, "--memory-dir") if memory_dir else None
+        on_oom = cluster.profile.memory_on_oom if on_oom is None else on_oom
+        track = memory or memory_folder is not None or on_oom
         default = cluster.max_output_lines
         try:
             cluster.max_output_lines = max_lines or default
@@ -163,16 +173,21 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
                                  keep_values=keep_values, comms=comms,
                                  profile=profile or profile_dir is not None,
                                  trace=profile_dir is not None, number=number,
-                                 on_breakpoint=on_breakpoint or Prompt())
+                                 on_breakpoint=on_breakpoint or Prompt(), memory=track)
         except MeshError as e:  # not exported, but export names what later cells needed
             self.need_journal().record_failure(code, number)
             if profile_dir is not None and e.result.profile is not None:
                 e.result.profile.save(profile_dir, f"cell-{number}")  # a failure's too
+            if track:  # a rank that ran out: its snapshot, and the error says where
+                memory_snapshots.keep(e.result, cluster, memory_folder, on_oom, number)
+                raise MeshError(e.result) from None
             raise
         finally:
             cluster.max_output_lines = default
         if profile_dir is not None and result.profile is not None:
             result.profile.save(profile_dir, f"cell-{number}")
+        if memory_folder is not None:
+            memory_snapshots.keep(result, cluster, memory_folder, False, number)
         steps = self.optimizer_steps
         self.optimizer_steps = result.optimizer_steps if result.optimizer_steps is not None \
             else cluster.optimizer_steps(result.ranks)  # a rank did not report: ask them

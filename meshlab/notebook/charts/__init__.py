@@ -4,9 +4,9 @@ kernel, and as SVG drawn here for nbconvert and viewers without Vega. No JavaScr
 from a CDN, and no widget state has to be saved.
 
 Each feature's charts are in a module named as the tables beside them (tables/): comms,
-memory, schedule, profile, plan, dryrun, layout_diff, losses; offline holds OfflineChart, fit the
-units and sizes they share. The magics, tables/, bench.py, activation_chart.py and the
-notebooks import every name from here.
+memory (and memory_timeline), schedule, profile, plan, dryrun, layout_diff, losses; offline
+holds OfflineChart, fit the units and sizes they share. The magics, tables/, bench.py,
+activation_chart.py and the notebooks import every name from here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from meshlab.notebook.charts.fit import (
 from meshlab.notebook.charts.layout_diff import layout_diff_chart
 from meshlab.notebook.charts.losses import losses_chart
 from meshlab.notebook.charts.memory import MEMORY_PARTS, PLACES, memory_chart
+from meshlab.notebook.charts.memory_timeline import memory_timeline_chart
 from meshlab.notebook.charts.offline import EMBED, VEGALITE, VEGALITE_SCHEMA, OfflineChart
 from meshlab.notebook.charts.plan import plan_comm_chart, plan_memory_chart
 from meshlab.notebook.charts.profile import AXIS_COLOURS, WORK_COLOURS, profile_chart
@@ -48,6 +49,7 @@ __all__ = [
     "OUTPUT", "PLACES", "PX_PER_CHAR", "PX_PER_LABEL_CHAR", "ROW", "SECOND_UNITS", "THIN_PX",
     "VEGALITE", "VEGALITE_SCHEMA", "WIDTH", "WORK_COLOURS", "OfflineChart", "byte_unit",
     "bytes_text", "chart_legend", "chunk_labels", "comms_chart", "dryrun_memory_chart",
-    "interactive", "layout_diff_chart", "losses_chart", "memory_chart", "plan_comm_chart",
+    "interactive", "layout_diff_chart", "losses_chart", "memory_chart", "memory_timeline_chart",
+    "plan_comm_chart",
     "plan_memory_chart", "profile_chart", "second_unit", "timeline_chart",
 ]
