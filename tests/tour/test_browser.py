@@ -722,3 +722,57 @@ def test_a_notebook_without_widget_state_reads_without_javascript(
     assert charts.count() >= held["charts"] > 0
     page.screenshot(path=str(ARTIFACTS / "02-static.png"), full_page=True)
     context.close()
+
+
+DEBUGGED = ["%load_ext meshlab\n%mesh start 2",
+            "%%mesh\nx = rank * 7 + 5\nif rank == 1:\n    breakpoint()\n    x = 0\ny = x",
+            "%mesh stop"]
+
+
+def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
+        browser: Any, jupyterlab: str, lab_root: Path) -> None:
+    import nbformat
+
+    name = "debugged"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in DEBUGGED])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, lab_root / f"{name}.ipynb")
+    base, token = jupyterlab.split("|")
+    requests: list[str] = []
+    errors: list[str] = []
+    page = watched_page(browser, requests, errors)
+    page.goto(f"{base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)
+    page.wait_for_timeout(2000)
+    accept_dialogs(page)
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    try:  # the prompt JupyterLab draws for input(): rank 1 stopped, named with its place
+        answer = page.locator(".jp-Stdin-input")
+        answer.wait_for(timeout=120_000)
+        assert "(Pdb rank 1)" in page.locator(".jp-Stdin-prompt").inner_text()
+        answer.fill("p x")
+        answer.press("Enter")
+        # the typed command echoed, rank 1's x below it (7 + 5)
+        page.wait_for_function("() => /Pdb rank 1\\)\\s*p x\\s*\\n\\s*12\\b/.test("
+                               "document.querySelector('.jp-Notebook').innerText)",
+                               timeout=30_000)
+        answer = page.locator(".jp-Stdin-input")
+        answer.wait_for(timeout=30_000)
+        answer.fill("c")
+        answer.press("Enter")
+        page.wait_for_function(ALL_RAN, timeout=120_000)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session"
+                      ".shutdown()")  # its ranks would slow the tests after this one
+        raise
+    text = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    assert "[rank 1] stopped at Cell In[" in text and "`x = 0`" in text
+    assert "stopped 2 ranks" in text  # the cell went on and the next one ran
+    page.wait_for_timeout(500)
+    page.close()
+    outside = [u for u in requests if not u.startswith((base, "data:", "blob:", "about:"))]
+    assert outside == [] and errors == [], (outside[:5], errors[:5])

@@ -526,3 +526,23 @@ def test_where_runs_part_notebook_names_the_injected_bug(executed: Any) -> None:
     charts = sum("image/svg+xml" in o.get("data", {}) for c in nb.cells
                  for o in c.get("outputs", []))
     assert charts == 5  # four diffs' heat maps and the loss curves
+
+
+def test_inside_a_rank_notebook_debugs_a_rank_and_charts_its_memory(executed: Any) -> None:
+    nb, _ = executed("19-inside-a-rank.ipynb")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    shown = [texts(c) for c in code]
+    # nbclient has no stdin: the stopped rank is named, goes on, and the cell says so
+    assert "[rank 1] stopped at Cell In[2], line 4, in <module>: `x = x + 1`" in shown[1]
+    assert "this front end cannot answer a prompt (no stdin)" in shown[1]
+    assert "variables in Cell In[3], line 3, in scale:\n  v = 19\n  w = 57" in shown[3]
+    assert "main thread (idle), native frames included:" in shown[4]
+    assert "epoll_wait" in shown[4] or "py-spy" in shown[4]
+    assert shown[8].startswith("memory snapshots of [ranks 0-3]: ")
+    assert "<panelled chart: memory over the cell per rank (KiB)>" in shown[8]
+    assert "[rank 2] RuntimeError: [enforce fail at alloc_cpu.cpp" in shown[10]
+    assert "rank 2 ran out of memory: its snapshot is " in shown[10]
+    assert "process group failed" not in shown[10]
+    assert scratch_files(nb) == [f"rank{r}.pickle" for r in range(4)]
+    charts = sum("image/svg+xml" in o.get("data", {}) for c in code for o in c.outputs)
+    assert charts == 3  # the step's memory, %mesh memory's bars, the ranks' up to running out
