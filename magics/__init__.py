@@ -29,7 +29,7 @@ from meshlab.notebook.charts import (
 )
 from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.debug_prompt import Prompt
-from meshlab.notebook.memory_snapshots import ran_out
+from meshlab.notebook.memory_snapshots import ran_out, where_saved
 from meshlab.notebook.output import LiveOutput, MeshError, strip_ansi, summary_lines
 from meshlab.notebook.session import Session
 from meshlab.notebook.tables.comms import comms_frame, comms_tables
@@ -307,6 +307,8 @@ class MeshMagics(Magics):
         if result.profile is not None:
             display(*profile_views(result.profile))
         if result.memory:
+            if args.memory_dir:
+                print(where_saved(sorted(result.memory), args.memory_dir))
             display(memory_timeline_chart(result.memory))
 
     def _auto_off(self) -> None:

@@ -66,6 +66,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, 
         self._hosts: list[dict[str, Any]] = []  # rank -> host, pid, gpus, cpus
         self._generation = 0
         self._cells_run = 0  # numbers the cells sent without one, alike on every rank
+        self._tracking: set[int] = set()  # ranks a --memory cell left tracking (it got stuck)
         self._members: list[int] | None = None  # ranks in the process group; None = all
         self.mesh_spec: MeshSpec | None = None  # the mesh every rank holds as `mesh`
         self._busy: dict[int, str] = {}  # rank -> msg id of a cell it has not finished
@@ -147,6 +148,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, 
             self.cell_channel.close()
         self._ipp = self._client = self.cell_channel = None
         self._engines, self._hosts, self._busy, self._dead = [], [], {}, {}
+        self._tracking = set()
         self._processes = EngineProcesses()
         self._generation, self._needs_regroup, self._members = 0, False, None
         self._diverged, self._wedged, self._recovered = None, False, []

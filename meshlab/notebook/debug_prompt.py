@@ -51,6 +51,13 @@ class Prompt:
             except EOFError:  # nothing more to read (a script's closed stdin): they go on
                 self._show("stdin closed: the stopped ranks continue")
                 return
+            except Exception as e:  # IPython's StdinNotImplementedError: nbclient, nbconvert
+                if type(e).__name__ != "StdinNotImplementedError":
+                    raise
+                self._show("this front end cannot answer a prompt (no stdin): the stopped "
+                           "ranks continue. JupyterLab, the notebook and IPython give one; "
+                           "from code: Session.run(code, on_breakpoint=...)")
+                return
             self.transcript.append(self._prompt(debugger) + line)
             self._run(debugger, line.strip())
             self._show_stops(debugger)

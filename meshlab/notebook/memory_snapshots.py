@@ -28,16 +28,26 @@ def ran_out(result: CellResult) -> list[int]:
                                           or any(t in out.error.evalue for t in OOM_TEXT))]
 
 
+def save_all(result: CellResult, folder: Path) -> str:
+    """Write every rank's snapshot into ``folder``; the line that says where."""
+    for r in sorted(result.memory):
+        result.memory[r].save(folder)
+    return where_saved(sorted(result.memory), folder)
+
+
+def where_saved(ranks: list[int], folder: str | Path) -> str:
+    """The line that says where ``ranks``' snapshots are."""
+    return f"memory snapshots of {label(ranks)}: {folder}/rank<N>.pickle; {VIEWER}" \
+        if ranks else ""
+
+
 def keep(result: CellResult, cluster: Cluster, folder: Path | None, on_oom: bool,
          number: int) -> None:
-    """Write the snapshots asked for and say where in ``result.notes``: every rank's into
-    ``folder``; with ``on_oom``, those of the ranks that ran out (into ``folder``, else the
-    cluster's private folder, which goes when the cluster stops)."""
-    if folder is not None:
-        written = [result.memory[r].save(folder) for r in sorted(result.memory)]
-        if written:
-            result.notes.append(f"memory snapshots of {label(sorted(result.memory))}: "
-                                f"{folder}/rank<N>.pickle; {VIEWER}")
+    """A failed cell's snapshots, said in ``result.notes`` (its error's last lines): every
+    rank's into ``folder``; with ``on_oom``, those of the ranks that ran out (into
+    ``folder``, else the cluster's private folder, which goes when the cluster stops)."""
+    if folder is not None and (line := save_all(result, folder)):
+        result.notes.append(line)
     out = [r for r in ran_out(result) if r in result.memory] if on_oom else []
     if not out:
         return
@@ -49,5 +59,5 @@ def keep(result: CellResult, cluster: Cluster, folder: Path | None, on_oom: bool
                                           "DIR keeps it)")
     files = ", ".join(str(where / f"rank{r}.pickle") for r in out)
     who = f"rank{'s' if len(out) > 1 else ''} {format_ranks(out)}"
-    result.notes.append(f"{who} ran out of memory: snapshot {files}{kept}; {VIEWER}; the "
-                        "chart shows its memory up to the failure")
+    result.notes.append(f"{who} ran out of memory: its snapshot is {files}{kept}; the chart "
+                        "shows its memory up to the failure")

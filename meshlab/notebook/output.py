@@ -19,7 +19,8 @@ BACKEND_ERRORS = ("DistBackendError", "DistError", "DistNetworkError", "DistStor
 # what gloo and NCCL say when a peer failed, timed out or went away
 _BACKEND_TEXT = re.compile(r"\bgloo\b|\bNCCL\b|ProcessGroup|Connection closed by peer|"
                            r"pair closure|Connection reset by peer")
-_INTERNAL_FRAME = re.compile(r"(/ipyparallel/|/ipykernel/|/meshlab/(?!models/)|/IPython/core/)")
+_INTERNAL_FRAME = re.compile(r"(/ipyparallel/|/ipykernel/|/meshlab/(?!models/)|/IPython/core/|"
+                             r"/torch/distributed/_tools/)")
 
 
 def strip_ansi(text: str) -> str:
@@ -43,7 +44,9 @@ class RankError:
         plain RuntimeError): a consequence, usually, of another rank's failure."""
         if self.ename in BACKEND_ERRORS or _BACKEND_TEXT.search(self.evalue):
             return True
-        return any("torch/distributed/" in strip_ansi(chunk) for chunk in self.traceback)
+        # torch's memory trackers (%%mesh --memory) sit in every op's frames: not the backend
+        return any("torch/distributed/" in text and "torch/distributed/_tools/" not in text
+                   for text in map(strip_ansi, self.traceback))
 
 
 @dataclass(slots=True)

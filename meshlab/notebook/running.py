@@ -34,6 +34,7 @@ class CellRunning:
     _hosts: list[dict[str, Any]]
     _dead: dict[int, str]
     _cells_run: int
+    _tracking: set[int]
     mesh_spec: MeshSpec | None
     profile: Profile
     _ranks: Callable[..., list[int]]
@@ -90,6 +91,7 @@ class CellRunning:
                 view.apply_sync(meshlab.measure.profiling.start, trace)
             else:
                 view.apply_sync(meshlab.measure.comms.start)
+        self._stop_tracking([r for r in self._tracking if r not in self._dead])
         if memory:  # last before the cell: the tracker sees the cell's ops only
             self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(
                 meshlab.notebook.on_ranks.start_memory)
@@ -108,6 +110,7 @@ class CellRunning:
             result.comms = self._collect_traces([r for r in ranks if r not in cell.stuck])
         if memory:
             result.memory = self._collect_memory([r for r in ranks if r not in cell.stuck])
+            self._tracking |= set(cell.stuck)  # stopped when they are free, before a cell
         self._after_cell(cell, result, code)
         if keep_values:
             result.values, unsent = cell.values()
@@ -135,6 +138,15 @@ class CellRunning:
         ar = self._client.direct_view([self._engines[r] for r in alive]).apply_async(
             meshlab.measure.comms.stop)
         return dict(zip(alive, ar.get(timeout=30), strict=True))
+
+    def _stop_tracking(self, ranks: list[int]) -> None:
+        """End the memory tracking a stuck --memory cell left on ``ranks`` (freed since)."""
+        if not ranks:
+            return
+        from meshlab.measure.memory_timeline import stop_tracking
+
+        self._client.direct_view([self._engines[r] for r in ranks]).apply_sync(stop_tracking)
+        self._tracking -= set(ranks)
 
     def _collect_memory(self, ranks: list[int]) -> dict[int, Any]:
         from meshlab.measure.memory_timeline import stop  # torch's trackers: when asked for

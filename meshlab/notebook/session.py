@@ -187,7 +187,7 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         if profile_dir is not None and result.profile is not None:
             result.profile.save(profile_dir, f"cell-{number}")
         if memory_folder is not None:
-            memory_snapshots.keep(result, cluster, memory_folder, False, number)
+            memory_snapshots.save_all(result, memory_folder)
         steps = self.optimizer_steps
         self.optimizer_steps = result.optimizer_steps if result.optimizer_steps is not None \
             else cluster.optimizer_steps(result.ranks)  # a rank did not report: ask them
