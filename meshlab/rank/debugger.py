@@ -19,7 +19,7 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-from meshlab.rank.probe_server import short_paths
+from meshlab.rank.cell_names import short_paths
 
 STEP_WAIT = 2.0  # seconds a stepping command gets to stop again before it reads as running
 _LEAVE = {"c", "cont", "continue", "q", "quit", "exit"}  # commands that do not stop again

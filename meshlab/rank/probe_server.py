@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import linecache
 import os
-import re
 import rlcompleter
 import signal
 import socket
@@ -23,8 +22,8 @@ from typing import Any
 
 import torch
 
-_cell_files: Mapping[str, int] = {}  # a cell's file -> its In [n]: the kernel's record (serve)
-_CELL_FILE = r'[^"\s]*/ipykernel_\d+/\d+\.py'  # ipykernel's name for a cell's code
+from meshlab.rank import cell_names
+from meshlab.rank.cell_names import short_paths
 
 
 def main_thread_stack(limit: int = 60) -> str:
@@ -99,22 +98,6 @@ def _place(frame: Any) -> str:
     return f"`{code}` ({name}, line {line})" if code else f"{name}, line {line}"
 
 
-def short_paths(line: str) -> str:
-    # Same code on every rank should give the same text, so stacks group across ranks;
-    # a cell reads as in a traceback, "Cell In[7]", where the kernel knows its number.
-    line = re.sub(f'File "({_CELL_FILE})"', lambda m: _cell_name(m[1], quoted=True), line)
-    line = re.sub(_CELL_FILE, lambda m: _cell_name(m[0], quoted=False), line)
-    return re.sub(r'"[^"]*/site-packages/', '"', line)
-
-
-def _cell_name(path: str, quoted: bool) -> str:
-    number = _cell_files.get(path)
-    if number is not None:
-        return f"Cell In[{number}]"
-    name = f"cell {os.path.basename(path)}"
-    return f'File "{name}"' if quoted else name
-
-
 def rss_bytes() -> int:
     """Resident memory of this process."""
     try:
@@ -156,7 +139,7 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         from meshlab.rank.native_stacks import native_stack
 
         return native_stack(cells={os.path.basename(path): n
-                                   for path, n in _cell_files.items()})
+                                   for path, n in cell_names.cell_files.items()})
     if what == "stop":
         return stop_ignored()
     if what == "where":
@@ -191,8 +174,7 @@ def serve(kernel: Any, namespace: dict[str, Any],
     thread is stuck in a collective. ``cell_files`` maps a cell's file to its In [n]
     (IPython keeps it), so stacks name cells by number.
     """
-    global _cell_files
-    _cell_files = cell_files if cell_files is not None else {}
+    cell_names.cell_files = cell_files if cell_files is not None else {}
 
     def handle(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         try:
