@@ -37,6 +37,7 @@ class RankPdb(pdb.Pdb):
         self._changed = threading.Condition()  # guards what follows
         self._written: list[str] = []
         self.waiting = False  # at the prompt, a command awaited
+        self.taken = 0  # commands read
         self.stops = 0  # prompts opened, so a caller tells a new stop from the last
 
     # pdb's stdout and stdin
@@ -60,7 +61,8 @@ class RankPdb(pdb.Pdb):
                     continue
         finally:
             with self._changed:
-                self.waiting = False
+                self.waiting, self.taken = False, self.taken + 1
+                self._changed.notify_all()
 
     def _cmdloop(self) -> None:
         # pdb's own catches KeyboardInterrupt and prompts again; here Ctrl-C (and a time
@@ -91,8 +93,9 @@ class RankPdb(pdb.Pdb):
             if not self.waiting:
                 return {"state": "running", "output": ""}
             del self._written[:]
+            taken = self.taken
             self._commands.put(command)
-            self._changed.wait_for(lambda: not self.waiting, timeout=wait)
+            self._changed.wait_for(lambda: self.taken > taken, timeout=wait)
             leaves = bool(command.strip()) and command.split(maxsplit=1)[0] in _LEAVE
             # it leaves: the answer ends as it does; it steps: at the next prompt, or it
             # reads as running
