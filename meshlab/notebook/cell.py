@@ -229,7 +229,7 @@ class CellRun:
         if not running:  # the only rank still running just died
             return
         # ranks at a pdb prompt: Ctrl-C ends their debugger and cell like any other's
-        debugging = dict(self.debugger._where) if self.debugger is not None else {}
+        debugging = self.debugger.stopped() if self.debugger is not None else {}
         stacks = self.cluster.stacks(running) if why == "timeout" else {}
         found: dict[int, dict[str, Any]] = {}  # rank -> meshlab.rank.probe_server.stop_ignored's
         self.cluster.interrupt(running)

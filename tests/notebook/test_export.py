@@ -160,6 +160,19 @@ def test_a_comms_cell_exports_its_code_without_the_tracing() -> None:
     assert "--comms" not in text and "comms" not in text.split("# In [2]")[1]
 
 
+def test_a_breakpoint_exports_as_going_on_where_no_one_can_answer(tmp_path: Path) -> None:
+    text = script(journal((2, "%%mesh\nx = 1\nbreakpoint()\ny = x")), Layout(1, 4))
+    assert "sys.breakpointhook = lambda *args, **kwargs: None" in text
+    assert text.index("sys.breakpointhook") < text.index("# In [2]")
+    path = tmp_path / "hook.py"  # the hook as written makes breakpoint() a no-op
+    path.write_text("import sys\nsys.breakpointhook = lambda *args, **kwargs: None\n"
+                    "breakpoint()\nprint('went on')\n")
+    ran = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=60)
+    assert ran.stdout == "went on\n", ran.stderr
+    assert "breakpointhook" not in script(journal((2, "%%mesh\nx = 1")), Layout(1, 4))
+
+
 def test_launch_files_follow_torchrun_and_slurm_conventions() -> None:
     one = launch_script(Layout(1, 4))
     assert ('exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 4 train.py'

@@ -99,6 +99,10 @@ def script(journal: Journal, where: Layout, *, cells: str | None = None,
         f'names = runtime.init_from_env(backend="{backend}")',
         'rank, world_size, device = names["rank"], names["world_size"], names["device"]',
     ]
+    if any("breakpoint(" in e.code for e in entries):
+        lines += ["# breakpoint() stopped a rank at the notebook's pdb prompt; a batch job has no",
+                  "# one to answer it, so it goes on (as a replayed cell does)",
+                  "import sys", "sys.breakpointhook = lambda *args, **kwargs: None"]
     for e in entries:
         lines += ["", ""]
         if e.kind == "mesh":
