@@ -69,6 +69,8 @@ from meshlab.verify.comparison import (
     Comparison,
     data_rank,
     full_parameters,
+    largest_of,
+    relative_error,
     vocab_size,
 )
 from meshlab.verify.float64_variant import float64_throughout
@@ -235,9 +237,10 @@ def _compare(model: ModelConfig | Callable[[], torch.nn.Module], mesh: DeviceMes
     # every name of a tied weight: the parallel model may hold it under either (a stage)
     expected = dict(replicas[replica].named_parameters(remove_duplicate=False))
     worst, worst_error = "", 0.0
+    largest = largest_of(list(expected.values()))  # a parameter zero up to roundoff: to this
     for name, value in full_parameters(parallel).items():
         ref = _mine(value, expected[name].detach(), mesh)
-        error = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+        error = relative_error(value, ref, largest)
         if error >= worst_error:
             worst, worst_error = name, error
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))

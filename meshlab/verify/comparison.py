@@ -74,6 +74,33 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         quiet.setLevel(level)
 
 
+ZERO = 1e3
+"""A one-process tensor whose largest magnitude is below ZERO x unit roundoff x the largest of
+its kind (the model's parameters; a step's phase in the layout diff) is zero up to roundoff: a
+key bias, whose gradient softmax makes exactly zero, or that gradient itself. Its own
+magnitude is noise, so its error is held relative to that largest instead."""
+
+
+def relative_error(value: torch.Tensor, ref: torch.Tensor, largest: torch.Tensor | float
+                   ) -> float:
+    """|value - ref|'s largest over ref's largest magnitude, or over ``largest`` (of its kind)
+    where ref is zero up to roundoff (ZERO); infinite where either is not finite (a NaN
+    must read as the worst, never compare as no error)."""
+    if not ref.numel():
+        return 0.0
+    scale = ref.abs().max()
+    if scale <= ZERO * torch.finfo(ref.dtype).eps / 2 * largest:
+        scale = torch.as_tensor(largest, dtype=scale.dtype)
+    error = ((value - ref).abs().max() / scale.clamp_min(1e-30)).item()
+    return error if error == error else float("inf")
+
+
+def largest_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude among ``tensors``."""
+    return max((t.detach().abs().max() for t in tensors if t.numel()),
+               default=torch.tensor(0.0))
+
+
 TOLERANCES = {torch.bfloat16: (8e-4, 8e-3), torch.float16: (1e-4, 1e-3),
               torch.float32: (1e-5, 2e-4),
               torch.float64: (1e-9, 1e-8)}  # (loss, params)

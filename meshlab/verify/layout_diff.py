@@ -55,7 +55,7 @@ from torch import nn
 from meshlab.mesh import axis_size
 from meshlab.models import ModelConfig, Transformer, global_batch, local_batch
 from meshlab.parallel.compose import ParallelPlan, parallelize
-from meshlab.verify.comparison import data_rank, vocab_size, whole
+from meshlab.verify.comparison import ZERO, data_rank, vocab_size, whole
 from meshlab.verify.diff_recorder import Recorder, train
 
 PHASES = ("forward", "output gradient", "parameter gradient", "update")
@@ -321,12 +321,6 @@ def set_beside(mine: Recorder, alone: Recorder, mesh: Any, rank: int, ranks: int
         found.append(Difference(step, phase, name, me, error, tolerance, tuple(value.shape),
                                 order=alone.order.get(key, mine.order[key])))
     return found, missing
-
-
-ZERO = 1e3
-"""A one-process tensor whose largest magnitude is below ZERO x unit roundoff x the largest of
-its step's phase is zero up to roundoff (a key bias's gradient, which softmax makes exactly
-zero): its own magnitude is noise, so its error is held relative to the phase's largest."""
 
 
 def error_of(value: torch.Tensor, part: torch.Tensor, key: tuple[int, str, str],

@@ -12,6 +12,7 @@ import torch
 from meshlab.models import global_batch
 from meshlab.parallel.compose import ParallelPlan
 from meshlab.parallel.precision import LossScaledOptimizer, precision_of
+from meshlab.verify.comparison import largest_of, relative_error
 from meshlab.verify.training import LossFn, one_process_optimizer, replica_rows, train
 
 
@@ -105,10 +106,11 @@ def _largest_change(losses: list[float], reference: list[float]) -> float:
 
 
 def _moved(model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    """How far ``model``'s parameters are from ``reference``'s, each relative to its size."""
-    expected = dict(reference.named_parameters())
-    return max(((p.detach() - expected[n].detach()).abs().max()
-                / expected[n].detach().abs().max().clamp_min(1e-12)).item()
+    """How far ``model``'s parameters are from ``reference``'s, each relative to its size
+    (to the largest parameter's where it is zero up to roundoff: comparison.ZERO)."""
+    expected = {n: p.detach() for n, p in reference.named_parameters()}
+    largest = largest_of(list(expected.values()))
+    return max(relative_error(p.detach(), expected[n], largest)
                for n, p in model.named_parameters())
 
 
