@@ -17,16 +17,7 @@ from IPython.display import display
 
 from meshlab.mesh import crossing_hosts
 from meshlab.notebook import commands
-from meshlab.notebook.bench import bench_views
 from meshlab.notebook.calibrate import calibration_tables
-from meshlab.notebook.charts import (
-    comms_chart,
-    memory_chart,
-    memory_timeline_chart,
-    plan_comm_chart,
-    plan_memory_chart,
-    timeline_chart,
-)
 from meshlab.notebook.cluster import ClusterError
 from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.memory_snapshots import ran_out, where_saved
@@ -38,7 +29,6 @@ from meshlab.notebook.tables.layout_diff import layout_diff_views
 from meshlab.notebook.tables.losses import losses_views
 from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
-from meshlab.notebook.tables.profile import profile_views
 from meshlab.notebook.tables.schedule import schedule_table
 from meshlab.notebook.tables.status import status_table
 from meshlab.notebook.tables.table import Table
@@ -146,7 +136,7 @@ class MeshMagics(Magics):
     def _memory(self, args: Any) -> None:
         frame = self.session.memory(args.model, args.optimizer, stage=args.stage, dp=args.dp,
                                     inputs=args.inputs)
-        display(memory_table(frame), memory_chart(frame))
+        display(memory_table(frame), charts().memory_chart(frame))
 
     def _variable(self, option: str, name: str) -> Any:
         """The notebook variable an option names, or UsageError saying it is not there."""
@@ -183,7 +173,7 @@ class MeshMagics(Magics):
             namespace=self.shell.user_ns)
         if args.output:
             self.shell.user_ns[args.output] = schedules[0]
-        display(schedule_table(table), timeline_chart(frame))
+        display(schedule_table(table), charts().timeline_chart(frame))
 
     def _pipeline(self, args: Any) -> None:
         pipeline = self.session.pipeline(args.model, args.schedule,
@@ -193,7 +183,7 @@ class MeshMagics(Magics):
         s = pipeline.schedule
         print(f"{s.name} bound to {args.model}: {s.stages} stages on {s.ranks} pp ranks, "
               f"{s.microbatches} micro-batches; %mesh step N runs the next N slots")
-        display(timeline_chart(pipeline.frame()))
+        display(charts().timeline_chart(pipeline.frame()))
 
     def _step(self, args: Any) -> None:
         ran = self.session.step(None if args.all else args.n, profile=args.profile,
@@ -208,7 +198,7 @@ class MeshMagics(Magics):
         assert pipeline is not None  # step() refuses without one
         if pipeline.done:
             print(f"step complete: loss {pipeline.loss:.6f}")
-        display(timeline_chart(pipeline.frame()))
+        display(charts().timeline_chart(pipeline.frame()))
         if (args.profile or args.profile_dir) and pipeline.profile is not None:
             if pipeline.profile.saved is not None and args.profile_dir:
                 print(f"wrote {pipeline.profile.saved} (Perfetto, chrome://tracing)")
@@ -257,8 +247,8 @@ class MeshMagics(Magics):
             display(result)
         else:
             display(plan_summary(result), plan_table(result),
-                    plan_memory_chart(result.memory_frame()),
-                    plan_comm_chart(result.comm_frame()))
+                    charts().plan_memory_chart(result.memory_frame()),
+                    charts().plan_comm_chart(result.comm_frame()))
             if result.verified:
                 display(verified_table(result))
         if args.output:
@@ -292,7 +282,7 @@ class MeshMagics(Magics):
         except MeshError as e:
             live.finish(e.result, prompt.transcript)
             if e.result.memory and (args.memory or args.memory_dir or ran_out(e.result)):
-                display(memory_timeline_chart(e.result.memory, ran_out(e.result)))
+                display(charts().memory_timeline_chart(e.result.memory, ran_out(e.result)))
             if args.output:
                 self.shell.user_ns[args.output] = e.result.values
             if e.result.profile is not None:
@@ -303,18 +293,38 @@ class MeshMagics(Magics):
             self.shell.user_ns[args.output] = result.values
         if args.comms and (cluster := self.session.cluster) is not None:
             frame = comms_frame(result.comms, cluster.mesh_spec, cluster.world_size)
-            display(*comms_tables(frame), comms_chart(frame))
+            display(*comms_tables(frame), charts().comms_chart(frame))
         if result.profile is not None:
             display(*profile_views(result.profile))
         if result.memory:
             if args.memory_dir:
                 print(where_saved(sorted(result.memory), args.memory_dir))
-            display(memory_timeline_chart(result.memory))
+            display(charts().memory_timeline_chart(result.memory))
 
     def _auto_off(self) -> None:
         self.auto = False
         if _auto_transform in self.shell.input_transformers_cleanup:
             self.shell.input_transformers_cleanup.remove(_auto_transform)
+
+
+def charts() -> Any:
+    """meshlab.notebook.charts, imported when a chart is first drawn: altair and its schema
+    take a second or more that `%load_ext meshlab` need not spend (issue 61)."""
+    import meshlab.notebook.charts
+
+    return meshlab.notebook.charts
+
+
+def profile_views(profile: Any) -> list[Any]:
+    from meshlab.notebook.tables.profile import profile_views as views  # charts: see charts()
+
+    return list(views(profile))
+
+
+def bench_views(frame: Any) -> list[Any]:
+    from meshlab.notebook.bench import bench_views as views  # charts: see charts()
+
+    return list(views(frame))
 
 
 _INTERRUPTED = {

@@ -294,3 +294,15 @@ def test_ctrl_c_while_a_subcommand_waits_is_one_line_naming_what_to_do(
     result, shown = run(shell, "%mesh init dp=4")
     assert not result.success and "Traceback" not in shown
     assert "%mesh init interrupted. The ranks may still be building the mesh" in shown
+
+
+def test_loading_the_magics_leaves_charting_until_a_chart_is_drawn() -> None:
+    import subprocess
+    import sys
+
+    # altair and its JSON schema cost a second or more before a rank could start (issue 61)
+    code = ("import sys, meshlab.magics; "
+            "print(sorted(m for m in ('altair', 'jsonschema') if m in sys.modules))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert ran.stdout.strip() == "[]", ran.stdout + ran.stderr
