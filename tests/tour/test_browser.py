@@ -748,20 +748,26 @@ def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
     page.wait_for_timeout(2000)
     accept_dialogs(page)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-    try:  # the prompt JupyterLab draws for input(): rank 1 stopped, named with its place
-        answer = page.locator(".jp-Stdin-input")
-        answer.wait_for(timeout=120_000)
-        assert "(Pdb rank 1)" in page.locator(".jp-Stdin-prompt").inner_text()
-        answer.fill("p x")
-        answer.press("Enter")
+    # the prompt JupyterLab draws for input(); one answered may stay in the page beside the
+    # next, so each is marked once typed into
+    fresh = ".jp-Stdin-input:not([data-typed])"
+
+    def answer(text: str) -> None:
+        page.locator(fresh).first.wait_for(timeout=120_000)
+        box = page.locator(fresh).first.element_handle()
+        box.evaluate("e => { e.dataset.typed = '1'; }")
+        box.fill(text)
+        box.press("Enter")
+
+    try:  # rank 1 stopped, named in the prompt
+        page.locator(fresh).first.wait_for(timeout=120_000)
+        assert "(Pdb rank 1)" in page.locator(".jp-Stdin-prompt").last.inner_text()
+        answer("p x")
         # the typed command echoed, rank 1's x below it (7 + 5)
         page.wait_for_function("() => /Pdb rank 1\\)\\s*p x\\s*\\n\\s*12\\b/.test("
                                "document.querySelector('.jp-Notebook').innerText)",
                                timeout=30_000)
-        answer = page.locator(".jp-Stdin-input")
-        answer.wait_for(timeout=30_000)
-        answer.fill("c")
-        answer.press("Enter")
+        answer("c")
         page.wait_for_function(ALL_RAN, timeout=120_000)
     except Exception:
         page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
