@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlab import Cluster
+from meshlab import Cluster, Session
 
 # A short process-group timeout so the hung-collective test recovers in seconds.
 TEST_PROFILE = """
@@ -190,6 +190,15 @@ def healthy(cluster: Cluster) -> Cluster:
 def cluster(_shared_cluster: Cluster) -> Cluster:
     """The shared 4-rank cluster, healthy."""
     return healthy(_shared_cluster)
+
+
+@pytest.fixture
+def session(cluster: Cluster) -> Iterator[Session]:
+    """A Session driving the shared cluster (which outlives it)."""
+    s = Session()
+    s.cluster = cluster
+    yield s
+    s.cluster = None
 
 
 @pytest.fixture(scope="module")

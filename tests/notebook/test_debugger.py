@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,14 +28,6 @@ if rank == 1:
 dist.all_reduce(y, group=patient)
 z = x
 """
-
-
-@pytest.fixture
-def session(cluster: Cluster) -> Iterator[Session]:
-    s = Session()
-    s.cluster = cluster
-    yield s
-    s.cluster = None  # the shared cluster outlives it
 
 
 def _until(check: Any, timeout: float = 20.0) -> Any:

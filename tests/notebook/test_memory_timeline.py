@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.memory_snapshots import ran_out
 from meshlab.notebook.output import MeshError
 from meshlab.notebook.session import Session
@@ -29,14 +27,6 @@ del logits
 loss.backward()
 opt.step()
 """
-
-
-@pytest.fixture
-def session(cluster: Cluster) -> Iterator[Session]:
-    s = Session()
-    s.cluster = cluster
-    yield s
-    s.cluster = None  # the shared cluster outlives it
 
 
 def test_a_zero3_steps_memory_ends_at_what_mesh_memory_measures(session: Session,
