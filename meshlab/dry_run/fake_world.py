@@ -35,9 +35,11 @@ if not torch.cuda.is_available():
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from meshlab.measure.tracked_gradients import GradientsInGrad
 
 
 class _Propagating:
@@ -198,7 +200,7 @@ class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
         super()._track(reftype, t)
 
 
-class StepTracker(_CategoryPeaks, MemTracker):
+class StepTracker(_CategoryPeaks, GradientsInGrad, MemTracker):
     """torch's memory tracker for a model without FSDP (DDP, ZeRO-1, TP or EP alone)."""
 
     def __init__(self, modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
@@ -209,21 +211,7 @@ class StepTracker(_CategoryPeaks, MemTracker):
         inner = getattr(optimizer, "optim", None)
         wrapped = [inner] if isinstance(inner, torch.optim.Optimizer) else []
         self.track_external(*modules, optimizer, *wrapped)
-        self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        self._grad_hooks: list[Any] = []
-
-    def __enter__(self) -> StepTracker:
-        super().__enter__()
-        # a gradient is a gradient once autograd has put it in .grad (torch's tracker calls
-        # it a temporary until the step ends, an activation at the backward's peak)
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._is_gradient)
-                            for p in self._params]
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        for hook in self._grad_hooks:
-            hook.remove()
-        super().__exit__(*args)
+        self.watch_gradients([p for m in modules for p in m.parameters() if p.requires_grad])
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -234,11 +222,6 @@ class StepTracker(_CategoryPeaks, MemTracker):
             # ddp_without_peers counts): not a temporary of the backward
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _is_gradient(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD,
-                                                 update_existing=True)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         # torch's tracker refuses a root's second forward (it takes it for a second step);

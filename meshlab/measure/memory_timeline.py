@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
 from torch.distributed.fsdp import FSDPModule
+
+from meshlab.measure.tracked_gradients import GradientsInGrad
 
 # torch's categories (MemTracker's and FSDPMemTracker's) as the chart groups them
 CATEGORIES = {
@@ -133,7 +135,7 @@ class _Timeline:
         return module, phase
 
 
-class Tracker(_Timeline, MemTracker):
+class Tracker(_Timeline, GradientsInGrad, MemTracker):
     """torch's MemTracker over the namespace's models and optimizers."""
 
     def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]
@@ -141,26 +143,7 @@ class Tracker(_Timeline, MemTracker):
         super().__init__()
         self._start_timeline()
         self.track_external(*modules, *optimizers)
-        self._params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        self._hooks: list[Any] = []
-
-    def __enter__(self) -> Tracker:
-        super().__enter__()
-        # a gradient is a gradient once autograd put it in .grad (torch's tracker calls it a
-        # temporary until the step: as the dry run's tracker does, meshlab.dry_run.fake_world)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._is_gradient)
-                       for p in self._params]
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        super().__exit__(*args)
-
-    def _is_gradient(self, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD,
-                                                 update_existing=True)
+        self.watch_gradients([p for m in modules for p in m.parameters() if p.requires_grad])
 
 
 class FSDPTracker(_Timeline, FSDPMemTracker):
