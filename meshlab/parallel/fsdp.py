@@ -47,7 +47,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     # None keeps the parameters' own dtype; mixed precision passes bf16 and fp32
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw: dict[str, Any] = dict(mesh=dp, mp_policy=policy,
-                              offload_policy=offload_policy() if offload else OffloadPolicy())
+                              offload_policy=offload_policy() if offload else OffloadPolicy(),
+                              shard_placement_fn=_shard_placement(dp.mesh.shape[-1]))
     for _, block in items(find_blocks(model, blocks)[1]):
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root's parameters (embedding, norm, output) are used last in backward: no point
@@ -56,6 +57,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: boo
     _quiet_view_output(model)
     cast(Any, model).params_on_host = offload  # what meshlab.measure.memory.measure counts as host
     return model
+
+
+def _shard_placement(size: int) -> Any:
+    """FSDP splits dim 0, except where tensor parallel already splits dim 0 strided (a fused
+    projection's packed parts, meshlab.parallel.fused): FSDP's dim-0 split over a strided one
+    does not gather back whole (the full weight comes back in the wrong row order), so it
+    splits dim 1 instead, as it does over GPT-2's Conv1D (strided on dim 1); FSDP splits a
+    dim other than 0 only evenly."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def placement(param: nn.Parameter) -> Any:
+        strided = any(isinstance(p, _StridedShard) and p.dim == 0
+                      for p in getattr(param, "placements", ()))
+        if not strided or param.ndim < 2:
+            return None
+        if param.shape[1] % size:
+            raise ValueError(f"a fused projection's weight {tuple(param.shape)}, split by tp "
+                             f"along its packed outputs, is split by FSDP along its "
+                             f"{param.shape[1]} inputs, which the {size} data-parallel ranks "
+                             "do not divide: pick a dp_shard that divides them")
+        return Shard(1)
+
+    return placement
 
 
 # torch >= 2.13 warns whenever an FSDP2 module's forward returns a view (pytorch/pytorch#181850):
