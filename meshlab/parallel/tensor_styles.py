@@ -59,7 +59,8 @@ def apply_named(model: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, str]) 
                 expanded[full] = found
         if generic in plan:
             expanded[name] = plan[generic]
-    if not hasattr(model, "config"):  # a pipeline stage: transformers' MLA style reads it
+    # a pipeline stage: transformers' MLA style reads it (a model written by hand has none)
+    if not hasattr(model, "config") and hasattr(owner_of(model), "config"):
         model.config = owner_of(model).config
     apply_tensor_parallelism(model, tp_mesh, expanded)
     for name, module in model.named_modules():
