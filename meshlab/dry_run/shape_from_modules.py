@@ -3,9 +3,10 @@ planner beside a model with no config the planner knows: nanoGPT as written).
 
 From the model: its repeated blocks (meshlab.parallel.blocks), the token embedding (the
 largest ``nn.Embedding``: vocabulary and width) and a learned position table beside it;
-from one block, its ``nn.Linear`` layers: the down projection (width in, hidden out) gives
-the feed-forward width, two projections up to it a gated one, a key or value projection
-narrower than the queries grouped-query attention; the head count from an attribute the
+from one block, its ``nn.Linear`` layers (and GPT-2's ``Conv1D``): the down projection
+(width in, hidden out) gives the feed-forward width, two projections up to it (or one to
+twice it) a gated one, a key or value projection narrower than the queries grouped-query
+attention; the head count from an attribute the
 block, its attention or the model's config sets (``n_head``, ``num_heads``, ...). A shape
 is returned only where its parameter count is the model's within ``AGREE`` (the planner's
 shape has no biases): otherwise None, and the dry run says it has no planner rows.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from meshlab.plan.shapes import ModelShape
@@ -41,17 +43,17 @@ def shape_from_modules(model: nn.Module, seq: int | None) -> ModelShape | None:
     if not layers or not tables or seq is None:
         return None
     token, hidden = tables[0], tables[0].embedding_dim
-    linears = [m for m in layers[0].modules() if isinstance(m, nn.Linear)]
-    down = [m for m in linears if m.out_features == hidden and m.in_features > hidden]
+    linears = projections(layers[0])
+    down = [(i, o) for i, o in linears if o == hidden and i > hidden]
     if len(down) != 1:
         return None
-    ffn = down[0].in_features
-    up = [m for m in linears if m.in_features == hidden and m.out_features == ffn]
+    ffn = down[0][0]
+    # a gate and an up projection, or the two fused in one (Phi-3's gate_up_proj)
+    up = sum({ffn: 1, 2 * ffn: 2}.get(o, 0) for i, o in linears if i == hidden)
     heads = _attribute(HEADS, layers[0], model)
     if not heads or hidden % heads:
         return None
-    narrower = [m.out_features for m in linears if m.in_features == hidden
-                and m.out_features < hidden]
+    narrower = [o for i, o in linears if i == hidden and o < hidden]
     kv_heads = _attribute(KV_HEADS, layers[0], model) or (
         narrower[0] * heads // hidden if narrower else heads)
     head = getattr(model, "lm_head", None) or next(
@@ -60,12 +62,26 @@ def shape_from_modules(model: nn.Module, seq: int | None) -> ModelShape | None:
     shape = ModelShape(
         name=type(model).__name__, layers=len(layers), hidden=hidden, heads=heads,
         kv_heads=kv_heads, ffn=ffn, vocab=token.num_embeddings, seq_len=seq,
-        gated_ffn=len(up) >= 2,
+        gated_ffn=up >= 2,
         tied_embeddings=head is not None and head.weight is token.weight,
         learned_positions=any(t.embedding_dim == hidden for t in tables[1:]),
         layer_norm=any("LayerNorm" in type(m).__name__ for m in model.modules()))
     counted = sum(p.numel() for p in model.parameters())
     return shape if abs(shape.params / counted - 1) <= AGREE else None
+
+
+def projections(block: nn.Module) -> list[tuple[int, int]]:
+    """(width in, width out) of each ``nn.Linear`` in ``block``, and of each GPT-2 ``Conv1D``
+    (transformers' transposed linear: weight (in, out), out as ``nf``)."""
+    found = []
+    for m in block.modules():
+        weight, nf = getattr(m, "weight", None), getattr(m, "nf", None)
+        if isinstance(m, nn.Linear):
+            found.append((m.in_features, m.out_features))
+        elif isinstance(nf, int) and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and weight.shape[1] == nf:
+            found.append((int(weight.shape[0]), nf))
+    return found
 
 
 def _attribute(names: tuple[str, ...], block: nn.Module, model: nn.Module) -> int | None:

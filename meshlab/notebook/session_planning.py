@@ -65,6 +65,12 @@ class Planning:
         from meshlab.plan.hardware import with_nodes_of
         from meshlab.plan.report import plan
 
+        if hasattr(model, "num_hidden_layers") and hasattr(model, "to_json_string"):
+            # a transformers config: its structure from the model it builds, on meta
+            from meshlab.dry_run.shape_from_config import checked_shape
+
+            model = checked_shape(model, name=str(getattr(model, "model_type", "")
+                                                  or "transformers"))
         if seq is not None:
             model = dataclasses.replace(model_shape(model), seq_len=seq)
         if measure:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 from meshlab.plan.hardware import HARDWARE
@@ -19,6 +20,9 @@ from meshlab.plan.shapes import MODELS, ModelShape, load_model, model_shape
 SHAPE_FLAGS = {"layers": "layers", "hidden": "hidden", "heads": "heads", "ffn": "ffn",
                "vocab": "vocab", "seq": "seq_len"}
 OPTIONAL_SHAPE_FLAGS = {"kv_heads": "kv_heads", "experts": "experts", "top_k": "top_k"}
+# structure flags (store_true): each sets a ModelShape field away from its default
+STRUCTURE_FLAGS = {"plain_ffn": ("gated_ffn", False), "tied_embeddings": ("tied_embeddings", True),
+                   "learned_positions": ("learned_positions", True)}
 
 
 def add_command(commands: Any) -> None:
@@ -46,10 +50,14 @@ def add_command(commands: Any) -> None:
     cmd.add_argument("--json", action="store_true",
                      help="print one JSON object (summary, layouts, collectives) instead")
     own = cmd.add_argument_group(
-        "a model of your own", "a TOML file whose keys are ModelShape's fields (name, layers, "
-        "hidden, heads, kv_heads, ffn, vocab, seq_len, experts, top_k, gated_ffn, "
-        "tied_embeddings, learned_positions), or its shape as flags")
-    own.add_argument("--model", metavar="FILE.toml", help="the model's shape from a TOML file")
+        "a model of your own", "a transformers config.json (or its folder), a TOML file whose "
+        "keys are ModelShape's fields (name, layers, hidden, heads, kv_heads, ffn, vocab, "
+        "seq_len, experts, top_k, gated_ffn, tied_embeddings, learned_positions), or its shape "
+        "as flags")
+    own.add_argument("--model", metavar="FILE",
+                     help="the model's shape from a TOML file, or from a transformers "
+                     "config.json or the folder holding one (read with transformers, its "
+                     "structure from the model built on the meta device)")
     for flag, what in (("layers", "transformer layers"), ("hidden", "hidden size"),
                        ("heads", "attention heads"), ("ffn", "feed-forward hidden size"),
                        ("vocab", "vocabulary size"),
@@ -59,6 +67,12 @@ def add_command(commands: Any) -> None:
                        ("experts", "experts per MoE layer (default: dense)"),
                        ("top-k", "experts each token goes to (default 1)")):
         own.add_argument(f"--{flag}", type=int, metavar="N", help=what)
+    for flag, what in (("plain-ffn", "a two-matrix feed-forward (GPT's GELU MLP) rather than "
+                        "a gated one (Llama's SwiGLU, three matrices: the default)"),
+                       ("tied-embeddings", "the output projection reuses the token embedding"),
+                       ("learned-positions", "a position-embedding table (GPT) rather than "
+                        "RoPE")):
+        own.add_argument(f"--{flag}", action="store_true", help=what)
     cmd.set_defaults(run=run_command)
 
 
@@ -66,9 +80,13 @@ def chosen_model(args: Any) -> str | ModelShape:
     """The one model the arguments name: a preset, a TOML file or shape flags."""
     flags = {dest: getattr(args, dest) for dest in (*SHAPE_FLAGS, *OPTIONAL_SHAPE_FLAGS)
              if getattr(args, dest) is not None}
+    structure = [d for d in STRUCTURE_FLAGS if getattr(args, d, False)]
+    if structure and not flags.keys() - {"seq"}:
+        raise ValueError(f"{_flags(structure)} describe a model given as shape flags "
+                         f"({_flags(SHAPE_FLAGS)}); a preset or a file says its own structure")
     if set(flags) == {"seq"} and (args.preset or args.model):  # a preset at another length
-        base = load_model(args.model) if args.model else model_shape(str(args.preset))
-        return dataclasses.replace(base, seq_len=flags["seq"])
+        return dataclasses.replace(_from_file(args.model) if args.model
+                                   else model_shape(str(args.preset)), seq_len=flags["seq"])
     sources = [s for s, given in ((f"the preset {args.preset!r}", args.preset),
                                   (f"--model {args.model}", args.model),
                                   (" ".join(_flag(d) for d in flags) + " flags", flags))
@@ -80,9 +98,10 @@ def chosen_model(args: Any) -> str | ModelShape:
         raise ValueError(f"the model is given {len(sources)} ways ({' and '.join(sources)}): "
                          "keep one")
     if args.model:
-        return load_model(args.model)
+        return _from_file(args.model)
     if not flags:
-        return str(args.preset)
+        preset = str(args.preset)
+        return preset if preset.strip().lower() in MODELS else _from_file(preset)
     missing = [d for d in SHAPE_FLAGS if d not in flags]
     if missing:
         raise ValueError(f"a model from flags needs {_flags(missing)} too (given: "
@@ -91,7 +110,21 @@ def chosen_model(args: Any) -> str | ModelShape:
         raise ValueError(f"--top-k {flags['top_k']} needs --experts N (experts per MoE "
                          "layer): add it, or drop --top-k for a dense model")
     names = {**SHAPE_FLAGS, **OPTIONAL_SHAPE_FLAGS}
-    return ModelShape(**{names[d]: value for d, value in flags.items()})
+    shape: dict[str, Any] = {names[d]: value for d, value in flags.items()}
+    shape.update(STRUCTURE_FLAGS[d] for d in structure)
+    return ModelShape(**shape)
+
+
+def _from_file(path: str) -> ModelShape:
+    """A TOML file of ModelShape's fields, or a transformers config.json (or its folder)."""
+    if path.strip().endswith(".toml"):
+        return load_model(path)
+    if not path.strip().endswith(".json") and not Path(path).expanduser().is_dir():
+        return model_shape(path)  # names the presets
+    # transformers and torch, only for a config: the planner itself stays pure Python
+    from meshlab.dry_run.shape_from_config import shape_from_config_file
+
+    return shape_from_config_file(path)
 
 
 def run_command(args: Any, parser: Any) -> int:

@@ -133,7 +133,8 @@ class Plan:
         """A few lines on the best layout."""
         e = self.best
         host = e.memory["host"]
-        lines = [f"{self.model.name} ({count_text(self.model.params)} parameters) on "
+        ffn = "gated 3-matrix" if self.model.gated_ffn else "plain 2-matrix"
+        lines = [f"{self.model.name} ({count_text(self.model.params)} parameters, {ffn} FFN) on "
                  f"{self.gpus} x {self.hardware.name}, global batch {e.layout.global_batch} "
                  f"x {self.model.seq_len} tokens ({e.tokens_per_step / 2**20:.1f}M)",
                  f"{e.layout.describe()}: {e.memory['total'] / GIB:.3g} GiB per GPU"

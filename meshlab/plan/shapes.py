@@ -169,10 +169,16 @@ class ModelShape:
         """The shape of a transformers decoder's config (read by attribute: no torch):
         its own head width, MoE fields under their families' names (experts, top-k, the
         experts' and shared experts' widths, DeepSeek's first dense layers) and MLA's
-        ranks."""
+        ranks. What no config field says across families (a gated or plain MLP, learned
+        positions) is assumed here; ``meshlab.dry_run.shape_from_config.checked_shape`` reads
+        it from the model the config builds (``Session.plan`` and ``meshlab plan`` do)."""
         c = config
         experts = int(_first(c, "num_local_experts", "num_experts", "n_routed_experts") or 0)
-        ffn = (_first(c, "moe_intermediate_size") if experts else None) or c.intermediate_size
+        # GPT-2's n_inner (None: four times the width), OPT's ffn_dim: families whose MLP is
+        # plain; one with an intermediate_size may be either (checked_shape reads its modules)
+        gated = _first(c, "intermediate_size") is not None
+        ffn = ((_first(c, "moe_intermediate_size") if experts else None)
+               or _first(c, "intermediate_size", "n_inner", "ffn_dim") or 4 * c.hidden_size)
         shared = (_first(c, "shared_expert_intermediate_size")
                   or (_first(c, "n_shared_experts") or 0) * (ffn if experts else 0))
         rope = int(_first(c, "qk_rope_head_dim") or 0)
@@ -187,11 +193,11 @@ class ModelShape:
             experts=experts, top_k=int(_first(c, "num_experts_per_tok") or 1) if experts else 1,
             shared_ffn=int(shared or 0), kv_lora_rank=mla,
             dense_layers=int(_first(c, "first_k_dense_replace") or 0) if experts else 0,
-            dense_ffn=int(c.intermediate_size) if experts else 0,
+            dense_ffn=int(_first(c, "intermediate_size") or ffn) if experts else 0,
             q_lora_rank=int(_first(c, "q_lora_rank") or 0), rope_head_dim=rope,
             v_head_dim=int(_first(c, "v_head_dim") or 0) if mla else 0,
             tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            layer_norm=layer_norm)
+            gated_ffn=gated, layer_norm=layer_norm)
 
 
 def _first(config: Any, *names: str) -> Any:

@@ -25,7 +25,7 @@ def test_plan_magic_estimates_one_layout_with_a_table_and_two_charts(shell: Any)
     expected = estimate(MODELS["llama3-405b"], Layout.parse(
         "tp=8 pp=16 dp=16 zero=1 mbs=1 m=128", **IMPLEMENTATIONS["meshlab"]),
         HARDWARE["h100-sxm"])
-    assert "llama3-405b (405.9B parameters) on 2048 x h100-sxm" in shown(cap)
+    assert "llama3-405b (405.9B parameters, gated 3-matrix FFN) on 2048 x h100-sxm" in shown(cap)
     assert f"step {expected.step_s:.3g} s" in shown(cap)
     assert "days" in shown(cap) and "GPU-hours" in shown(cap)
     table, memory, comm = cap.outputs[-3:]
@@ -70,6 +70,23 @@ def test_plan_magic_takes_a_model_config_from_the_notebook(shell: Any) -> None:
     assert shell.user_ns["p"].model.layers == 4
 
 
+def test_plan_magic_reads_a_transformers_configs_structure_from_the_model_it_builds(
+        shell: Any) -> None:
+    """GPT-NeoX names its MLP's width intermediate_size, as Llama does, but its MLP has two
+    matrices: what the config does not say is read from the model built on meta."""
+    pytest.importorskip("transformers")
+    shell.run_cell("import transformers\nneox = transformers.GPTNeoXConfig(hidden_size=256, "
+                   "intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4, "
+                   "vocab_size=1000)\nbuilt = transformers.AutoModelForCausalLM.from_config("
+                   "neox)")
+    with capture_output():
+        shell.run_line_magic("mesh", "plan neox --gpus 4 --layout dp=4 --hardware cpu -o p")
+    shape, built = shell.user_ns["p"].model, shell.user_ns["built"]
+    assert not shape.gated_ffn and shape.layer_norm
+    counted = sum(p.numel() for p in built.parameters())
+    assert abs(shape.params / counted - 1) < 0.01  # biases, which the planner leaves out
+
+
 def test_plan_magic_reads_a_profile_file(shell: Any, tmp_path: Any) -> None:
     path = save(HARDWARE["a100-80gb"], tmp_path / "mine.toml")
     with capture_output() as cap:
@@ -112,7 +129,7 @@ def test_console_command_prints_the_plan_and_rejects_bad_input() -> None:
     done = subprocess.run(["meshlab", "plan", "llama3-70b", "--gpus", "64", "--top", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "llama3-70b (70.6B parameters) on 64 x h100-sxm" in done.stdout
+    assert "llama3-70b (70.6B parameters, gated 3-matrix FFN) on 64 x h100-sxm" in done.stdout
     assert "collectives of " in done.stdout and "tokens_per_s" in done.stdout
     bad = subprocess.run(["meshlab", "plan", "llama3-70b", "--gpus", "64", "--layout", "tp=5"],
                          capture_output=True, text=True, timeout=120)

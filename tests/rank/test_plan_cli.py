@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from meshlab.dry_run.shape_from_config import shape_from_config_file
 from meshlab.notebook.cli import main
 from meshlab.plan import Layout, ModelShape, model_shape
 from meshlab.plan.report import plan
@@ -107,7 +108,8 @@ def test_a_missing_model_file_is_named(tmp_path: Path) -> None:
 
 def test_the_console_plans_a_model_given_as_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", *SHAPE_FLAGS, "--gpus", "8", "--layout", "tp=8 zero=1"]) == 0
-    assert capsys.readouterr().out.startswith("custom (5.9B parameters) on 8 x h100-sxm")
+    assert capsys.readouterr().out.startswith(
+        "custom (5.9B parameters, gated 3-matrix FFN) on 8 x h100-sxm")
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -120,6 +122,8 @@ def test_the_console_plans_a_model_given_as_flags(capsys: pytest.CaptureFixture[
      "a model from flags needs --layers --ffn --vocab --seq too (given: --hidden --heads)"),
     ([*SHAPE_FLAGS, "--top-k", "2"], "--top-k 2 needs --experts N"),
     (["--model", "nope.toml"], "cannot read the model file nope.toml"),
+    (["--model", "nope.json"], "no model config at nope.json: give a transformers config.json"),
+    (["llama3-8b", "--plain-ffn"], "--plain-ffn describe a model given as shape flags"),
 ])
 def test_the_console_wants_exactly_one_model(args: list[str], message: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,6 +132,59 @@ def test_the_console_wants_exactly_one_model(args: list[str], message: str,
     err = capsys.readouterr().err
     assert exited.value.code == 2
     assert err.startswith("meshlab plan: ") and message in err and err.count("\n") == 1
+
+
+# --- a GPT: two matrices in its feed-forward, learned positions, tied embeddings ---------
+
+# GPT-3 6.7B (Brown et al. 2020, Table 2.1: 32 layers, d_model 4096, 32 heads, context 2048)
+GPT_FLAGS = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--ffn", "16384",
+             "--vocab", "50257", "--seq", "2048"]
+
+
+def test_a_gpt_from_flags_counts_two_matrices_where_it_says_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    structure = ["--plain-ffn", "--tied-embeddings", "--learned-positions"]
+    assert main(["plan", *GPT_FLAGS, *structure, "--gpus", "8", "--layout", "tp=8"]) == 0
+    # the paper's 6.7B (biases and LayerNorms, which the planner leaves out, are 0.01%)
+    assert capsys.readouterr().out.startswith(
+        "custom (6.7B parameters, plain 2-matrix FFN) on 8 x h100-sxm")
+    assert main(["plan", *GPT_FLAGS, "--gpus", "8", "--layout", "tp=8"]) == 0
+    assert capsys.readouterr().out.startswith(  # the default says its assumption
+        "custom (9.0B parameters, gated 3-matrix FFN)")
+
+
+def test_a_transformers_config_plans_the_model_it_builds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The file ``config.save_pretrained`` writes (or its folder), read as the model its own
+    family's code builds: GPT-2's Conv1D MLP is plain, Llama's is gated."""
+    transformers = pytest.importorskip("transformers")
+    gpt = transformers.GPT2Config(n_embd=4096, n_layer=32, n_head=32, n_positions=2048)
+    llama = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008,
+                                     num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, vocab_size=32000,
+                                     max_position_embeddings=4096)
+    gpt.save_pretrained(tmp_path / "gpt-6.7b")
+    llama.save_pretrained(tmp_path / "my-llama")
+    assert main(["plan", "--model", str(tmp_path / "gpt-6.7b"), "--gpus", "8",
+                 "--layout", "tp=8"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "gpt-6.7b (6.7B parameters, plain 2-matrix FFN) on 8 x h100-sxm")
+    assert main(["plan", str(tmp_path / "my-llama" / "config.json"), "--gpus", "8",
+                 "--layout", "tp=8"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "my-llama (5.9B parameters, gated 3-matrix FFN) on 8 x h100-sxm")
+    shape = shape_from_config_file(tmp_path / "my-llama")
+    assert dataclasses.replace(shape, name=MY_SHAPE.name, head_dim=0) == MY_SHAPE
+
+
+def test_a_config_transformers_cannot_read_is_refused_with_the_fix(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "nonsense"}))
+    with pytest.raises(ValueError, match="transformers does not know model_type 'nonsense'"):
+        shape_from_config_file(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read .*config\.json as JSON"):
+        shape_from_config_file(tmp_path)
 
 
 # --- --batch with --layout -------------------------------------------------------------
@@ -188,7 +245,7 @@ def test_searched_layouts_state_their_zero_stage() -> None:
 def test_the_console_plans_a_model_file_and_says_which_zero_it_assumed(my_toml: Path) -> None:
     done = console("--model", str(my_toml), "--gpus", "8", "--layout", "tp=8")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("my-model (5.9B parameters) on 8 x h100-sxm")
+    assert done.stdout.startswith("my-model (5.9B parameters, gated 3-matrix FFN) on 8 x h100-sxm")
     assert "tp=8 zero=3 mbs=1 m=1: " in done.stdout
     assert ("zero not given: zero=3 assumed (FSDP: parameters, gradients and optimizer states "
             "sharded); pass zero=0..3 in the layout to choose") in done.stdout
@@ -210,7 +267,7 @@ def test_the_console_piped_into_head_prints_one_line_and_no_traceback() -> None:
     line = shlex.join([*COMMAND, "llama3-8b", "--gpus", "8", "--top", "2"])
     done = subprocess.run(f"{line} | head -1", shell=True, cwd=REPO, capture_output=True,
                           text=True, timeout=300)
-    assert done.stdout.startswith("llama3-8b (8.0B parameters)") and \
+    assert done.stdout.startswith("llama3-8b (8.0B parameters, gated 3-matrix FFN)") and \
         done.stdout.count("\n") == 1
     assert done.stderr == ""
 
