@@ -329,6 +329,7 @@ def init_from_env(backend: str = "auto", timeout: float = 600.0) -> dict[str, An
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pin_device(local_rank)
+    import_noise.quiet(gpu=device.type != "cpu")  # as on the notebook's ranks
     if device.type == "cpu":  # the cluster's policy: the cores shared by this node's ranks
         peers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, host_info()["cpus"] // peers))

@@ -16,6 +16,10 @@ SCRIPT = """
 from meshlab import runtime
 from meshlab.rank.private_files import STORE_PREFIX
 ns = runtime.init_from_env()
+try:  # what transformers imports to build any model, once the quant extra is installed
+    import torchao  # noqa: F401
+except ImportError:
+    pass
 t = ns["torch"].ones(1) * ns["rank"]
 ns["dist"].all_reduce(t)
 print(f"rank {ns['rank']}/{ns['world_size']} {ns['device']} sum={t.item():g}", flush=True)
@@ -33,6 +37,10 @@ def test_torchrun_ranks_bootstrap_with_the_same_module(tmp_path: Path) -> None:
     # Two processes share the pipe: their lines may interleave, so match, don't split.
     assert sorted(re.findall(r"rank \d/\d \w+ sum=\d", done.stdout)) == [
         "rank 0/2 cpu sum=1", "rank 1/2 cpu sum=1"]
+    # an exported run is as quiet as the notebook's ranks: no torchao CUDA-only extension
+    # failing to load on a CPU, no torch deprecation of torchao's registrations
+    assert "Failed to load" not in done.stderr and "Enum subclass" not in done.stderr, \
+        done.stderr[-3000:]
 
 
 def test_init_from_env_outside_torchrun_says_how_to_launch(
