@@ -6,7 +6,7 @@ Notebook side, without IPython at import. The script it writes imports ``meshlab
 import: never IPython, ipyparallel or widgets, so it runs under plain ``torchrun``.
 """
 
-from meshlab.notebook.export.journal import Entry, ExportError, Journal, parse_cells, select
+from meshlab.notebook.export.journal import Entry, ExportError, Journal
 from meshlab.notebook.export.notebook import read_notebook
 from meshlab.notebook.export.script import (
     Layout,
@@ -19,6 +19,7 @@ from meshlab.notebook.export.script import (
     script,
     torchrun_args,
 )
+from meshlab.notebook.export.selection import parse_cells, select
 
 __all__ = ["Entry", "ExportError", "Journal", "Layout", "export", "launch_script", "layout",
            "parse_cells", "python", "read_notebook", "rescale", "sbatch_script",

@@ -1,11 +1,11 @@
 """The session journal: what a session ran on its ranks that succeeded (and which cells
-failed), and which of it to export. Notebook side, plain Python (no IPython)."""
+failed). Notebook side, plain Python (no IPython); which of it to export is
+meshlab.notebook.export.selection's."""
 
 from __future__ import annotations
 
 import ast
 import os
-import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +62,7 @@ class Journal:
     """Names this session in the checkpoints it saves (a restore replays only its own)."""
     failed: list[Entry] = field(default_factory=list)
     """%%mesh cells that failed: never exported or replayed, but export refuses to leave one
-    out silently when a later exported cell uses a name it would have defined."""
+    out silently when a later exported cell reads a name it would have defined."""
 
     def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
                     mark: str | None = None, trained: bool = False) -> None:
@@ -144,106 +144,3 @@ def _notebook_name() -> str | None:
     """The notebook this kernel serves, where Jupyter says (JupyterLab sets the variable)."""
     path = os.environ.get("JPY_SESSION_NAME")
     return Path(path).name if path else None
-
-
-def parse_cells(spec: str) -> list[tuple[int, int | None]]:
-    """``"3-7,9,12-"`` -> [(3, 7), (9, 9), (12, None)]: In [n] numbers, ranges inclusive."""
-    ranges: list[tuple[int, int | None]] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        match = re.fullmatch(r"(\d+)(?:(-)(\d*))?", part)
-        if not match:
-            raise ExportError(f"--cells {spec!r}: {part!r} is not N, N-M or N- (In [n] numbers)")
-        first = int(match[1])
-        last = first if not match[2] else int(match[3]) if match[3] else None
-        if last is not None and last < first:
-            raise ExportError(f"--cells {spec!r}: {part!r} runs backwards; write {last}-{first}")
-        ranges.append((first, last))
-    if not ranges:
-        raise ExportError(f"--cells {spec!r} selects nothing: give In [n] numbers like 3-7,9")
-    return ranges
-
-
-def select(journal: Journal, cells: str | None = None) -> list[Entry]:
-    """The entries the script repeats: the chosen cells, and the mesh in force before them."""
-    ranges = parse_cells(cells) if cells else [(0, None)]
-
-    def chosen(e: Entry) -> bool:
-        return any(a <= e.number and (b is None or e.number <= b) for a, b in ranges)
-
-    entries = [e for e in journal.entries if chosen(e) and e.mark != "skip" and e.code]
-    if any(e.mark == "export" for e in entries):
-        entries = [e for e in entries if e.kind != "cell" or e.mark == "export"]
-    if not any(e.kind == "cell" for e in entries):
-        raise ExportError("no %%mesh cell to export: run some (only those that succeed on every "
-                          "rank are recorded), or widen --cells")
-    if entries[0].kind != "mesh":  # the script needs the mesh the first cell saw
-        first = journal.entries.index(entries[0])
-        in_force = [e for e in journal.entries[:first] if e.kind == "mesh"]
-        entries = in_force[-1:] + entries
-    for e in entries:
-        if e.problem:
-            raise ExportError(e.problem)
-    _check_failures(journal, entries)
-    return entries
-
-
-def _check_failures(journal: Journal, entries: list[Entry]) -> None:
-    """ExportError if a failed cell would have defined a name that an exported cell after it
-    uses and that nothing exported before that cell defines: the script would fail there."""
-    for failed in journal.failed:
-        lost = _names(failed.code)[0]
-        if not lost:
-            continue
-        users: dict[str, list[int]] = {}
-        for i, e in enumerate(entries):
-            if e.kind != "cell" or e.number <= failed.number:
-                continue
-            before: set[str] = set()
-            for earlier in entries[:i]:
-                before |= {"mesh"} if earlier.kind == "mesh" else _names(earlier.code)[0]
-            for name in sorted((lost & _names(e.code)[1]) - before):
-                users.setdefault(name, []).append(e.number)
-        if users:
-            names = ", ".join(f"`{n}`" for n in users)
-            cells = sorted({n for numbers in users.values() for n in numbers})
-            used_by = ", ".join(f"In [{n}]" for n in cells)
-            raise ExportError(
-                f"In [{failed.number}] failed and defines {names}, used by {used_by}: re-run it "
-                f"successfully (or a cell defining {names}) or leave {used_by} out with --cells")
-
-
-def _names(code: str) -> tuple[set[str], set[str]]:
-    """(names a cell binds at its top level, names it reads), from its Python lines."""
-    lines = code.splitlines()
-    if lines and lines[0].lstrip().startswith("%%"):
-        lines = lines[1:]
-    text = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return set(), set()
-    bound: set[str] = set()
-    for node in _top_level(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
-        elif isinstance(node, ast.Global):
-            bound |= set(node.names)
-    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    return bound, read
-
-
-def _top_level(tree: ast.AST) -> list[ast.AST]:
-    """Every node of the module, but not inside function or class bodies (their locals)."""
-    out: list[ast.AST] = []
-    todo = list(ast.iter_child_nodes(tree))
-    while todo:
-        node = todo.pop()
-        out.append(node)
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
-                                 ast.Lambda)):
-            todo.extend(ast.iter_child_nodes(node))
-    return out

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshlab.mesh import MeshSpec
-from meshlab.notebook.export.journal import ExportError, Journal, select
+from meshlab.notebook.export.journal import ExportError, Journal
+from meshlab.notebook.export.selection import select
 from meshlab.notebook.ranks import format_ranks
 from meshlab.rank.private_files import check_target, write_private
 
