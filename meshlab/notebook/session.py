@@ -28,7 +28,7 @@ from meshlab.notebook import memory_snapshots, restore
 from meshlab.notebook.cluster import Cluster
 from meshlab.notebook.debug_prompt import Prompt
 from meshlab.notebook.errors import SessionError
-from meshlab.notebook.export import Journal, export
+from meshlab.notebook.export import Journal, Written, export
 from meshlab.notebook.output import CellResult, MeshError
 from meshlab.notebook.profiles import Profile
 from meshlab.notebook.ranks import parse_ranks
@@ -302,8 +302,10 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
     # -- export ----------------------------------------------------------------------------
 
     def export(self, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
-               gpus_per_node: int | None = None, cells: str | None = None) -> list[Path]:
-        """The session's successful cells as a torchrun script, launch.sh (and job.sbatch)."""
+               gpus_per_node: int | None = None, cells: str | None = None) -> Written:
+        """The session's successful cells as a torchrun script, launch.sh (and job.sbatch):
+        the files written, and in ``.notes`` the failed cells left out (also at the script's
+        top)."""
         return export(self.need_journal(), path, sbatch=sbatch, nodes=nodes,
                       gpus_per_node=gpus_per_node, cells=cells)
 

@@ -1,7 +1,10 @@
 """The export tells the truth about the cells it leaves out (issue 61): it needs a failed cell
-only for a name a later cell reads before binding it."""
+only for a name a later cell reads before binding it, and lists the failed cells it leaves
+out."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from meshlab.notebook.export import (
     ExportError,
     Journal,
     Layout,
+    export,
     script,
 )
 from meshlab.notebook.export.names import free_reads
@@ -71,3 +75,17 @@ def test_a_name_a_cell_may_read_before_binding_it_still_needs_the_failed_cell(
 ])
 def test_a_cells_free_reads_follow_the_order_it_runs_in(code: str, reads: set[str]) -> None:
     assert free_reads(code) == reads
+
+
+# -- the failed cells left out are listed ---------------------------------------------------
+
+def test_the_failed_cells_left_out_are_listed_by_the_export_and_atop_the_script(
+        tmp_path: Path) -> None:
+    j = journal((3, "%%mesh\nx = 1"), (6, "%%mesh\nprint(x)"),
+                failed=((4, "%%mesh\nprint(undefined)"), (5, "%%mesh\n1 / 0")))
+    written = export(j, tmp_path / "train.py")
+    assert written.notes == ["Left out, having failed: In [4], In [5]."]
+    top = (tmp_path / "train.py").read_text().split("import torch")[0]
+    assert "# Left out, having failed: In [4], In [5]." in top
+    # cells outside --cells are not the export's to mention
+    assert export(j, tmp_path / "train.py", cells="6").notes == []

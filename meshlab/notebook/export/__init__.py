@@ -10,6 +10,7 @@ from meshlab.notebook.export.journal import Entry, ExportError, Journal
 from meshlab.notebook.export.notebook import read_notebook
 from meshlab.notebook.export.script import (
     Layout,
+    Written,
     export,
     launch_script,
     layout,
@@ -19,8 +20,8 @@ from meshlab.notebook.export.script import (
     script,
     torchrun_args,
 )
-from meshlab.notebook.export.selection import parse_cells, select
+from meshlab.notebook.export.selection import left_out, parse_cells, select
 
-__all__ = ["Entry", "ExportError", "Journal", "Layout", "export", "launch_script", "layout",
-           "parse_cells", "python", "read_notebook", "rescale", "sbatch_script",
-           "script", "select", "torchrun_args"]
+__all__ = ["Entry", "ExportError", "Journal", "Layout", "Written", "export", "launch_script",
+           "layout", "left_out", "parse_cells", "python", "read_notebook", "rescale",
+           "sbatch_script", "script", "select", "torchrun_args"]

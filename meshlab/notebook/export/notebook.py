@@ -151,5 +151,6 @@ def run_command(args: Any, parser: Any) -> int:
                          gpus_per_node=args.gpus_per_node, cells=args.cells)
     except (ExportError, ValueError, OSError) as e:
         parser.exit(2, f"meshlab export: {e}\n")
-    print("wrote " + ", ".join(map(str, written)) + f"; run it with: bash {written[1]}")
+    print("wrote " + ", ".join(map(str, written)) + f"; run it with: bash {written[1]}",
+          *written.notes, sep="\n")
     return 0

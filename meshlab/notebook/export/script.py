@@ -7,13 +7,14 @@ import datetime
 import io
 import shlex
 import sys
+import textwrap
 import tokenize
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export.journal import ExportError, Journal
-from meshlab.notebook.export.selection import select
+from meshlab.notebook.export.selection import left_out, select
 from meshlab.notebook.ranks import format_ranks
 from meshlab.rank.private_files import check_target, write_private
 
@@ -63,6 +64,7 @@ def script(journal: Journal, where: Layout, *, cells: str | None = None,
            files: tuple[str, str, str | None] = ("train.py", "launch.sh", None)) -> str:
     """The standalone torchrun script for the chosen entries."""
     entries = select(journal, cells)
+    notes = left_out(journal, entries, cells)
     train, launch, sbatch = files
     run_lines = [f"torchrun {torchrun_args(where)} {train}", f"bash {launch}"]
     if sbatch:
@@ -89,6 +91,9 @@ def script(journal: Journal, where: Layout, *, cells: str | None = None,
           if mesh and journal.world_size != where.world_size else []),
         '"""',
         "",
+        *(line for note in notes for line in textwrap.wrap(
+            note, 95, initial_indent="# ", subsequent_indent="#   ")),
+        *([""] if notes else []),
         "import torch",
         "import torch.distributed as dist",
         "",
@@ -231,9 +236,19 @@ def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab",
     return "\n".join(lines) + "\n"
 
 
+class Written(list[Path]):
+    """The files an export wrote (the script, launch.sh, job.sbatch if asked), and its notes:
+    the failed cells it left out."""
+
+    def __init__(self, files: list[Path], notes: list[str]) -> None:
+        super().__init__(files)
+        self.notes = notes
+
+
 def export(journal: Journal, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
-           gpus_per_node: int | None = None, cells: str | None = None) -> list[Path]:
-    """Write the script (``path``), launch.sh beside it, and job.sbatch if asked."""
+           gpus_per_node: int | None = None, cells: str | None = None) -> Written:
+    """Write the script (``path``), launch.sh beside it, and job.sbatch if asked; also at the
+    script's top, the notes returned (``Written.notes``)."""
     train = Path(path)
     if train.suffix != ".py":
         raise ExportError(f"{train}: the script's name must end in .py, e.g. train.py")
@@ -254,4 +269,4 @@ def export(journal: Journal, path: str | Path, *, sbatch: bool = False, nodes: i
     except OSError as e:
         raise ExportError(f"cannot write {e.filename or train.parent} ({e.strerror}): export "
                           "to a folder you can write") from None
-    return list(files)
+    return Written(list(files), left_out(journal, select(journal, cells), cells))

@@ -1,6 +1,6 @@
-"""Which of the journal goes into the script, and what it leaves out: a failed cell defining a
-name that a later exported cell needs is refused, naming the fix. Notebook side, plain
-Python."""
+"""Which of the journal goes into the script, and what the export says about what it leaves
+out: the failed cells, listed, and a later cell that needs a name one of them defines
+(refused, with the fix). Notebook side, plain Python."""
 
 from __future__ import annotations
 
@@ -81,6 +81,15 @@ def _check_failures(journal: Journal, entries: list[Entry]) -> None:
                 f"leave the old ones out; or leave {used_by} out with --cells ({used_by} "
                 f"read{'s' * (len(cells) == 1)} {names} before any exported cell defines {them}: "
                 "the script would stop there with a NameError)")
+
+
+def left_out(journal: Journal, entries: list[Entry], cells: str | None = None) -> list[str]:
+    """What the export says about the cells it leaves out: one line listing the failed cells
+    among those chosen."""
+    failed = [f for f in journal.failed if _chosen(f.number, cells)]
+    if not failed:
+        return []
+    return ["Left out, having failed: " + ", ".join(f"In [{f.number}]" for f in failed) + "."]
 
 
 def _without(entries: list[Entry], number: int) -> str:
