@@ -289,6 +289,8 @@ class CellRun:
     def _classify(self) -> None:
         for r, got in self.sent.replies.items():
             out, reply = self.result.outputs[r], got.reply
+            if reply is not None:
+                out.drew = reply.get("drew")
             if out.status in ("timeout", "interrupted", "died"):
                 if reply is None and out.status != "died":  # a dead rank waits for nothing
                     self.stuck[r] = self.sent.id

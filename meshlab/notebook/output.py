@@ -63,6 +63,7 @@ class RankOutput:
     dropped: dict[str, int] = field(default_factory=dict)  # stream -> lines past the cap
     dropped_bytes: dict[str, int] = field(default_factory=dict)  # stream -> characters
     optimizer_steps: int | None = None  # optimizer.step() calls so far, sent as the cell ended
+    drew: list[str] | None = None  # random generators the cell drew from (meshlab.rank.rng_state)
     reason: str | None = None  # its summary line, where not the usual (it ignored Ctrl-C)
 
 
@@ -95,6 +96,14 @@ class CellResult:
         say (it did not finish)."""
         steps = [o.optimizer_steps for o in self.outputs.values()]
         return None if None in steps else max((s for s in steps if s is not None), default=0)
+
+    @property
+    def drew(self) -> tuple[str, ...] | None:
+        """The random generators the cell drew from on any rank; None if a rank did not say
+        and none that did drew (it did not finish)."""
+        said = [o.drew for o in self.outputs.values()]
+        drew = sorted({g for names in said if names for g in names})
+        return None if None in said and not drew else tuple(drew)
 
     @property
     def failed(self) -> list[int]:

@@ -175,7 +175,7 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
                                  trace=profile_dir is not None, number=number,
                                  on_breakpoint=on_breakpoint or Prompt(), memory=track)
         except MeshError as e:  # not exported, but export names what later cells needed
-            self.need_journal().record_failure(code, number)
+            self.need_journal().record_failure(code, number, e.result.drew)
             if profile_dir is not None and e.result.profile is not None:
                 e.result.profile.save(profile_dir, f"cell-{number}")  # a failure's too
             if track:  # a rank that ran out: its snapshot, and the error says where
@@ -192,7 +192,7 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         self.optimizer_steps = result.optimizer_steps if result.optimizer_steps is not None \
             else cluster.optimizer_steps(result.ranks)  # a rank did not report: ask them
         self.need_journal().record_cell(code, number, result.ranks,
-                                        trained=self.optimizer_steps > steps)
+                                        trained=self.optimizer_steps > steps, drew=result.drew)
         return result
 
     def init(self, axes: str | MeshSpec | None = None) -> MeshSpec:

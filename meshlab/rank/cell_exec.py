@@ -26,6 +26,7 @@ from typing import Any
 
 from meshlab import runtime
 from meshlab.measure import profiling
+from meshlab.rank import rng_state
 
 _transformed: dict[str, str] = {}  # cell text -> IPython's static transform of it
 _TRANSFORMED_KEPT = 1024
@@ -83,6 +84,7 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
     previous = signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C reaches it
     signal.signal(STOP_SIGNAL, _on_stop)
     profiling.mark_cell()
+    generators = rng_state.snapshot()  # export asks whether a cell it leaves out drew
     try:
         failure = execute(shell, code, number)
     finally:
@@ -94,7 +96,7 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
         with contextlib.suppress(KeyError):
             del vars(shell)["_showtraceback"]  # the kernel's own again
     header: dict[str, Any] = {"status": "ok", "optimizer_steps": runtime.optimizer_steps,
-                              "result": shown.get("text")}
+                              "result": shown.get("text"), "drew": rng_state.drawn(generators)}
     if errors:
         header.update(status="error", ename=errors[-1][0], evalue=errors[-1][1],
                       traceback=errors[-1][2])

@@ -18,10 +18,11 @@ listens, ``output`` (what the running cell printed since the last, from a second
 ``threads`` (what other threads printed, by thread name, and how many characters the rank
 could not keep for the notebook) and ``reply`` (how the cell ended, with what the notebook
 keeps: the rest of the output, how many output batches went before, the value's text, error,
-optimizer steps, what other threads printed that was not sent, the pickled value when
-asked). A value pulled on its own (``%mesh pull``) goes before the reply as ``value`` (the
-sizes of its parts: meshlab.rank.value_wire) and ``chunk`` messages (part, offset, at most
-PIECE bytes), so neither end ever holds it twice. Plain Python and ZeroMQ.
+optimizer steps, the random generators the cell drew from, what other threads printed that
+was not sent, the pickled value when asked). A value pulled on its own (``%mesh pull``) goes
+before the reply as ``value`` (the sizes of its parts: meshlab.rank.value_wire) and ``chunk``
+messages (part, offset, at most PIECE bytes), so neither end ever holds it twice.
+Plain Python and ZeroMQ.
 """
 
 from __future__ import annotations

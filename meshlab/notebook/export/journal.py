@@ -1,6 +1,6 @@
 """The session journal: what a session ran on its ranks that succeeded (and which cells
-failed). Notebook side, plain Python (no IPython); which of it to export is
-meshlab.notebook.export.selection's."""
+failed, and whether each drew random numbers). Notebook side, plain Python (no IPython);
+which of it to export is meshlab.notebook.export.selection's."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ class Entry:
     """The cell stepped an optimizer: a restore from a later checkpoint need not run it."""
     value: Any = field(default=None, compare=False, repr=False)
     """A pushed value itself: what a restart pushes again."""
+    drew: tuple[str, ...] | None = None
+    """The random generators a cell drew from on some rank (torch, cuda, random: their state
+    changed; meshlab.rank.rng_state), () for none; None where no one knows (a saved notebook,
+    a rank that did not answer)."""
 
 
 @dataclass
@@ -61,20 +65,23 @@ class Journal:
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Names this session in the checkpoints it saves (a restore replays only its own)."""
     failed: list[Entry] = field(default_factory=list)
-    """%%mesh cells that failed: never exported or replayed, but export refuses to leave one
-    out silently when a later exported cell reads a name it would have defined."""
+    """%%mesh cells that failed: never exported or replayed; export names those it leaves out,
+    and refuses when a later exported cell reads a name one would have defined."""
 
     def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
-                    mark: str | None = None, trained: bool = False) -> None:
+                    mark: str | None = None, trained: bool = False,
+                    drew: tuple[str, ...] | None = None) -> None:
         """A %%mesh cell that succeeded on every rank it ran on."""
         lines = [line.strip() for line in code.splitlines()]
         mark = mark or next((m for line, m in MARKS.items() if line in lines), None)
         taken = tuple(ranks) if ranks is not None and len(ranks) < self.world_size else None
-        self.entries.append(Entry("cell", number, code, taken, mark, trained=trained))
+        self.entries.append(Entry("cell", number, code, taken, mark, trained=trained,
+                                  drew=drew))
 
-    def record_failure(self, code: str, number: int) -> None:
+    def record_failure(self, code: str, number: int,
+                       drew: tuple[str, ...] | None = None) -> None:
         """A %%mesh cell that failed on some rank: kept apart from ``entries``."""
-        self.failed.append(Entry("cell", number, code))
+        self.failed.append(Entry("cell", number, code, drew=drew))
 
     def record_mesh(self, spec: MeshSpec | str, number: int) -> None:
         self.entries.append(Entry("mesh", number, str(spec), note="%mesh init"))
