@@ -12,6 +12,7 @@ from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from meshlab.dry_run.run import DryRun, planner_beside
+from meshlab.notebook.tables.dryrun import dryrun_views
 from meshlab.plan import Layout
 from meshlab.plan.report import Plan
 
@@ -54,6 +55,29 @@ def test_dryrun_magic_runs_a_notebook_factory_on_fake_ranks_beside_the_planner(s
     for run in dry.ranks:  # half the layers, over 32 x 2 ranks: never the whole model
         assert 0 < run.params < whole / 32, (run.params, whole)
         assert run.memory["total"] > 0
+    assert_the_chart_reads_as_the_text_beside_it(dry)
+
+
+def assert_the_chart_reads_as_the_text_beside_it(dry: DryRun) -> None:
+    """Each bar ends where the summary and the table's total row say: the dry run's at its
+    step's peak (its categories as they stood then), the planner's at its total."""
+    summary, memory, _, chart = dryrun_views(dry, "h100-sxm")
+    spec = chart.chart.to_dict()
+    (values,) = [v for v in spec["datasets"].values()]
+    bars: dict[str, float] = {}
+    for mark in values:
+        bars[mark["row"]] = bars.get(mark["row"], 0.0) + mark["amount"]
+    unit = spec["layer"][0]["encoding"]["x"]["title"].split()[0]
+    size = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    frame = memory.frame.set_index(["rank", "category"])
+    column = next(c for c in frame.columns if c.startswith("planner ("))
+    table_unit = 2 ** (10 * ("B", "KiB", "MiB", "GiB").index(column[9:-1]))
+    for run in dry.ranks:
+        peak = run.memory["total"]
+        assert bars[f"rank {run.rank}: dry run"] * size == pytest.approx(peak, rel=1e-9)
+        assert f"peak {peak / size:.3g} {unit}" in summary.text
+        planned = frame.loc[(run.rank, "total"), column] * table_unit
+        assert bars[f"rank {run.rank}: planner"] * size == pytest.approx(planned, rel=1e-9)
 
 
 def test_dryrun_magic_names_a_bad_layout_and_the_fix(shell: Any) -> None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from meshlab.plan.hardware import Hardware
 
 GIB = 2**30
+AT_PEAK = "dry run, at the step's peak"
 
 
 def dryrun_views(dry: DryRun, hardware: str | Hardware | None = None) -> list[Any]:
@@ -29,8 +30,9 @@ def dryrun_views(dry: DryRun, hardware: str | Hardware | None = None) -> list[An
     if not rows:
         return [dryrun_summary(dry)]
     usable = hw.usable_bytes / GIB if hw is not None else None
-    return [dryrun_summary(dry, rows), dryrun_memory_table(rows), dryrun_bytes_table(dry, rows),
-            dryrun_memory_chart(dryrun_memory_frame(rows), usable_gib=usable)]
+    return [dryrun_summary(dry, rows), dryrun_memory_table(dry, rows),
+            dryrun_bytes_table(dry, rows),
+            dryrun_memory_chart(dryrun_memory_frame(dry, rows), usable_gib=usable)]
 
 
 def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
@@ -59,12 +61,17 @@ def dryrun_summary(dry: DryRun, rows: list[Row] | None = None) -> Lines:
     return Lines("\n".join(lines))
 
 
-def dryrun_memory_table(rows: list[Row]) -> Table:
-    """Memory per category and rank: the dry run's peak, the planner's, the planner's with
-    the differences it knows of applied, and what is left between them."""
-    return _beside(rows, "memory", "category",
-                   "memory per GPU at the step's peak: the dry run (torch's tracker) beside the "
-                   "planner")
+def dryrun_memory_table(dry: DryRun, rows: list[Row]) -> Table:
+    """Memory per category and rank: the dry run's own peak of each, what each held at the
+    step's peak (these sum to it: the chart's bar), the planner's, the planner's with the
+    differences it knows of applied, and what is left between them."""
+    table = _beside(rows, "memory", "category",
+                    "memory per GPU: each category's own peak in the step (the dry run, torch's "
+                    "tracker) beside the planner's, and what each held at the step's peak",
+                    at_peak=_at_peak(dry), measured="dry run, own peak")
+    table.note += ("; the categories peak at different moments: their own peaks add up to "
+                   "more than the step's peak, what each held at it adds up to it")
+    return table
 
 
 def dryrun_bytes_table(dry: DryRun, rows: list[Row]) -> Table:
@@ -83,15 +90,20 @@ def dryrun_bytes_table(dry: DryRun, rows: list[Row]) -> Table:
     return table
 
 
-def _beside(rows: list[Row], what: str, name: str, caption: str) -> Table:
-    """The dry run, the planner and the planner with the differences applied, in the unit
-    of their chart."""
+def _beside(rows: list[Row], what: str, name: str, caption: str,
+            at_peak: dict[tuple[int, str], float] | None = None,
+            measured: str = "dry run") -> Table:
+    """The dry run (and, given ``at_peak``, what each row held at the step's peak), the
+    planner and the planner with the differences applied, in the unit of their chart."""
+    peak = {AT_PEAK: at_peak} if at_peak is not None else {}
     frame = pd.DataFrame([
-        {"rank": r.rank, name: r.name, "dry run": r.dry_run, "planner": r.planner,
+        {"rank": r.rank, name: r.name, measured: r.dry_run,
+         **{column: held[(r.rank, r.name)] for column, held in peak.items()},
+         "planner": r.planner,
          "planner, differences applied": r.explained,
          "left over": r.error if r.comparable else None,
          "what differs": r.difference} for r in rows if r.what == what])
-    shown = in_byte_unit(frame, ["dry run", "planner", "planner, differences applied"])
+    shown = in_byte_unit(frame, [measured, *peak, "planner", "planner, differences applied"])
     return Table(shown.frame, caption=caption, formats={**shown.formats, "left over": _percent},
                  note="left over: the planner with the differences applied, against the dry "
                       "run (blank where a row is not compared: it says why)")
@@ -101,12 +113,22 @@ def _percent(value: Any) -> str:
     return "" if value is None or value != value else f"{value:+.1%}"
 
 
-def dryrun_memory_frame(rows: list[Row]) -> pd.DataFrame:
-    """Long format for the chart: rank, source (dry run or planner), category, gib."""
+def dryrun_memory_frame(dry: DryRun, rows: list[Row]) -> pd.DataFrame:
+    """Long format for the chart: rank, source (dry run or planner), category, gib. The dry
+    run's bar is what each category held at the step's peak, so it ends at the peak the
+    summary states; the planner's, its categories, which add up to its total."""
+    at_peak = _at_peak(dry)
     return pd.DataFrame([
         {"rank": r.rank, "source": source, "category": r.name, "gib": value / GIB}
         for r in rows if r.what == "memory" and r.name != "total"
-        for source, value in (("dry run", r.dry_run), ("planner", r.planner))])
+        for source, value in (("dry run", at_peak[(r.rank, r.name)]),
+                              ("planner", r.planner))])
+
+
+def _at_peak(dry: DryRun) -> dict[tuple[int, str], float]:
+    """(rank, category) -> bytes it held at the rank's step peak (``total`` included)."""
+    return {(run.rank, category): float(value) for run in dry.ranks
+            for category, value in run.memory.items()}
 
 
 def verified_table(plan: Plan, hardware: Hardware | None = None) -> Table:
