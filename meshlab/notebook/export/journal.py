@@ -66,7 +66,8 @@ class Journal:
     """Names this session in the checkpoints it saves (a restore replays only its own)."""
     failed: list[Entry] = field(default_factory=list)
     """%%mesh cells that failed: never exported or replayed; export names those it leaves out,
-    and refuses when a later exported cell reads a name one would have defined."""
+    refuses when a later exported cell reads a name one would have defined, and warns when
+    one drew random numbers that the script, without it, draws differently after it."""
 
     def record_cell(self, code: str, number: int, ranks: list[int] | None = None,
                     mark: str | None = None, trained: bool = False,

@@ -1,6 +1,6 @@
 """What a cell takes from the cells before it, and what it leaves for those after: the names
-it binds and the names it reads before binding them. Read from the cell's Python (``ast``),
-without running it. Notebook side.
+it binds, the names it reads before binding them, and the generators it seeds before drawing
+from them. Read from the cell's Python (``ast``), without running it. Notebook side.
 
 Where the order is uncertain the answer leans to "reads it": a name bound only inside an
 ``if``, a loop or a ``try`` may still be unbound when it is read after them, and a function's
@@ -12,6 +12,11 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Iterable
+
+SEEDS = {"torch.manual_seed": {"torch", "cuda"}, "torch.random.manual_seed": {"torch", "cuda"},
+         "torch.cuda.manual_seed": {"cuda"}, "torch.cuda.manual_seed_all": {"cuda"},
+         "random.seed": {"random"}}
+"""The calls that set a generator afresh, by the name a cell calls them under."""
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -63,6 +68,38 @@ def free_reads(code: str) -> set[str]:
     for name in list(flow.functions):  # never used in the cell: a later cell calls it
         flow.read({name}, bound)
     return flow.free
+
+
+def seeds_first(code: str) -> set[str]:
+    """The generators (torch, cuda, random: those meshlab.rank.rng_state watches) the cell
+    seeds before it can draw from any: seed calls among its first statements, with only
+    imports, definitions and plain values before them."""
+    tree = cell_tree(code)
+    seeded: set[str] = set()
+    for node in tree.body if tree else []:
+        value = node.value if isinstance(node, (ast.Expr, ast.Assign, ast.AnnAssign)) else None
+        called = _dotted(value.func) if isinstance(value, ast.Call) else ""
+        if called in SEEDS:  # torch.manual_seed(0), or g = torch.manual_seed(0)
+            seeded |= SEEDS[called]
+        elif not (isinstance(node, (ast.Import, ast.ImportFrom, *_FUNCTIONS, ast.Pass)) or (
+                value is not None and all(isinstance(n, _PLAIN) for n in ast.walk(value)))):
+            break  # it may draw: a seed after it comes too late
+    return seeded
+
+
+_PLAIN = (ast.Constant, ast.Name, ast.Attribute, ast.Tuple, ast.List, ast.UnaryOp, ast.USub,
+          ast.Load)
+"""What a plain value (``lr = 0.01``, ``steps = -1``, ``dtype = torch.float32``) is made of."""
+
+
+def _dotted(node: ast.AST) -> str:
+    """``torch.cuda.manual_seed`` for the expression spelling it; "" for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return f"{head}.{node.attr}" if head else ""
+    return ""
 
 
 class _Flow:

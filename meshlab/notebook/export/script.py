@@ -238,7 +238,7 @@ def sbatch_script(where: Layout, train: str = "train.py", job: str = "meshlab",
 
 class Written(list[Path]):
     """The files an export wrote (the script, launch.sh, job.sbatch if asked), and its notes:
-    the failed cells it left out."""
+    the failed cells it left out, and why the script may draw random numbers differently."""
 
     def __init__(self, files: list[Path], notes: list[str]) -> None:
         super().__init__(files)

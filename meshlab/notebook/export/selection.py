@@ -1,13 +1,14 @@
 """Which of the journal goes into the script, and what the export says about what it leaves
-out: the failed cells, listed, and a later cell that needs a name one of them defines
-(refused, with the fix). Notebook side, plain Python."""
+out: the failed cells, a later cell that needs a name one of them defines (refused), and one
+that drew random numbers the script would then draw differently (said, with the fix).
+Notebook side, plain Python."""
 
 from __future__ import annotations
 
 import re
 
 from meshlab.notebook.export.journal import Entry, ExportError, Journal
-from meshlab.notebook.export.names import binds, free_reads
+from meshlab.notebook.export.names import binds, free_reads, seeds_first
 
 
 def parse_cells(spec: str) -> list[tuple[int, int | None]]:
@@ -85,11 +86,48 @@ def _check_failures(journal: Journal, entries: list[Entry]) -> None:
 
 def left_out(journal: Journal, entries: list[Entry], cells: str | None = None) -> list[str]:
     """What the export says about the cells it leaves out: one line listing the failed cells
-    among those chosen."""
+    among those chosen, and one for each that drew random numbers before an exported cell
+    that draws too (the script's numbers differ from there on), with the fix."""
     failed = [f for f in journal.failed if _chosen(f.number, cells)]
     if not failed:
         return []
-    return ["Left out, having failed: " + ", ".join(f"In [{f.number}]" for f in failed) + "."]
+    notes = ["Left out, having failed: " + ", ".join(f"In [{f.number}]" for f in failed) + "."]
+    for f in failed:
+        later = _next_draw(f, entries)
+        if f.drew == () or later is None:
+            continue
+        if f.drew is None:
+            what = (f"In [{f.number}] failed and is left out; meshlab cannot tell whether it drew "
+                    "random numbers (a saved notebook does not record it, nor does a rank that "
+                    "did not answer). If it did, ")
+        else:
+            what = (f"In [{f.number}] failed after drawing random numbers "
+                    f"({', '.join(f.drew)}) and is left out: ")
+        notes.append(
+            what + f"the script draws different ones from In [{later}] on (initial weights, "
+            "dropout, batches) and its losses differ from the notebook's. To export what the "
+            "notebook computed, run your seed cell (torch.manual_seed) and the cells after it "
+            f"again, then export {_without(entries, f.number)} (N: the seed cell's new "
+            f"number), leaving out In [{f.number}] and the old cells after it.")
+    return notes
+
+
+def _next_draw(failed: Entry, entries: list[Entry]) -> int | None:
+    """The first exported cell after ``failed`` that may draw from a generator ``failed`` drew
+    from (not seeded again since); None if none does."""
+    moved = set(failed.drew) if failed.drew is not None else {"torch", "cuda", "random"}
+    for e in entries:
+        if e.number <= failed.number:
+            continue
+        if e.kind == "cell":
+            moved -= seeds_first(e.code)  # set afresh: its draws are the notebook's again
+            if not moved:
+                return None
+            if e.drew is None or moved & set(e.drew):
+                return e.number
+        elif e.note.startswith(("%mesh step", "%mesh pipeline")):  # a step may drop out
+            return e.number
+    return None
 
 
 def _without(entries: list[Entry], number: int) -> str:
