@@ -9,19 +9,20 @@ include it. Waiting for an input before its producer on another rank had produce
 bubble; waiting after, until it arrived, is exposed communication (the send's posting and
 the transfer). Before a rank's first action and after its last is bubble too.
 
+The same costs, one per kind (``action_costs``), are what the stepped pipeline's chart
+re-simulates the step with and what the bubble table's caption states: one source.
 Notebook side: SteppedPipeline.bubble_table calls compare_bubbles on a whole profiled step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from statistics import median
 from typing import Any, NamedTuple
 
 import pandas as pd
 
-from meshlab.notebook.pipeline_costs import measured_costs
 from meshlab.schedules import Costs, Schedule, Timeline
 from meshlab.schedules.actions import Action
 from meshlab.schedules.simulate import simulate
@@ -67,12 +68,11 @@ def split_idle(runs: dict[int, RankRun], schedule: Schedule, origin: float,
     return pd.DataFrame(rows).set_index("rank")
 
 
-def measured_runs(records: list[dict[str, Any]], schedule: Schedule,
-                  offsets: Mapping[int, int]) -> tuple[dict[int, RankRun], float, float]:
-    """Each pp rank's compute actions from a whole step's records, on the notebook's clock
-    (ms; ``offsets``: global rank -> its clock minus the notebook's, ns); the step's origin
-    (when the first action that needs nothing from another rank began) and finish (when the
-    last action's output existed)."""
+def ranks_actions(records: list[dict[str, Any]], offsets: Mapping[int, int]
+                  ) -> dict[int, list[Ran]]:
+    """Each pp rank's compute actions in the order they ran (ms; ``offsets`` as
+    measured_runs takes them): an action starts once its input is there and ends when the
+    rank begins its next one (the compute, then the Python posting its sends)."""
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         by_rank.setdefault(r["rank"], []).append(r)
@@ -80,19 +80,46 @@ def measured_runs(records: list[dict[str, Any]], schedule: Schedule,
     def ms(r: dict[str, Any], ns: int) -> float:
         return (ns - offsets.get(r["global_rank"], 0)) / 1e6
 
-    needs = cross_inputs(schedule)
-    begins: dict[int, float] = {}
     ran: dict[int, list[Ran]] = {}
     for rank, rows in by_rank.items():
         rows.sort(key=lambda r: r["begin_ns"])
         computes = [r for r in rows if r["kind"] in ("F", "B", "I", "W")]
-        begins[rank] = ms(rows[0], rows[0]["begin_ns"])
         ran[rank] = []
         for r, after in zip(computes, [*computes[1:], None], strict=True):
             ready, produced = ms(r, r["begin_ns"]), ms(r, r["end_ns"])
             ran[rank].append(Ran(Action(r["stage"], r["kind"], r["microbatch"]), ready,
                                  ready + r["wait"] * 1e3, produced,
                                  produced if after is None else ms(after, after["begin_ns"])))
+    return ran
+
+
+def measured_costs(measured: pd.DataFrame, schedule: Schedule) -> Costs:
+    """Median measured time per kind (``start``, ``end``), scaled back to a rank's whole
+    share of the model."""
+    per_kind = (measured["end"] - measured["start"]).groupby(measured["kind"]).median()
+    scale = schedule.stages / schedule.ranks
+    kinds = {k: float(v) * scale for k, v in per_kind.items()}
+    if "I" in kinds:
+        return Costs(forward=kinds["F"], backward_input=kinds["I"],
+                     backward_weight=kinds.get("W", 0.0))
+    return Costs(forward=kinds["F"], backward=kinds.get("B", 2 * kinds["F"]))
+
+
+def action_costs(ran: Iterable[Ran], schedule: Schedule) -> Costs:
+    """One cost per kind (the median, ms), each action timed as ``ranks_actions`` cuts it:
+    what the simulator replays a measured step with, in the chart and the bubble table."""
+    return measured_costs(pd.DataFrame([{"kind": a.action.kind, "start": a.start,
+                                         "end": a.end} for a in ran]), schedule)
+
+
+def measured_runs(records: list[dict[str, Any]], schedule: Schedule,
+                  offsets: Mapping[int, int]) -> tuple[dict[int, RankRun], float, float]:
+    """Each pp rank's compute actions from a whole step's records, on the notebook's clock
+    (ms; ``offsets``: global rank -> its clock minus the notebook's, ns); the step's origin
+    (when the first action that needs nothing from another rank began) and finish (when the
+    last action's output existed)."""
+    needs = cross_inputs(schedule)
+    ran = ranks_actions(records, offsets)
     origin = min(a.ready for acts in ran.values() for a in acts if not needs[a.action])
     finish = max(a.produced for acts in ran.values() for a in acts)
     # the simulator starts every rank at the origin: a rank waits from there for its first
@@ -146,9 +173,7 @@ def compare_bubbles(records: list[dict[str, Any]], schedule: Schedule,
     ran = [a for run in runs.values() for a in run.actions]
     hops = arrivals(runs, schedule)
     seen = [max(0.0, hops[a.action]) for a in ran if a.action in hops and a.start > a.ready]
-    costs = replace(measured_costs(pd.DataFrame(
-        [{"kind": a.action.kind, "start": a.start, "end": a.end} for a in ran]), schedule),
-        comm=median(seen) if seen else 0.0)
+    costs = replace(action_costs(ran, schedule), comm=median(seen) if seen else 0.0)
     planned = simulate(schedule, costs, validated=True)
     simulated = split_idle(simulated_runs(planned), schedule, 0.0, planned.makespan)
     table = pd.DataFrame({

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from meshlab.notebook.cluster import Cluster
-from meshlab.notebook.pipeline_costs import measured_costs
+from meshlab.notebook.pipeline_bubbles import action_costs, ranks_actions
 from meshlab.schedules import (
     BUILDERS,
     TAKES_VIRTUAL,
@@ -134,11 +134,22 @@ class SteppedPipeline:
             frames.append(measured.assign(view="measured on the ranks (ms)", state="done",
                                           unit="ms"))
         if self.done and not measured.empty:
-            costs = measured_costs(measured, self.schedule)
+            costs = self.costs()
+            hop = f", hop {costs.comm:.3g} ms" if costs.comm else ""  # as the table says it
             again = self.schedule.simulate(costs).to_frame()
-            frames.append(again.assign(view=f"simulated with measured costs: {_costs(costs)}",
-                                       state="done", unit="ms"))
+            frames.append(again.assign(view=f"simulated with measured costs: {_costs(costs)}"
+                                            + hop, state="done", unit="ms"))
         return pd.concat(frames, ignore_index=True)
+
+    def costs(self) -> Costs:
+        """The step's costs, one per kind as the bubble table states them: each action from
+        its input's arrival to the rank's next action (its compute and the Python posting its
+        sends), the median; with the median hop where the whole step was profiled."""
+        if self.whole_step_profiled and self.profile is not None:
+            costs: Costs = self.bubble_table().attrs["costs"]
+            return costs
+        return action_costs((a for acts in ranks_actions(self.records, {}).values()
+                             for a in acts), self.schedule)
 
     def bubble_table(self) -> pd.DataFrame:
         """Per pp rank and in total (ms): the bubble and the exposed communication of the

@@ -5,6 +5,7 @@ schedule simulator's."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,13 @@ def test_profiled_step_writes_one_trace_of_every_rank_with_each_action_named(
     with capture_output() as cap:
         shell.run_line_magic("mesh", "step --all --profile")
     assert _compared(cap.outputs)
+    # the chart re-simulates the step with the costs the table's caption states (one source)
+    shown = " ".join(str(o.data) for o in cap.outputs)
+    in_chart = re.findall(r"simulated with measured costs: (F [\d.]+, B [\d.]+) ms, hop "
+                          r"([\d.]+) ms", shown)
+    in_table = re.findall(r"simulated with the measured costs \((F [\d.]+, B [\d.]+) ms, hop "
+                          r"([\d.]+) ms\)", shown)
+    assert in_chart and in_table and set(in_chart) == set(in_table), (in_chart, in_table)
 
 
 def _compared(outputs: list[Any]) -> bool:
