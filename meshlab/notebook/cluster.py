@@ -84,6 +84,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, 
         self._cut_output: Path | None = None  # this cluster's private folder there
         self._store_dir: Path | None = None  # rank 0's store folder, where it is on this machine
         self.start_phases = ""  # 'controller 1.1 s, engines 5.0 s, process group 4.1 s'
+        self.start_seconds = 0.0  # the last start's, as its progress line ends
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, 
             bar.close(ok=False)
             raise
         self.start_phases = bar.close()
+        self.start_seconds = bar.elapsed()
         return self
 
     def stop(self) -> None:

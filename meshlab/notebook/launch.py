@@ -59,6 +59,7 @@ class StartProgress:
         self.n, self.k, self.enabled = n, 0, enabled
         self._started = self._since = time.perf_counter()
         self._drawn = 0.0
+        self._ended: float | None = None
         self.phases: dict[str, float] = {}  # phase -> seconds it took
         self._phase = "controller"
         self.says = self.SAYS["controller"]  # what the line says now
@@ -90,14 +91,15 @@ class StartProgress:
 
     def close(self, ok: bool = True) -> str:
         """End the line; returns the phases with their times ('controller 1.1 s, ...')."""
-        self.phases[self._phase] = time.perf_counter() - self._since
+        self._ended = time.perf_counter()  # elapsed() stops here: the time the line ends at
+        self.phases[self._phase] = self._ended - self._since
         self._redraw("ready" if ok else f"failed {self.SAYS[self._phase]}")
         if self._bar is not None:
             self._bar.close()
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items())
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self._started
+        return (self._ended or time.perf_counter()) - self._started
 
     def text(self) -> str:
         return f"{self.says}: {self.k}/{self.n} ranks {self.elapsed():.1f} s"

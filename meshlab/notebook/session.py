@@ -88,11 +88,10 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         if self.running:
             raise SessionError(f"a cluster of {self.world_size} ranks is already running: "
                                "%mesh stop first, or %mesh restart")
-        started = time.perf_counter()
         self.cluster = cluster.start(progress=progress)
         self.journal = Journal(cluster.world_size, cluster.backend)
         self.bound_pipeline, self.optimizer_steps = None, 0
-        return (f"{cluster.world_size} ranks ready in {time.perf_counter() - started:.1f} s "
+        return (f"{cluster.world_size} ranks ready in {cluster.start_seconds:.1f} s "
                 f"({cluster.start_phases}): {cluster.describe()}")
 
     def stop(self) -> str:
@@ -115,9 +114,11 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         started = time.perf_counter()
         cluster.restart()
         self.bound_pipeline = None
-        progress(f"{cluster.world_size} fresh ranks ready in "
-                 f"{time.perf_counter() - started:.1f} s; replaying "
-                 f"{len(steps.entries) + bool(steps.load)} recorded entries")
+        # the start's own time, as its progress line above shows it, and the stop's apart
+        stopping = time.perf_counter() - started - cluster.start_seconds
+        progress(f"stopped the old ranks in {stopping:.1f} s; {cluster.world_size} fresh "
+                 f"ranks ready in {cluster.start_seconds:.1f} s ({cluster.start_phases}); "
+                 f"replaying {len(steps.entries) + bool(steps.load)} recorded entries")
         for entry in steps.skipped:
             progress(f"  In [{entry.number}] skipped: it trained, {from_checkpoint} holds that")
         for entry in steps.unsafe:

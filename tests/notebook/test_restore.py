@@ -254,6 +254,13 @@ def test_after_a_rank_dies_restart_replays_and_training_continues_identically(ow
 
     out = run(own, "%mesh restart", "%%mesh\nfit(2)")
     assert "replaying 4 recorded entries" in out and "session restored" in out
+    # the start's time is its progress line's, its phases': the stop's is said apart
+    found = re.search(r"stopped the old ranks in \d+\.\d s; 2 fresh ranks ready in (\d+\.\d) s "
+                      r"\(controller (\d+\.\d) s, engines (\d+\.\d) s, process group "
+                      r"(\d+\.\d) s\)", out)
+    assert found, out
+    total, *phases = (float(x) for x in found.groups())
+    assert sum(phases) == pytest.approx(total, abs=0.15)  # up to rounding
     resumed = own.run_line_magic("mesh", "pull losses")[0]
 
     run(own, "%%mesh\nstep, losses = 0, []\ntorch.manual_seed(0)\n"  # the uninterrupted run
