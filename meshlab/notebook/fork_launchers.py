@@ -39,6 +39,10 @@ class ForkEngineSetLauncher(LocalProcessLauncher, EngineLauncher):
     """n engines on this machine, forked from one process that imported torch and the
     engine once."""
 
+    # how ipyparallel writes the class into the cluster file: its default, "module:Class",
+    # is one its own reader cannot import, and JupyterLab's ipyparallel extension logged
+    # "could not be imported" for every running meshlab cluster every few seconds
+    entrypoint_name = f"{__module__}.ForkEngineSetLauncher"
     name = Unicode("ipengine-fork")
     exits_file = Unicode(help="where the forkserver writes PID STATUS as ranks end"
                          ).tag(to_dict=True)
@@ -111,6 +115,7 @@ class SSHHostLauncher(LocalProcessLauncher, EngineLauncher):
 class SSHForkEngineSetLauncher(LocalEngineSetLauncher):
     """Every host's ranks at once, one ssh login and one forkserver per host."""
 
+    entrypoint_name = f"{__module__}.SSHForkEngineSetLauncher"  # as ForkEngineSetLauncher's
     launcher_class = SSHHostLauncher
     hosts = Dict(config=True, help="host (as ssh knows it) -> ranks to fork there")
     ssh_cmd = List(["ssh"], config=True)

@@ -3,6 +3,7 @@ imports torch and the engine, forks the ranks and their nannies, and reports how
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -81,3 +82,20 @@ def test_over_ssh_each_host_gets_one_login_and_one_forkserver() -> None:
     unforked = profiles.from_dict("u", {"cluster": {
         "launcher": "ssh", "hosts": ["a", "b"], "controller_ip": "10.0.0.1", "fork": False}})
     assert launcher_traits(unforked, 4)["engines"] == {"a": 2, "b": 2}
+
+
+def test_ipyparallels_own_reader_loads_a_running_clusters_file(
+        cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """JupyterLab's ipyparallel extension reads every cluster file of a profile every few
+    seconds: the fork launcher's class must read back (it logged "could not be imported")."""
+    from ipyparallel.cluster.cluster import ClusterManager
+
+    running = cluster._ipp
+    manager = ClusterManager()
+    with caplog.at_level(logging.WARNING):
+        manager.load_clusters(profile_dirs=[running.profile_dir])
+    loaded = [c for c in manager.clusters.values() if c.cluster_id == running.cluster_id]
+    assert [c.engine_launcher_class for c in loaded] == [type(running.engines[k]) for k in
+                                                         running.engines][:1]
+    assert not [r.getMessage() for r in caplog.records
+                if running.cluster_id in r.getMessage()]
