@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from meshlab.mesh import axis_size
-from meshlab.parallel import combinations, precision
+from meshlab.parallel import combinations, fused_proof, precision
 from meshlab.parallel.activation_checkpoint import apply_ac
 from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.ddp import apply_ddp
@@ -63,6 +63,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     precision.check_fp16_model(plan, model)
     if plan.qat is not None:  # before the strategies: they shard the fake-quantized Linears
         model = precision.apply_qat(model, plan.qat)
+    if axes["tp"] > 1 and (tp_plan := _tp_plan(model, plan)) is not None:
+        # fused projections' modules probed whole, before a pipeline splits the model
+        fused_proof.capture(model, tp_plan, user=plan.tp_plan is not None,
+                            vouched=proof is not None)
     origins = record(model, init) if on_meta(model) else None
     stage = partial(_parallelize_stage, mesh=mesh, plan=plan, origins=origins, seed=seed)
     if axis_size(mesh, "pp") > 1:
@@ -85,9 +89,8 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
     refuses alike (one refusing alone would leave its pipeline peers waiting)."""
     from meshlab.models import Transformer
 
-    if axis_size(mesh, "tp") > 1 and not (isinstance(model, Transformer) and plan.tp_plan is None):
+    if axis_size(mesh, "tp") > 1 and (tp_plan := _tp_plan(model, plan)) is not None:
         # a model's own plan may name parts some configs lack (Qwen3-MoE's dense MLPs)
-        tp_plan = plan.tp_plan if plan.tp_plan is not None else model_plan(model)
         missed = unmatched(model, tp_plan)
         if missed and (plan.tp_plan is not None or len(missed) == len(tp_plan)):
             some = [n for n, _ in model.named_modules() if n.count(".") >= 2][:3]
@@ -116,6 +119,16 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
                              f"not yet to {type(model).__name__}: build the "
                              f"mesh without {axis} (DDP, ZeRO-1/2/3, HSDP, TP and activation "
                              "checkpointing take any model of repeated blocks)")
+
+
+def _tp_plan(model: nn.Module, plan: ParallelPlan) -> Any:
+    """The TP plan the model takes: the user's, or the one it ships; None for meshlab's
+    Transformer, which takes meshlab's own."""
+    from meshlab.models import Transformer
+
+    if isinstance(model, Transformer) and plan.tp_plan is None:
+        return None
+    return plan.tp_plan if plan.tp_plan is not None else model_plan(model)
 
 
 def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan,

@@ -43,9 +43,9 @@ class Conv1DColwise(ParallelStyle):
         def split(dim: int) -> Any:
             return Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)
 
-        _distribute(module, "weight", device_mesh, split(1))
+        shard_parameter(module, "weight", device_mesh, split(1))
         if self.parts == 1:
-            _distribute(module, "bias", device_mesh, Shard(0))
+            shard_parameter(module, "bias", device_mesh, Shard(0))
         # a packed bias stays whole (FSDP's dim-0 split over a strided one does not gather
         # back): each rank adds its slices, and the gradient sums over tp
         size, rank = device_mesh.size(), device_mesh.get_local_rank()
@@ -62,7 +62,7 @@ class Conv1DColwise(ParallelStyle):
                 whole = SumInBackward.apply(bias, group)
                 local["bias"] = torch.cat([part.chunk(size)[rank]
                                            for part in whole.chunk(self.parts)])
-            with _local(module, **local):
+            with LocalParameters(module, **local):
                 return forward(SumInBackward.apply(x, group))
 
         module.forward = local_forward
@@ -74,8 +74,8 @@ class Conv1DRowwise(ParallelStyle):
     tp and the (replicated) bias added once, after."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute(module, "weight", device_mesh, Shard(0))
-        _distribute(module, "bias", device_mesh, Replicate())
+        shard_parameter(module, "weight", device_mesh, Shard(0))
+        shard_parameter(module, "bias", device_mesh, Replicate())
         group = device_mesh.get_group()
         forward = module.forward
 
@@ -83,7 +83,7 @@ class Conv1DRowwise(ParallelStyle):
             from meshlab.parallel.tp_sums import SumInForward
 
             bias: Any = module.bias
-            with _local(module, bias=torch.zeros_like(bias.to_local())):
+            with LocalParameters(module, bias=torch.zeros_like(bias.to_local())):
                 partial = forward(x)
             return SumInForward.apply(partial, group) + bias.to_local()
 
@@ -116,7 +116,8 @@ def gpt2_plan() -> dict[str, Any]:
     }
 
 
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
+def shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) -> None:
+    """``module.<name>`` as a DTensor of ``placement`` over ``mesh``, this rank keeping its part."""
     param = module._parameters[name]
     if param is None or isinstance(param, DTensor):
         return
@@ -126,7 +127,7 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Any) 
         requires_grad=param.requires_grad)
 
 
-class _local:
+class LocalParameters:
     """Within: the module's DTensor parameters as this rank's local tensors (differentiable,
     so their gradients land on the DTensors), and the given attributes set."""
 

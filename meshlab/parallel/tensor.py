@@ -44,11 +44,17 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     the model's own: meshlab's Megatron plan, or transformers' ``_tp_plan``.
 
     ``sequence_parallel``: None uses it where the plan has it (meshlab's does); True with a
-    plan that has no SequenceParallel entry is refused, naming the fix."""
+    plan that has no SequenceParallel entry is refused, naming the fix. A Linear packing q, k,
+    v (or gate, up) takes meshlab.parallel.fused's FusedColwise; the module that splits its
+    output is proved on a probe batch before training (meshlab.parallel.fused_proof)."""
     tp_mesh = mesh[axis]
     if plan is None and _is_meshlab(model):
         return _apply_meshlab_tp(model, tp_mesh, sequence_parallel is not False)
+    from meshlab.parallel import fused_proof
+
+    given = plan is not None
     plan = plan if plan is not None else model_plan(model)
+    fused_proof.capture(model, plan, user=given)  # before sharding: the module whole
     tied = untie(model)
     named = {p: s for p, s in plan.items() if isinstance(s, str)}
     if sequence_parallel and len(named) == len(plan):
@@ -71,6 +77,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     for module in model.modules():
         if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             module.register_forward_hook(_writable_output)
+    fused_proof.check(model, tp_mesh)
     return model
 
 
