@@ -134,11 +134,27 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
 
         return gpt2_plan()
     if not plan:
-        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan: pass "
-                         "ParallelPlan(tp_plan={'layers.*.attn.q_proj': 'colwise', "
-                         "'layers.*.attn.o_proj': 'rowwise', ...}), module patterns to "
-                         "transformers' style names or torch ParallelStyles")
+        raise ValueError(_no_plan(model))
     return dict(plan)
+
+
+def _no_plan(model: nn.Module) -> str:
+    """The refusal of a model without a TP plan, with one built from its own Linears."""
+    from meshlab.parallel.tensor_suggest import render, suggested_plan
+
+    said = f"{type(model).__name__} ships no tensor-parallel plan: pass ParallelPlan(tp_plan="
+    styles = ("module patterns to transformers' style names or torch ParallelStyles "
+              "(* stands for one part of a name)")
+    found = suggested_plan(model)
+    if found is None:
+        return said + "{'blocks.*.attn.q': 'colwise', 'blocks.*.attn.o': 'rowwise', ...}), " \
+            + styles
+    first, plan = found
+    fused = ("; FusedColwise, LocalSizes: from meshlab.parallel.fused import FusedColwise, "
+             "LocalSizes" if any("Fused" in s for s in plan.values()) else "")
+    return (f"{said}{render(plan)}), read off the Linear layers of {first}: check it "
+            "('colwise' into the heads or the hidden layer, 'rowwise' back to the residual "
+            f"stream{fused}), and add the embedding and head if you split them; {styles}")
 
 
 

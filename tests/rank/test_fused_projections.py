@@ -3,7 +3,7 @@ computes q, k, v with one ``c_attn = nn.Linear(d, 3 * d)`` and splits its output
 ``self.n_embd``, and whose MLP packs gate and up in one Linear, trains under TP like one
 process with FusedColwise and LocalSizes; every plan under which its own forward would fail,
 or silently train on the wrong slices, is refused before training, naming the module and the
-fix.
+fix; a model without a plan is refused with one read off its own Linears.
 """
 
 from __future__ import annotations
@@ -169,6 +169,17 @@ _said
     assert "is invalid for input of size" in said["input"]
     assert "`.view(B, T, self.n_embd)`" in said["input"]
     assert "give 'transformer.h.*.attn': LocalSizes('n_head', 'n_embd')" in said["no sizes"]
+
+
+def test_a_model_without_a_tp_plan_is_refused_with_one_read_off_its_own_linears() -> None:
+    from meshlab.parallel.tensor import model_plan
+
+    with pytest.raises(ValueError) as refused:
+        model_plan(_nanogpt()["GPT"]())
+    said = str(refused.value)
+    assert said.startswith(f"GPT ships no tensor-parallel plan: pass ParallelPlan(tp_plan="
+                           f"{PLAN}), read off the Linear layers of transformer.h.0"), said
+    assert "q_proj" not in said and "layers.*" not in said
 
 
 def test_a_fused_projection_on_the_meta_device_needs_the_tiny_check() -> None:
