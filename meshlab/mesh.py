@@ -136,6 +136,17 @@ class MeshSpec:
             return dims[name]
         return math.prod(dims[d] for d in views[name]) if name in views else 1
 
+    def shown_name(self, name: str) -> str:
+        """The name a view is shown by: the axes it spans that have more than one rank,
+        joined by "+" (FSDP's "dp_shard_cp" without cp is "dp_shard", the name the mesh table
+        gives it; with cp=2, "dp_shard+cp"); an axis (dp_shard too, a view when ep splits
+        it), or a name this mesh does not know, as it is."""
+        views, dims = self.views(), self.mesh_axes()
+        if name not in views or name in AXES:
+            return name
+        spanned = [d for d in views[name] if dims.get(d, 1) > 1] or list(views[name][:1])
+        return "+".join(spanned)
+
     def groups(self) -> dict[str, list[list[int]]]:
         """Every axis and view with its process groups as rank lists (pure arithmetic)."""
         dims = self.mesh_axes()

@@ -17,6 +17,7 @@ from meshlab.notebook.output import group
 from meshlab.notebook.ranks import label
 
 if TYPE_CHECKING:
+    from meshlab.mesh import MeshSpec
     from meshlab.notebook.profiles import Profile
 
 
@@ -30,6 +31,7 @@ class RankReports:
     _recover: Callable[..., float]
     _failures: Callable[[Any, list[int]], list[tuple[int, str, str]]]
     _apply_each: Callable[..., dict[int, Any]]
+    mesh_spec: MeshSpec | None
 
     def inspect(self, expr: str, ranks: str | list[int] | None = None
                 ) -> ShardingReport | ModuleReport:
@@ -44,7 +46,10 @@ class RankReports:
             why = {r: f"{ename}: {evalue}" for r, ename, evalue in self._failures(e, ranks)}
             lines = [f"  {label(group_ranks)} {text}" for group_ranks, text in group(why)]
             raise ClusterError(f"cannot inspect {expr!r}:\n" + "\n".join(lines)) from None
-        return merge(dict(zip(ranks, reports, strict=True)))
+        merged = merge(dict(zip(ranks, reports, strict=True)))
+        if self.mesh_spec is not None:  # FSDP's dp_shard_cp by the name the mesh table uses
+            _rename_axes(merged, self.mesh_spec.shown_name)
+        return merged
 
     def memory(self, model: str, optimizer: str | None = None, inputs: str | None = None
                ) -> tuple[dict[int, Any], int, dict[int, tuple[int, int]]]:
@@ -56,3 +61,10 @@ class RankReports:
             "model": model, "optimizer": optimizer, "inputs": inputs})
         activations = {r: a for r, (_, _, a) in out.items() if a is not None}
         return {r: report for r, (report, _, _) in out.items()}, out[0][1], activations
+
+
+def _rename_axes(report: ShardingReport | ModuleReport, shown: Callable[[str], str]) -> None:
+    """Each tensor's mesh axes by the names ``shown`` gives them, in place."""
+    for tensor in report.tensors if isinstance(report, ModuleReport) else [report]:
+        for part in [tensor, *tensor.parts]:
+            part.mesh_axes = [shown(a) for a in part.mesh_axes]

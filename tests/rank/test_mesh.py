@@ -100,6 +100,29 @@ def test_built_mesh_matches_the_computed_groups_on_every_rank(cluster: Cluster,
     assert result.results() == "Out[ranks 0-3]: True", result.results()
 
 
+def test_a_view_is_shown_by_the_axes_it_spans_that_have_ranks() -> None:
+    assert MeshSpec.parse("dp=4").shown_name("dp_shard_cp") == "dp_shard"
+    assert MeshSpec.parse("dp=2 cp=2").shown_name("dp_shard_cp") == "dp_shard+cp"
+    assert MeshSpec.parse("dp_replicate=2 dp=2").shown_name("dp") == "dp_replicate+dp_shard"
+    assert MeshSpec.parse("dp=4 ep=2").shown_name("dp_shard") == "dp_shard"  # an axis by name
+    assert MeshSpec.parse("dp=2 tp=2").shown_name("tp") == "tp"
+
+
+@pytest.mark.cluster
+def test_an_fsdp_parameter_is_inspected_on_the_axis_the_mesh_table_names(
+        cluster: Cluster) -> None:
+    """``%mesh init dp=4``: the table says dp_shard, and so does the sharding view, though
+    FSDP shards over the flattened view dp_shard_cp (cp of 1)."""
+    cluster.init_mesh("dp=4")
+    cluster.run("from meshlab.parallel import ParallelPlan, parallelize\n"
+                "from meshlab.models import ModelConfig, Transformer\n"
+                "sharded = parallelize(Transformer(ModelConfig(n_layers=1, dim=16, n_heads=2, "
+                "n_kv_heads=2, ffn_hidden=32, vocab_size=32)), mesh, "
+                "ParallelPlan(data_parallel='zero3'))")
+    report = cluster.inspect("sharded")
+    assert {a for t in report.tensors for a in t.mesh_axes} == {"dp_shard"}
+
+
 @pytest.mark.cluster
 def test_init_refuses_a_mesh_that_does_not_fit(cluster: Cluster) -> None:
     with pytest.raises(ValueError, match="dp_shard=2 x tp=3 = 6, but the cluster has 4 ranks"):
