@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from meshlab.measure.memory import gathered_note
 from meshlab.mesh import crossing_hosts
 from meshlab.notebook import commands
 from meshlab.notebook.calibrate import calibration_tables
@@ -31,7 +32,7 @@ from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.schedule import schedule_table
 from meshlab.notebook.tables.status import status_table
-from meshlab.notebook.tables.table import Table
+from meshlab.notebook.tables.table import Lines, Table
 from meshlab.notebook.widgets import MeshView, ShardingView, group_table
 
 
@@ -131,7 +132,11 @@ class MeshMagics(Magics):
             print(note)
 
     def _inspect(self, args: Any) -> ShardingView:
-        return ShardingView(self.session.inspect(" ".join(args.expr), args.ranks))
+        report = self.session.inspect(" ".join(args.expr), args.ranks)
+        if note := gathered_note(getattr(report, "resharded", []),
+                                 getattr(report, "reset", False)):
+            display(Lines(note))
+        return ShardingView(report)
 
     def _memory(self, args: Any) -> None:
         frame = self.session.memory(args.model, args.optimizer, stage=args.stage, dp=args.dp,

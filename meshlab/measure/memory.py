@@ -42,6 +42,10 @@ class MemoryReport:
     that formula needs)."""
     element_bytes: int = field(default=4, compare=False)
     """Bytes per value of the parameters (AdamW and SGD keep their states in that dtype)."""
+    resharded: tuple[str, ...] = field(default=(), compare=False)
+    """FSDP units found gathered and resharded before counting (``reshard``)."""
+    reset: bool = field(default=False, compare=False)
+    """Whether a step that raised was reset first (``reshard``)."""
 
     @property
     def total(self) -> int:
@@ -96,7 +100,7 @@ def measure(model: torch.nn.Module,
     FSDP2 modules left unsharded (a forward without backward keeps the root's parameters
     gathered) are resharded first: their sharded parameters, which hold the gradients and
     which the optimizer updates, are what this process keeps between steps."""
-    reshard(model)
+    gathered, reset = reshard(model)
     seen: set[tuple[int, int, int]] = set()  # shared, so no tensor counts in two categories
     # host memory is memory apart from the device's: on a CPU rank, where FSDP2 offloads
     host = [0] if torch.accelerator.is_available() or _params_on_host(model) else None
@@ -116,7 +120,8 @@ def measure(model: torch.nn.Module,
                         host=host[0] if host else 0,
                         optimizer_kind=optimizer_kind(optimizer) if optimizer else "",
                         shapes=tuple(tp_rank_shape(p) for p in params),
-                        element_bytes=params[0].element_size() if params else 4)
+                        element_bytes=params[0].element_size() if params else 4,
+                        resharded=tuple(gathered), reset=reset)
 
 
 def tp_rank_params(model: torch.nn.Module) -> int:
@@ -202,23 +207,53 @@ def is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
-def reshard(model: torch.nn.Module) -> None:
-    """Reshard every FSDP2 module in ``model`` that a forward left unsharded.
+def reshard(model: torch.nn.Module) -> tuple[list[str], bool]:
+    """Reshard every FSDP2 module in ``model`` a forward left unsharded: (their names, ""
+    for ``model`` itself; whether a step that raised had to be reset first).
 
     FSDP2 does not reshard the root after forward (backward would gather it again), so a
     forward without backward leaves the module's parameters as full, unsharded tensors that
     are not the ones the optimizer holds. Resharding puts the sharded parameters back; the
-    next forward gathers them again as usual. A no-op for anything else.
+    next forward gathers them again as usual. A forward or backward that raised leaves FSDP
+    mid-step, where resharding does nothing: torch's recovery, ``reset_iter_state()`` on the
+    root (which the next step needs anyway; the failed step's gradients are dropped), comes
+    first. A no-op for anything else.
     """
     if not torch.distributed.is_available():
-        return
+        return [], False
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
-        return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+        return [], False
+    units = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # FSDP2 says whether a unit is gathered, and whether a step is under way, here only
+    states = [(name, m, m._get_fsdp_state()) for name, m in units]
+    gathered = [name for name, _, state in states
+                if any(g.is_unsharded for g in getattr(state, "_fsdp_param_groups", []))]
+    aborted = any(state._training_state.name != "IDLE" for _, _, state in states)
+    roots = [m for _, m, state in states if state._is_root]
+    reset = aborted and bool(roots) and hasattr(roots[0], "reset_iter_state")
+    if reset:
+        roots[0].reset_iter_state()
+    for _, module in units:
+        module.reshard()
+    return gathered, reset
+
+
+def gathered_note(names: Iterable[str], reset: bool = False) -> str:
+    """What to say of FSDP units ``reshard`` found gathered ("" if none)."""
+    units = sorted(set(names))
+    if not units:
+        return ""
+    shown = ", ".join(n or "the model itself" for n in units[:3]) + (
+        f" and {len(units) - 3} more" if len(units) > 3 else "")
+    if reset:
+        return (f"FSDP held {shown} gathered, mid-step after a forward or backward that "
+                "raised: meshlab called torch's recovery, reset_iter_state() on the model "
+                "(the next step needs it; that step's gradients are dropped), and read the "
+                "shards")
+    return (f"FSDP held {shown} gathered (a forward not followed by its backward): "
+            "resharded before reading, as the next forward would find them")
 
 
 def _data_ptr(t: torch.Tensor) -> int:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshlab.measure.memory import reshard
+
 
 @dataclass(slots=True)
 class RankShard:
@@ -90,6 +92,10 @@ class ModuleReport:
     name: str
     tensors: list[ShardingReport]
     buffers: list[str] = field(default_factory=list)  # names among `tensors` that are buffers
+    resharded: list[str] = field(default_factory=list)
+    """FSDP units found gathered and resharded before reading (meshlab.measure.memory)."""
+    reset: bool = False
+    """Whether a step that raised was reset first (meshlab.measure.memory.reshard)."""
 
     def bytes_per_rank(self) -> dict[int, int]:
         totals: dict[int, int] = {}
@@ -118,13 +124,15 @@ def describe(obj: Any, name: str = "", namespace: Mapping[str, Any] | None = Non
 def _describe(obj: Any, name: str, models: dict[int, _Where], place: dict[str, int]
               ) -> ShardingReport | ModuleReport:
     if isinstance(obj, nn.Module):
+        # what the optimizer holds, not what a failed forward left gathered
+        resharded, reset = reshard(obj)
         tensors: list[ShardingReport] = []
         for n, t in [*obj.named_parameters(), *obj.named_buffers()]:
             path, _, attr = n.rpartition(".")
             tensors.append(_describe_tensor(t, n, models, place,
                                             (obj.get_submodule(path), attr)))
         buffers = [n for n, _ in obj.named_buffers()]
-        return ModuleReport(name or type(obj).__name__, tensors, buffers)
+        return ModuleReport(name or type(obj).__name__, tensors, buffers, resharded, reset)
     if not isinstance(obj, torch.Tensor):
         raise TypeError(f"cannot describe a {type(obj).__name__}: pass a DTensor, a tensor or "
                         "an nn.Module")
@@ -171,7 +179,10 @@ def merge(per_rank: dict[int, Any]) -> ShardingReport | ModuleReport:
         tensors = [merge({r: by_name[r][n] for r in sorted(per_rank) if n in by_name[r]})
                    for n in names]
         buffers = [n for n in names if any(n in m.buffers for m in per_rank.values())]
-        return ModuleReport(first.name, tensors, buffers)  # type: ignore[arg-type]
+        resharded = sorted({n for m in per_rank.values() for n in m.resharded})
+        reset = any(m.reset for m in per_rank.values())
+        return ModuleReport(first.name, tensors, buffers,  # type: ignore[arg-type]
+                            resharded, reset)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for rank in sorted(per_rank):
         groups.setdefault(_same_tensor(per_rank[rank], rank), []).append(rank)

@@ -414,6 +414,41 @@ def test_memory_magic_shows_the_table_and_chart(shell) -> None:  # type: ignore[
     assert {u for _, u in columns} == {unit} and caption.startswith(f"memory per rank ({unit})")
 
 
+@pytest.mark.cluster
+def test_after_a_failed_forward_inspect_and_memory_read_the_shards_and_say_so(shell) -> None:  # type: ignore[no-untyped-def]
+    """A forward that raised leaves FSDP's root gathered: whole tensors on every rank, not
+    what the optimizer holds. Both views reshard first and say they did."""
+    from IPython.utils.capture import capture_output
+
+    shell.run_line_magic("mesh", "init dp=4")
+    assert shell.run_cell("%%mesh\n" + TRAIN_ONE_STEP.format(kind="zero3")).success
+    with capture_output():  # token ids past the vocabulary: the embedding raises
+        assert not shell.run_cell("%%mesh\nmodel(batches[0][0] + 10**6)").success
+    assert shell.run_cell("%%mesh\nfrom torch.distributed.tensor import DTensor\n"
+                          "gathered = not all(isinstance(p, DTensor) for p in "
+                          "model.parameters())").success
+    assert shell.run_line_magic("mesh", "pull gathered") == dict.fromkeys(range(4), True)
+    with capture_output() as cap:
+        view = shell.run_line_magic("mesh", "inspect model")
+    said = " ".join(o.data["text/plain"] for o in cap.outputs)
+    assert "FSDP held the model itself gathered, mid-step after a forward or backward that " \
+        "raised: meshlab called torch's recovery, reset_iter_state()" in said
+    report = view.report  # the parameters as the optimizer steps them: shards
+    assert {t.kind for t in report.tensors if t.name not in report.buffers} == {"dtensor"}, [
+        (t.name, t.kind, t.global_shape) for t in report.tensors]
+    with capture_output():  # resharded: the next forward (and memory) find the shards
+        assert not shell.run_cell("%%mesh\nmodel(batches[0][0] + 10**6)").success
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "memory model opt")
+    assert "reset_iter_state()" in cap.outputs[-2].data["text/plain"]
+    # a forward without backward (the root is not resharded after its forward): said too
+    assert shell.run_cell("%%mesh\nwith torch.no_grad():\n    model(batches[0][0])").success
+    with capture_output() as cap:
+        shell.run_line_magic("mesh", "memory model opt")
+    assert "(a forward not followed by its backward): resharded before reading" in \
+        cap.outputs[-2].data["text/plain"]
+
+
 WARMUP = """
 from meshlab.models import ModelConfig
 from meshlab.parallel import ParallelPlan

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from meshlab.measure.memory import zero_bytes
+from meshlab.measure.memory import gathered_note, zero_bytes
 from meshlab.notebook.tables.table import Table, in_byte_unit
 from meshlab.plan.formulas import sharded_state_bytes
 
@@ -59,7 +59,11 @@ def memory_frame(reports: dict[int, Any], *, params: int, dp: int, stage: int | 
     frame["device"] = frame["total"] - frame["host"]
     host = frame.pop("host")
     frame["host"] = host  # after device: total = device + host
-    return frame.set_index("rank")
+    frame = frame.set_index("rank")
+    frame.attrs["resharded"] = sorted({n for m in reports.values()
+                                       for n in getattr(m, "resharded", ())})
+    frame.attrs["reset"] = any(getattr(m, "reset", False) for m in reports.values())
+    return frame
 
 
 def memory_table(frame: pd.DataFrame) -> Table:
@@ -68,7 +72,9 @@ def memory_table(frame: pd.DataFrame) -> Table:
     shown = in_byte_unit(frame.reset_index()[["rank", *columns]], columns)
     formula = "; the last row: the ZeRO paper's formula" if (frame["source"] == "formula").any() \
         else ""
+    notes = ["host: offloaded to host memory; total = device + host"] \
+        if frame["host"].any() else []
+    notes += [n for n in [gathered_note(frame.attrs.get("resharded", []),
+                                        frame.attrs.get("reset", False))] if n]
     return Table(shown.frame, formats=shown.formats,
-                 caption=f"memory per rank ({shown.unit}){formula}",
-                 note="host: offloaded to host memory; total = device + host"
-                      if frame["host"].any() else "")
+                 caption=f"memory per rank ({shown.unit}){formula}", note="; ".join(notes))
