@@ -91,19 +91,39 @@ class RankProbes:
                     best[r] = (int(reply) - (sent + back) // 2, (back - sent) // 2)
         return best
 
+    def ask(self, ranks: Any, what: str, **content: Any) -> dict[int, Any]:
+        """Send the probe ``what`` to ``ranks`` without waiting: {rank: future}; ``answer``
+        reads one that is done. The dead are left out, and any the hub no longer knows."""
+        futures = {}
+        for r in ranks:
+            if r in self._dead:
+                continue
+            try:
+                futures[r] = self._client._send_control_request(  # ipyparallel: no public hook
+                    targets=[self._engines[r]], msg_type="meshlab_probe_request",
+                    content={"what": what, **content}, block=False)
+            except Exception:  # its engine unregistered: it is dying, and cannot answer
+                continue
+        return futures
+
+    @staticmethod
+    def answer(future: Any, timeout: float = 0.0) -> tuple[bool, Any]:
+        """(whether the rank answered, its answer) of a future ``ask`` gave, waiting at most
+        ``timeout`` seconds; an error answer counts as none."""
+        try:
+            (msg,) = future.result(timeout=max(0.01, timeout))
+        except Exception:
+            return False, None  # a rank that cannot answer is simply missing from the reply
+        ok = msg["content"].get("status") == "ok"
+        return ok, msg["content"]["value"] if ok else None
+
     def _probe(self, ranks: Any, what: str, timeout: float = 2.0, **content: Any
                ) -> dict[int, Any]:
-        futures = {r: self._client._send_control_request(  # ipyparallel has no public hook
-            targets=[self._engines[r]], msg_type="meshlab_probe_request",
-            content={"what": what, **content}, block=False)
-            for r in ranks if r not in self._dead}
+        futures = self.ask(ranks, what, **content)
         deadline = time.monotonic() + timeout
         replies = {}
         for r, future in futures.items():
-            try:
-                (msg,) = future.result(timeout=max(0.01, deadline - time.monotonic()))
-            except Exception:
-                continue  # a rank that cannot answer is simply missing from the reply
-            if msg["content"].get("status") == "ok":
-                replies[r] = msg["content"]["value"]
+            ok, value = self.answer(future, deadline - time.monotonic())
+            if ok:
+                replies[r] = value
         return replies

@@ -21,6 +21,7 @@ import contextlib
 import pickle
 import signal
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -37,6 +38,7 @@ _TRANSFORMED_KEPT = 1024
 STOP_SIGNAL = signal.SIGUSR2
 running = False  # a cell is running on the main thread (read by the probe thread)
 interrupts = 0  # SIGINTs the running cell has seen: one still running after one caught it
+steps_before = 0  # runtime.optimizer_steps as the running cell began: its own are the rest
 
 
 class CellStopped(BaseException):
@@ -79,8 +81,9 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
     saved = sys.stdout, sys.stderr, shell.display_trap.hook
     sys.stdout, sys.stderr = streams["stdout"], streams["stderr"]
     shell.display_trap.hook, shell._showtraceback = displayhook, showtraceback
-    global running, interrupts
-    running, interrupts = True, 0
+    global running, interrupts, steps_before
+    began, steps_before = time.monotonic(), runtime.optimizer_steps
+    running, interrupts = True, 0  # after steps_before: a probe that sees it running reads both
     previous = signal.signal(signal.SIGINT, _on_interrupt)  # Ctrl-C reaches it
     signal.signal(STOP_SIGNAL, _on_stop)
     profiling.mark_cell()
@@ -96,6 +99,8 @@ def run_cell(shell: Any, code: str, number: int, keep: bool,
         with contextlib.suppress(KeyError):
             del vars(shell)["_showtraceback"]  # the kernel's own again
     header: dict[str, Any] = {"status": "ok", "optimizer_steps": runtime.optimizer_steps,
+                              "cell_steps": runtime.optimizer_steps - steps_before,
+                              "seconds": time.monotonic() - began,
                               "result": shown.get("text"), "drew": rng_state.drawn(generators)}
     if errors:
         header.update(status="error", ename=errors[-1][0], evalue=errors[-1][1],

@@ -91,6 +91,18 @@ def stop_ignored() -> dict[str, Any]:
     return {**found, "stack": main_thread_stack()}
 
 
+def cell_progress() -> dict[str, Any]:
+    """The running cell's id (None: no cell runs) and its optimizer.step() calls so far, which
+    meshlab.runtime counts on every rank: a training loop reports steps with no code of its
+    own. Two reads of module globals: cheap enough to ask every second."""
+    from meshlab import runtime
+    from meshlab.rank import cell_exec, cell_server
+
+    server = cell_server._server
+    cell = server.cell if server is not None and cell_exec.running else None
+    return {"cell": cell, "steps": runtime.optimizer_steps - cell_exec.steps_before}
+
+
 def _place(frame: Any) -> str:
     path, line = frame.f_code.co_filename, frame.f_lineno
     name = short_paths(f'File "{path}"').removeprefix('File "').strip('"')
@@ -157,13 +169,15 @@ def answer(request: dict[str, Any], namespace: dict[str, Any]) -> Any:
         return recent_collectives(int(request.get("limit", 8)))
     if what == "optimizer_steps":
         return runtime.optimizer_steps
+    if what == "progress":
+        return cell_progress()
     if what == "postmortem":
         return postmortem()
     if what == "defined":
         return [n for n in request.get("names", []) if n in namespace]
     raise ValueError(f"unknown probe {what!r}: expected clock, stack, native_stack, stop, "
                      "where, debug, status, complete, collectives, optimizer_steps, "
-                     "postmortem or defined")
+                     "progress, postmortem or defined")
 
 
 def serve(kernel: Any, namespace: dict[str, Any],
