@@ -284,7 +284,7 @@ class MeshMagics(Magics):
                                       profile=args.profile, profile_dir=args.profile_dir,
                                       max_lines=args.max_lines, on_breakpoint=prompt,
                                       memory=args.memory, memory_dir=args.memory_dir,
-                                      on_oom=args.on_oom or None)
+                                      on_oom=args.on_oom or None, on_progress=live.progress)
         except MeshError as e:
             live.finish(e.result, prompt.transcript)
             if e.result.memory and (args.memory or args.memory_dir or ran_out(e.result)):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from meshlab.notebook.cell_channel import SentCell
+from meshlab.notebook.cell_progress import CellProgress, ProgressPoll
 from meshlab.notebook.debugger import Debugger, DebuggerTimeout, where_text
 from meshlab.notebook.output import CellResult, RankError, RankOutput
 from meshlab.rank import value_wire
@@ -38,11 +39,14 @@ class CellRun:
     def __init__(self, cluster: Cluster, sent: SentCell, timeout: float | None,
                  on_output: Callable[[CellResult], None] | None = None,
                  spent: float = 0.0,
-                 on_breakpoint: Callable[[Debugger], None] | None = None) -> None:
+                 on_breakpoint: Callable[[Debugger], None] | None = None,
+                 on_progress: Callable[[CellProgress], None] | None = None) -> None:
         """``spent``: seconds of ``timeout`` used before the cell was sent (waiting for ranks
         an earlier cell left stuck). ``on_breakpoint`` is handed the Debugger when a rank
         stops at ``breakpoint()``; the ranks still stopped when it returns go on. Without
-        it they go on at once, and the result says so."""
+        it they go on at once, and the result says so. ``on_progress`` sees how far each
+        rank is, every second once the cell has run a few (meshlab.notebook.cell_progress);
+        without it the ranks are not asked."""
         self.cluster, self.sent, self.on_output = cluster, sent, on_output
         self.on_breakpoint = on_breakpoint
         self.debugger: Debugger | None = None  # once a rank stopped at a breakpoint
@@ -64,6 +68,7 @@ class CellRun:
         self.number = next(_CELLS)
         self._lines: dict[tuple[str, str], int] = {}  # (file stem, stream) -> lines kept
         self._files: dict[tuple[str, str], IO[str]] = {}  # the whole output, once cut
+        self.progress = ProgressPoll(cluster, sent, on_progress)
 
     def wait(self) -> CellResult:
         """Block until every rank is done, dead, timed out or interrupted."""
@@ -74,6 +79,7 @@ class CellRun:
                 self._stream()
                 if sum(got.stops for got in self.sent.replies.values()) > self._stops:
                     self._debug()
+                self.progress.look(self.result)
                 if self.sent.ready() or time.monotonic() - looked < POLL:
                     continue  # a look at the processes costs more than a no-op cell
                 looked = time.monotonic()
@@ -90,6 +96,7 @@ class CellRun:
             self._stop("timeout")
         self._stream()
         self._classify()
+        self.result.progress = self.progress.finish(self.result)
         self._let_go()
         return self.result
 

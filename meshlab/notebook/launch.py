@@ -67,7 +67,7 @@ class StartProgress:
         self._bar: Any = None  # tqdm's, in a terminal
         if not enabled:
             return
-        if _in_kernel():
+        if in_kernel():
             from IPython.display import display
 
             self._display = display(_Drawn(self), display_id=True)
@@ -134,7 +134,7 @@ class _Drawn:
                 f"</span></div>")
 
 
-def _in_kernel() -> bool:
+def in_kernel() -> bool:
     """Whether this runs in a Jupyter kernel (whose outputs can be updated in place)."""
     shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
     return getattr(shell, "kernel", None) is not None

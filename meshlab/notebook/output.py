@@ -85,6 +85,7 @@ class CellResult:
     # name -> rank -> its text; and characters a rank dropped, holding them between cells
     threads: dict[str, dict[int, RankOutput]] = field(default_factory=dict)
     threads_dropped: dict[int, int] = field(default_factory=dict)
+    progress: Any = None  # its time and each rank's steps: a CellProgress (cell_progress.py)
 
     @property
     def ok(self) -> bool:
@@ -294,13 +295,18 @@ class LiveOutput:
     (ranks that sent the same lines show them once). When it ends, that live output is
     cleared and replaced, once, by the grouped output of the whole cell (each rank's kept
     lines, then a marker for what the cap dropped). ``sent`` counts the characters shown.
+    A cell that runs long shows its progress too (``progress``), ended on its final state.
     """
 
     def __init__(self) -> None:
+        from meshlab.notebook.progress_line import ProgressLine  # (which imports this module)
+
         # (thread, or "" for the cell's own, rank, stream) -> characters shown
         self._shown: dict[tuple[str, int, str], int] = {}
         self._live = False
         self.sent = 0
+        self.line = ProgressLine()
+        self.progress = self.line.on_progress  # Session.run's on_progress: None if not shown
 
     def update(self, result: CellResult) -> None:
         sources = [("", result.outputs), *((t, by_rank) for t, by_rank in
@@ -334,6 +340,7 @@ class LiveOutput:
             self._show(name, text)
         if result.ok and result.notes:  # a failed cell's notes close its error summary
             self._show("stderr", "\n".join(result.notes))
+        self.line.finish(result.progress, cleared=self._live or bool(debugged))
 
     def _show(self, stream: str, text: str) -> None:
         from IPython.display import display
@@ -344,7 +351,8 @@ class LiveOutput:
         bundle = {"text/plain": text}
         if stream == "stderr":  # JupyterLab draws this MIME type like a stderr stream
             bundle["application/vnd.jupyter.stderr"] = text
-        display(bundle, raw=True)
+        with self.line.aside():  # a terminal's progress line: never under the output
+            display(bundle, raw=True)
 
 
 def stacks_text(stacks: dict[int, str], collectives: dict[int, list[dict[str, Any]]],

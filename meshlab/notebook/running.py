@@ -20,6 +20,7 @@ from meshlab.notebook.recovery import GROUP_CREATION
 
 if TYPE_CHECKING:
     from meshlab.mesh import MeshSpec
+    from meshlab.notebook.cell_progress import CellProgress
     from meshlab.notebook.cluster import Cluster
     from meshlab.notebook.debugger import Debugger
     from meshlab.notebook.profiles import Profile
@@ -60,6 +61,7 @@ class CellRunning:
         memory: bool = False,
         number: int | None = None,
         on_breakpoint: Callable[[Debugger], None] | None = None,
+        on_progress: Callable[[CellProgress], None] | None = None,
     ) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``); raise MeshError if any rank fails.
 
@@ -77,6 +79,9 @@ class CellRunning:
         and stacks name it; without it, the count of cells this cluster ran.
         ``on_breakpoint`` drives the debugger when a rank stops at ``breakpoint()`` (see
         CellRun); without it the rank goes on.
+        ``on_progress`` sees every second, once the cell has run a few, how long it has run
+        and each rank's optimizer steps in it (a CellProgress); ``result.progress`` holds the
+        final one either way.
         """
         ranks = self._ranks(ranks)
         timeout = timeout if timeout is not None else self.profile.cell_timeout
@@ -99,7 +104,8 @@ class CellRunning:
         number = self._cells_run if number is None else number
         cell = CellRun(cast("Cluster", self),  # the Cluster this is mixed into
                        self.cell_channel.send(ranks, code, number, keep_values),
-                       timeout, on_output, spent=spent, on_breakpoint=on_breakpoint)
+                       timeout, on_output, spent=spent, on_breakpoint=on_breakpoint,
+                       on_progress=on_progress)
         result = cell.wait()
         if profile:
             result.profile = self._collect_profiles([r for r in ranks if r not in cell.stuck],

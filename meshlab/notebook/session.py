@@ -31,6 +31,7 @@ from meshlab.notebook.errors import SessionError
 from meshlab.notebook.export import Journal, Written, export
 from meshlab.notebook.output import CellResult, MeshError
 from meshlab.notebook.profiles import Profile
+from meshlab.notebook.progress_line import ProgressLine
 from meshlab.notebook.ranks import parse_ranks
 from meshlab.notebook.session_checkpoints import Checkpoints
 from meshlab.notebook.session_inspect import Inspection
@@ -40,6 +41,7 @@ from meshlab.notebook.stepping import SteppedPipeline
 from meshlab.rank.private_files import output_folder
 
 if TYPE_CHECKING:
+    from meshlab.notebook.cell_progress import CellProgress
     from meshlab.notebook.debugger import Debugger
     from meshlab.verify.layout_diff import LayoutDiff
     from meshlab.verify.loss_curves import LossComparison
@@ -145,7 +147,8 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             max_lines: int | None = None,
             on_breakpoint: Callable[[Debugger], None] | None = None,
             memory: bool = False, memory_dir: str | Path | None = None,
-            on_oom: bool | None = None) -> CellResult:
+            on_oom: bool | None = None,
+            on_progress: Callable[[CellProgress], None] | None = None) -> CellResult:
         """Run ``code`` on every rank (or ``ranks``) and record it; MeshError if any failed.
 
         See Cluster.run for the options. ``max_lines``: keep at most this many lines of
@@ -160,8 +163,15 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
         ``result.memory``; ``memory_dir`` also writes each rank's snapshot there as
         ``rank<N>.pickle`` (pytorch.org/memory_viz opens it); ``on_oom`` (default: the
         profile's ``memory_on_oom``) tracks it too and writes the snapshot of a rank that ran
-        out of memory, its error saying where (meshlab.notebook.memory_snapshots)."""
+        out of memory, its error saying where (meshlab.notebook.memory_snapshots).
+        ``on_progress``: called every second, once the cell has run a few, with how long it
+        has run and each rank's optimizer steps (a CellProgress); by default a ProgressLine
+        shows it (an output updated in place in a notebook, a line on a terminal's stderr,
+        nothing elsewhere) and ends on ``result.progress``."""
         cluster, number = self.need_cluster(), self.cell_number()
+        line = ProgressLine() if on_progress is None else None
+        if line is not None:  # (where it shows nothing the ranks are not asked)
+            on_progress, on_output = line.on_progress, line.around(on_output)
         if profile_dir is not None:  # before it runs: a trace it cannot write loses no cell
             profile_dir = output_folder(profile_dir, "--profile-dir")
         memory_folder = output_folder(memory_dir, "--memory-dir") if memory_dir else None
@@ -174,8 +184,11 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
                                  keep_values=keep_values, comms=comms,
                                  profile=profile or profile_dir is not None,
                                  trace=profile_dir is not None, number=number,
-                                 on_breakpoint=on_breakpoint or Prompt(), memory=track)
+                                 on_breakpoint=on_breakpoint or Prompt(), memory=track,
+                                 on_progress=on_progress)
         except MeshError as e:  # not exported, but export names what later cells needed
+            if line is not None:
+                line.finish(e.result.progress)
             self.need_journal().record_failure(code, number, e.result.drew)
             if profile_dir is not None and e.result.profile is not None:
                 e.result.profile.save(profile_dir, f"cell-{number}")  # a failure's too
@@ -185,6 +198,8 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
             raise
         finally:
             cluster.max_output_lines = default
+        if line is not None:
+            line.finish(result.progress)
         if profile_dir is not None and result.profile is not None:
             result.profile.save(profile_dir, f"cell-{number}")
         if memory_folder is not None:
