@@ -782,3 +782,65 @@ def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
     page.close()
     outside = [u for u in requests if not u.startswith((base, "data:", "blob:", "about:"))]
     assert outside == [] and errors == [], (outside[:5], errors[:5])
+
+
+PROGRESSED = ["%load_ext meshlab\n%mesh start 2",
+              "%%mesh\nimport time\nprint('training')\n"
+              "opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)\n"
+              "for _ in range(12):\n    time.sleep(0.5)\n    opt.step()",
+              "%mesh stop"]
+
+# the cell's progress outputs and what the notebook shows, as the page has them now
+PROGRESS = """() => ({
+  shown: [...document.querySelectorAll('.meshlab-cell-progress')]
+    .map(e => [e.dataset.state, e.innerText]),
+  text: document.querySelector('.jp-Notebook').innerText})"""
+
+
+def test_a_long_cell_shows_its_progress_live_in_jupyterlab(
+        browser: Any, jupyterlab: str, lab_root: Path) -> None:
+    import re
+
+    import nbformat
+
+    name = "progressed"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PROGRESSED])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, lab_root / f"{name}.ipynb")
+    base, token = jupyterlab.split("|")
+    requests: list[str] = []
+    errors: list[str] = []
+    page = watched_page(browser, requests, errors)
+    page.goto(f"{base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)
+    page.wait_for_timeout(2000)
+    accept_dialogs(page)
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    try:  # while the cell runs: its progress, a step counted, below the output so far
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.meshlab-cell-progress')].some(e => "
+            "e.dataset.state === 'running' && /step [1-9]/.test(e.innerText))", timeout=120_000)
+        live = page.evaluate(PROGRESS)
+        page.wait_for_function(ALL_RAN, timeout=120_000)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / f"{name}-failure.png"), full_page=True)
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.session"
+                      ".shutdown()")  # its ranks would slow the tests after this one
+        raise
+    assert len(live["shown"]) == 1, live  # one output, updated in place
+    assert re.fullmatch(r"running [\d.]+ s on 2 ranks: \[ranks? [\d,-]+\] step \d+.*",
+                        live["shown"][0][1]), live
+    assert "training" in live["text"].split("running ")[0], live  # streamed, kept, above it
+    ended = page.evaluate(PROGRESS)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    # the cell's output kept, and its progress ended on what the ranks replied
+    assert "training" in ended["text"] and "stopped 2 ranks" in ended["text"]
+    assert len(ended["shown"]) == 1 and ended["shown"][0][0] == "ended", ended["shown"]
+    assert re.fullmatch(r"ran [\d.]+ s on 2 ranks: \[ranks 0-1\] step 12",
+                        ended["shown"][0][1]), ended["shown"]
+    page.wait_for_timeout(500)
+    page.close()
+    outside = [u for u in requests if not u.startswith((base, "data:", "blob:", "about:"))]
+    assert outside == [] and errors == [], (outside[:5], errors[:5])
