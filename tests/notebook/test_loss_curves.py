@@ -65,7 +65,7 @@ def test_runs_side_by_side_name_the_first_step_apart(tmp_path: Path) -> None:
     assert str(verdict) == str(exact) and list(table.frame["step"]) == [0, 1, 2]
     spec = chart.spec()
     assert len(spec["hconcat"]) == 2
-    assert spec["hconcat"][1]["encoding"]["y"]["scale"]["type"] == "log"
+    assert spec["hconcat"][1]["layer"][0]["encoding"]["y"]["scale"]["type"] == "log"
 
 
 def test_compare_losses_exits_1_for_ci_and_refuses_bad_files_naming_them(tmp_path: Path
