@@ -16,6 +16,8 @@ from chart_truth import assert_axes_fit, assert_legends_true
 from drawn import drawing
 
 from meshlab.notebook import charts
+from meshlab.notebook.stepping import compare, grid_frame, plan_frame
+from meshlab.schedules import Costs, build
 
 
 def assert_true_to_its_data(chart: Any) -> None:
@@ -45,3 +47,26 @@ def test_two_runs_with_identical_losses_are_both_in_sight() -> None:
     chart = charts.losses_chart(_losses({"ddp": 0.0, "zero3": 0.0, "tp": 0.02}), "ddp")
     assert_true_to_its_data(chart)
     assert "zero3 (same as ddp)" in [e.label for e in drawing(chart).entries]
+
+
+def test_a_bound_pipeline_has_a_legend_for_its_outlines() -> None:
+    # %mesh pipeline (05, 15): every action outlined, not run yet, and no legend at all
+    grid = grid_frame(build("zb_h1", ranks=4, microbatches=4))
+    for done in (0, 4):  # bound, and 4 slots stepped
+        frame = grid.assign(state=["done" if s < done else "pending" for s in grid["slot"]],
+                            view="the grid being stepped", unit="slots")
+        chart = charts.timeline_chart(frame)
+        assert [e.label for e in drawing(chart).entries] == ["F", "I", "W"]
+        assert_true_to_its_data(chart)
+
+
+def test_a_schedule_too_dense_to_label_promises_no_labels() -> None:
+    # notebook 11: GPipe on 32 stages, 8 micro-batches: no bar wide enough for its label
+    timelines = compare([build("gpipe", ranks=32, microbatches=8)], Costs(forward=1,
+                                                                         backward=2))[0]
+    drawn = drawing(charts.timeline_chart(plan_frame(timelines)))
+    assert not drawn.labels
+    assert not any("bar labels" in t for t in drawn.texts), drawn.texts
+    wide = drawing(charts.timeline_chart(plan_frame(compare(
+        [build("gpipe", ranks=2, microbatches=2)], Costs())[0])))
+    assert wide.labels and any("bar labels: micro-batch" in t for t in wide.texts)

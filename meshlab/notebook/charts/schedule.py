@@ -66,7 +66,7 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
     pending = alt.Chart().transform_filter(alt.datum.state == "pending").mark_bar(
         fill="white", strokeWidth=1.5, strokeDash=[3, 2]).encode(
         x=x, x2="end:Q", y="rank:O",
-        stroke=alt.Stroke("kind:N", scale=scale, legend=None), tooltip=tooltip)
+        stroke=alt.Stroke("kind:N", title="action", scale=scale), tooltip=tooltip)
     labels = alt.Chart().transform_filter(alt.datum.width_px >= alt.datum.label_px) \
         .mark_text(fontSize=9).encode(
         x="mid:Q", y="rank:O", text="label:N", color=alt.Color("text_fill:N", scale=None),
@@ -74,8 +74,12 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
     size = {"width": WIDTH, "height": max(50, 22 * data["rank"].nunique())}
     layered = [done, pending, labels] if (data["state"] == "pending").any() else [done, labels]
     layers = alt.layer(*layered, data=data).properties(**size)
-    notes = ["bar labels: micro-batch"]
-    if (data["chunk"] > 0).any():
+    # promise the labels the text layer draws, no more (32 stages: no bar is wide enough)
+    labelled = data[data["width_px"] >= data["label_px"]]
+    notes = ["bar labels: micro-batch" if len(labelled) == len(data) else
+             "bar labels: micro-batch, where a bar is wide enough; hover any bar for it"
+             if len(labelled) else "bars too narrow to label: hover one for its micro-batch"]
+    if (labelled["chunk"] > 0).any():
         notes.append("' marks a rank's second chunk (virtual stage), '' its third")
     if (data["state"] == "pending").any():
         notes.append("outlined: not run yet")
