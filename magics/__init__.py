@@ -15,7 +15,6 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
-from meshlab.measure.memory import gathered_note
 from meshlab.mesh import crossing_hosts
 from meshlab.notebook import commands
 from meshlab.notebook.calibrate import calibration_tables
@@ -32,8 +31,8 @@ from meshlab.notebook.tables.memory import memory_table
 from meshlab.notebook.tables.plan import plan_summary, plan_table
 from meshlab.notebook.tables.schedule import schedule_table
 from meshlab.notebook.tables.status import status_table
-from meshlab.notebook.tables.table import Lines, Table
-from meshlab.notebook.widgets import MeshView, ShardingView, group_table
+from meshlab.notebook.tables.table import Table
+from meshlab.notebook.widgets import MeshView, ShardingView, group_table, sharding_views
 
 
 @magics_class
@@ -65,7 +64,7 @@ class MeshMagics(Magics):
         except ValueError as e:  # a request the session refused: its message names the fix
             raise UsageError(str(e)) from None
         except KeyboardInterrupt:  # Ctrl-C while waiting on the ranks: one line, not 10 KB
-            raise UsageError(f"%mesh {sub} interrupted. " + _INTERRUPTED.get(
+            raise UsageError(f"%mesh {sub} interrupted. " + commands.INTERRUPTED.get(
                 sub, "The ranks may still be finishing it; `%mesh status` shows them, "
                 "`%mesh restart` replaces them")) from None
 
@@ -132,11 +131,9 @@ class MeshMagics(Magics):
             print(note)
 
     def _inspect(self, args: Any) -> ShardingView:
-        report = self.session.inspect(" ".join(args.expr), args.ranks)
-        if note := gathered_note(getattr(report, "resharded", []),
-                                 getattr(report, "reset", False)):
-            display(Lines(note))
-        return ShardingView(report)
+        *notes, view = sharding_views(self.session.inspect(" ".join(args.expr), args.ranks))
+        display(*notes)
+        return view
 
     def _memory(self, args: Any) -> None:
         frame = self.session.memory(args.model, args.optimizer, stage=args.stage, dp=args.dp,
@@ -331,14 +328,6 @@ def bench_views(frame: Any) -> list[Any]:
     from meshlab.notebook.bench import bench_views as views  # charts: see charts()
 
     return list(views(frame))
-
-
-_INTERRUPTED = {
-    "start": "No cluster is running; `%mesh start N` starts again.",
-    "restart": "The cluster may be half-replayed; `%mesh restart` again, or `%mesh stop`.",
-    "init": "The ranks may still be building the mesh: `%mesh init AXES` again once they "
-            "answer (`%mesh status`), or `%mesh restart`.",
-}
 
 
 def _auto_transform(lines: list[str]) -> list[str]:

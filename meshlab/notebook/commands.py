@@ -310,6 +310,15 @@ def parse_cell(line: str) -> Any:
     return parse_argstring(cell, line)
 
 
+INTERRUPTED = {
+    "start": "No cluster is running; `%mesh start N` starts again.",
+    "restart": "The cluster may be half-replayed; `%mesh restart` again, or `%mesh stop`.",
+    "init": "The ranks may still be building the mesh: `%mesh init AXES` again once they "
+            "answer (`%mesh status`), or `%mesh restart`.",
+}
+"""What to do after Ctrl-C in a subcommand, where the generic advice would mislead."""
+
+
 def help_text() -> str:
     """``%mesh?``: every subcommand's synopsis and options."""
     parts = [cell.__doc__ or ""] + [fn.__doc__ or "" for fn in SUBCOMMANDS.values()]

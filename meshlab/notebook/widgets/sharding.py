@@ -15,13 +15,22 @@ from typing import Any
 import anywidget
 import traitlets
 
+from meshlab.measure.memory import gathered_note
 from meshlab.measure.sharding import ModuleReport, ShardingReport
+from meshlab.notebook.tables.table import Lines
 from meshlab.notebook.widgets.sharding_layout import (
     module_rows,
     size_text,
     tensor_state,
     text_form,
 )
+
+
+def sharding_views(report: ShardingReport | ModuleReport) -> list[Any]:
+    """What ``%mesh inspect`` shows: a note where FSDP had to be resharded to read the shards
+    (meshlab.measure.memory.reshard), then the view."""
+    note = gathered_note(getattr(report, "resharded", []), getattr(report, "reset", False))
+    return [*([Lines(note)] if note else []), ShardingView(report)]
 
 
 class ShardingView(anywidget.AnyWidget):
