@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from meshlab.mesh import axis_size
-from meshlab.parallel import combinations, fused_proof, precision
+from meshlab.parallel import combinations, fused_proof, precision, tp_inputs
 from meshlab.parallel.activation_checkpoint import apply_ac
 from meshlab.parallel.clip import clip_grad_norm_
 from meshlab.parallel.ddp import apply_ddp
@@ -77,6 +77,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
         model = model if origins is None else materialize(model, origins, seed=seed)
     else:
         model = stage(model)
+        if axes["tp"] > 1:  # a pipeline's stages get their inputs from each other
+            tp_inputs.watch(model, mesh["tp"])
     if proof is not None:
         object.__setattr__(model, "tiny_proof", proof)
     return model
