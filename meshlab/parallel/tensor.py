@@ -144,7 +144,8 @@ def _no_plan(model: nn.Module) -> str:
 
     said = f"{type(model).__name__} ships no tensor-parallel plan: pass ParallelPlan(tp_plan="
     styles = ("module patterns to transformers' style names or torch ParallelStyles "
-              "(* stands for one part of a name)")
+              "(* stands for one part of a name), to parallelize or to a dry run "
+              "(dryrun(..., plan=), %mesh dryrun ... --plan NAME)")
     found = suggested_plan(model)
     if found is None:
         return said + "{'blocks.*.attn.q': 'colwise', 'blocks.*.attn.o': 'rowwise', ...}), " \
@@ -155,8 +156,6 @@ def _no_plan(model: nn.Module) -> str:
     return (f"{said}{render(plan)}), read off the Linear layers of {first}: check it "
             "('colwise' into the heads or the hidden layer, 'rowwise' back to the residual "
             f"stream{fused}), and add the embedding and head if you split them; {styles}")
-
-
 
 
 def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:

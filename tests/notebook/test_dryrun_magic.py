@@ -188,3 +188,8 @@ def test_dryrun_magic_takes_a_hand_written_model_and_its_plan(shell: Any) -> Non
                                      "--plan clashing")
     with pytest.raises(UsageError, match="--plan nothing: not defined in the notebook"):
         shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --plan nothing')
+    # without a plan: refused with one read off its Linears, and how a dry run takes it
+    with pytest.raises(UsageError, match=r"(?s)GPT ships no tensor-parallel plan: pass "
+                                         r"ParallelPlan\(tp_plan=.*%mesh dryrun \.\.\. --plan "
+                                         r"NAME"):
+        shell.run_line_magic("mesh", 'dryrun GPT --layout "dp_shard=8 tp=2" --seq 32')
