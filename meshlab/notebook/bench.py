@@ -119,9 +119,10 @@ def bench_views(frame: pd.DataFrame) -> list[Table | OfflineChart]:
 
 BENCH_RESULTS = {"matches the reference": ("circle", 70, "white"),
                  "the reference": ("square", 60, "white"),
-                 "wrong result": ("cross", 280, "#c00000"),
+                 "wrong result": ("cross", 280, "#000000"),
                  "not checked": ("triangle-up", 70, "white")}
-"""How a benchmark point is drawn by its check: a wrong result a large cross outlined red."""
+"""How a benchmark point is drawn by its check: a wrong result a large cross outlined black
+(red would read as rank 3's colour, palette.RANKS[3]; no rank is black)."""
 
 
 def bench_path(provider: str, timer: str) -> str:
@@ -147,7 +148,7 @@ def bench_chart(frame: pd.DataFrame) -> OfflineChart:
     """Time per call (GB/s where every panel is compiled code) against row length, one
     panel per provider and the path that ran it, one line per rank in its colour: a slow
     rank stands out. Triton's CPU interpreter has a panel and a time axis of its own (its
-    milliseconds are not a kernel's); a wrong result is a large red cross."""
+    milliseconds are not a kernel's); a wrong result is a large cross outlined black."""
     data = frame[frame["median_ms"].notna()].copy()  # timed, right or wrong
     data["path"] = [bench_path(p, t) for p, t in zip(data["provider"], data["timer"],
                                                       strict=True)]
@@ -235,7 +236,7 @@ def bench_chart(frame: pd.DataFrame) -> OfflineChart:
     if len(wrong):
         ranks_wrong = sorted(set(wrong["rank"]))
         sizes_wrong = ", ".join(map(str, sorted(set(wrong["size"].astype(int)))))
-        notes.append(f"red cross: a wrong result (rank{'s' if len(ranks_wrong) > 1 else ''} "
+        notes.append(f"black cross: a wrong result (rank{'s' if len(ranks_wrong) > 1 else ''} "
                      f"{format_ranks(ranks_wrong)}, row length {sizes_wrong})")
     label = "bandwidth" if bandwidth else "median time per call"
     return OfflineChart(chart.properties(title=alt.TitleParams(

@@ -16,6 +16,7 @@ from chart_truth import assert_axes_fit, assert_legends_true
 from drawn import drawing
 
 from meshlab.notebook import charts
+from meshlab.notebook.bench import bench_chart
 from meshlab.notebook.stepping import compare, grid_frame, plan_frame
 from meshlab.schedules import Costs, build
 
@@ -70,3 +71,19 @@ def test_a_schedule_too_dense_to_label_promises_no_labels() -> None:
     wide = drawing(charts.timeline_chart(plan_frame(compare(
         [build("gpipe", ranks=2, microbatches=2)], Costs())[0])))
     assert wide.labels and any("bar labels: micro-batch" in t for t in wide.texts)
+
+
+def _bench(ranks: int = 4) -> pd.DataFrame:
+    """%mesh bench of a wrong kernel on ``ranks`` ranks: Triton wrong, torch the reference."""
+    return pd.DataFrame([
+        {"rank": r, "provider": p, "size": s, "median_ms": (1 + r / 10) * s / 256,
+         "gbps": 1.0, "p20_ms": 0.9, "p80_ms": 1.1, "kernel": "forgot_the_relu",
+         "mode": "fwd", "dtype": "float32", "max_error": 0.0 if p == "torch" else 1.0,
+         "timer": "cpu wall clock" if p == "torch" else "interpreter",
+         "correct": p == "torch", "error": None}
+        for r in range(ranks) for p in ("triton", "torch") for s in (256, 1024)])
+
+
+def test_a_wrong_results_cross_is_no_ranks_colour() -> None:
+    # notebook 06: rank 3's red beside the red of the wrong-result cross
+    assert_true_to_its_data(bench_chart(_bench(ranks=10)))

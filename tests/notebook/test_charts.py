@@ -487,19 +487,19 @@ def test_bench_chart_draws_points_on_its_lines_and_sizes_as_integers(
     assert points["encoding"]["color"]["field"] == "rank"  # a line per rank, in its colour
 
 
-def test_bench_chart_marks_a_wrong_kernel_with_a_red_cross(
+def test_bench_chart_marks_a_wrong_kernel_with_a_black_cross(
         benched: dict[str, pd.DataFrame]) -> None:
     spec = bench_chart(benched["wrong"]).chart.to_dict()
     points = spec["hconcat"][0]["layer"][1]["encoding"]
     results = dict(zip(points["shape"]["scale"]["domain"], zip(
         points["shape"]["scale"]["range"], points["size"]["scale"]["range"],
         points["stroke"]["scale"]["range"], strict=True), strict=True))
-    assert results["wrong result"] == ("cross", 280, "#c00000")
+    assert results["wrong result"] == ("cross", 280, "#000000")
     assert points["size"]["scale"]["type"] == "ordinal"  # a point scale would blur the sizes
     drawn = {r["result"] for r in _rows(spec)}
     assert drawn == {"wrong result", "the reference"}
     assert points["shape"]["legend"]["values"] == ["the reference", "wrong result"]
-    assert "red cross: a wrong result (ranks 0-1, row length 64, 1024)" in spec["title"][
+    assert "black cross: a wrong result (ranks 0-1, row length 64, 1024)" in spec["title"][
         "subtitle"]
 
 
