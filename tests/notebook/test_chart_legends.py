@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pandas as pd
-from chart_truth import assert_axes_fit, assert_legends_true
+from chart_truth import assert_axes_fit, assert_legends_true, legend_problems
 from drawn import drawing
 
 from meshlab.notebook import charts
@@ -87,3 +87,18 @@ def _bench(ranks: int = 4) -> pd.DataFrame:
 def test_a_wrong_results_cross_is_no_ranks_colour() -> None:
     # notebook 06: rank 3's red beside the red of the wrong-result cross
     assert_true_to_its_data(bench_chart(_bench(ranks=10)))
+
+
+def _memory(offloaded: bool) -> pd.DataFrame:
+    parts = {"params": 2**20, "grads": 2**20, "optimizer": 2**21, "activations": 2**19}
+    rows = [{"rank": str(r), "source": "measured", **parts,
+             "device": 2**20 if offloaded else 4.5 * 2**20,
+             "host": 3.5 * 2**20 if offloaded else 0} for r in range(2)]
+    rows.append({"rank": "ZeRO-3 formula", "source": "formula", **parts, "device": 0,
+                 "host": 0})
+    return pd.DataFrame(rows).set_index("rank")
+
+
+def test_offloaded_memory_places_are_not_the_parts_colours() -> None:
+    # slate "device" read as the parameters' blue, amber "host" as the gradients' orange
+    assert not legend_problems(charts.memory_chart(_memory(offloaded=True)))

@@ -17,7 +17,9 @@ from meshlab.notebook.charts.fit import (
 from meshlab.notebook.charts.offline import OfflineChart
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
-PLACES = {"device": "#4c566a", "host": "#e5a50a"}  # slate on the device, amber offloaded
+# charcoal on the device, mustard offloaded: far from every part's colour in the panel above
+# (slate and amber read as the parameters' blue and the gradients' orange)
+PLACES = {"device": "#2f2f2f", "host": "#c9b600"}
 
 
 def memory_chart(frame: pd.DataFrame) -> OfflineChart:
