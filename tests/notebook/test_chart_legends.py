@@ -9,10 +9,15 @@ before them pull it (the cells after a `%mesh pull` are plain Python)."""
 
 from __future__ import annotations
 
+import ast
+import math
+from pathlib import Path
 from typing import Any
 
+import altair as alt
+import nbformat
 import pandas as pd
-from chart_truth import assert_axes_fit, assert_legends_true, legend_problems
+from chart_truth import assert_axes_fit, assert_legends_true, legend_fields, legend_problems
 from drawn import drawing
 
 from meshlab.notebook import charts
@@ -102,3 +107,135 @@ def _memory(offloaded: bool) -> pd.DataFrame:
 def test_offloaded_memory_places_are_not_the_parts_colours() -> None:
     # slate "device" read as the parameters' blue, amber "host" as the gradients' orange
     assert not legend_problems(charts.memory_chart(_memory(offloaded=True)))
+
+
+# -- the tour, as the reviewer saw it -------------------------------------------------------
+
+NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
+
+
+def cell_chart(notebook: str, marker: str, **names: Any) -> Any:
+    """What the notebook's code cell holding ``marker`` shows (its last expression), run on
+    ``names`` and the imports the notebooks' first cells make."""
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    tree = ast.parse(source)
+    last = tree.body.pop()
+    assert isinstance(last, ast.Expr), source
+    scope = {"alt": alt, "pd": pd, "OfflineChart": charts.OfflineChart, **names}
+    exec(compile(tree, notebook, "exec"), scope)
+    return eval(compile(ast.Expression(last.value), notebook, "eval"), scope)
+
+
+def test_playbook_shows_accumulation_on_hsdps_curve() -> None:
+    # notebook 13: grad_accum=2 trains like HSDP (to 1e-4), its line drawn exactly on HSDP's
+    losses = _curves({"HSDP": 0.0, "HSDP, grad_accum=2": 1e-7, "local SGD, H=4": 0.05,
+                      "DiLoCo, H=4": 0.09}, steps=24, column="method", start=1)
+    chart = cell_chart("13-the-rest-of-the-playbook.ipynb", "training loss, 4 CPU ranks",
+                       losses=losses)
+    assert_true_to_its_data(chart)
+    labels = [e.label for e in drawing(chart).entries]
+    assert labels[:2] == ["HSDP", "HSDP, grad_accum=2 (same as HSDP to 1e-7)"]
+
+
+def test_precision_curves_show_all_four_runs() -> None:
+    # notebook 17: bf16 lies on fp32's line at this scale
+    curves = _curves({"fp32": 0.0, "bf16": 2e-4, "fp16, loss scale from 2^24": 0.04,
+                      "QAT int8 act. / int4 weights": 0.08})
+    chart = cell_chart("17-long-context-precision-and-optimizers.ipynb",
+                       "training loss by precision", curves=curves)
+    assert_true_to_its_data(chart)
+    assert len(drawing(chart).entries) == 4
+
+
+def test_optimizer_curves_show_all_five_optimizers() -> None:
+    # notebook 17: the three AdamWs on one line
+    opt_curves = _curves({"adamw": 0.0, "adamw_bf16": 1e-4, "adamw8bit": 3e-4,
+                          "adafactor": 0.06, "sgd": 0.12})
+    chart = cell_chart("17-long-context-precision-and-optimizers.ipynb",
+                       "training loss by optimizer", opt_curves=opt_curves)
+    assert_true_to_its_data(chart)
+    labels = [e.label for e in drawing(chart).entries]
+    assert sum("same as adamw" in label for label in labels) == 2, labels
+
+
+def _long_context() -> pd.DataFrame:
+    """Notebook 17's table: three methods at two lengths on meshlab's model, three on
+    transformers' eager Llama at 1,024 tokens (its Ulysses, one chunk, named as meshlab's)."""
+    rows = [{"model": "meshlab", "context_parallel": impl, "seq": seq, "cp": seq // 256,
+             "traced (bytes)": traced * seq, "peak (MiB)": peak * seq / 1024}
+            for seq in (1024, 512)
+            for impl, traced, peak in (("meshlab", 96, 4.21), ("ulysses", 48, 4.03),
+                                       ("chunked, 4 chunks", 48, 3.9))]
+    rows += [{"model": "llama (eager)", "context_parallel": impl, "seq": 1024, "cp": 4,
+              "traced (bytes)": 40_000, "peak (MiB)": peak}
+             for impl, peak in (("ulysses", 68.25), ("chunked, 4 chunks", 30.5),
+                                ("chunked, 8 chunks", 21.0))]
+    return pd.DataFrame(rows)
+
+
+def test_long_context_bars_are_each_models_own_peak() -> None:
+    # notebook 17: the memory bars stacked two models' peaks (72 MiB drawn for 68.25 + 4.03)
+    # and the sequence legend listed the models
+    chart = cell_chart("17-long-context-precision-and-optimizers.ipynb", "bytes as sequence",
+                       long=_long_context())
+    assert not legend_fields(chart)
+    assert_true_to_its_data(chart)
+    drawn = drawing(chart)
+    bars = [i for i in drawn.items if i.marktype == "rect"]
+    for panel in {b.panel for b in bars}:
+        mine = [b.box for b in bars if b.panel == panel]
+        stacked = [(a, b) for i, a in enumerate(mine) for b in mine[i + 1:]
+                   if min(a[2], b[2]) - max(a[0], b[0]) > 0.5]
+        assert not stacked, stacked  # side by side, never one on another
+
+
+def _race() -> pd.DataFrame:
+    """Notebook 16's race: 6 modes x 4 ranks, 24 steps each, MSE falling from ~0.17; EDiT
+    takes DiLoCo's steps (its outer step lands a forward later), at its own times."""
+    modes = ["synchronous DP", "local SGD (H=4)", "DiLoCo (H=4)", "EDiT (H=4)",
+             "A-EDiT (0.2 s)", "parameter server (staleness 2)"]
+    rate = {mode: 0.06 + 0.01 * (2 if mode.startswith("EDiT") else m)
+            for m, mode in enumerate(modes)}
+    return pd.DataFrame([
+        {"mode": mode, "rank": "rank 3 (throttled x3)" if r == 3 else f"rank {r}", "step": s,
+         "seconds": s * (0.15 if r == 3 else 0.05) * (1 + m / 10),
+         "loss": 0.17 * math.exp(-s * rate[mode]) * (1 + 0.1 * r)}
+        for m, mode in enumerate(modes) for r in range(4) for s in range(1, 25)])
+
+
+def test_race_axes_span_the_losses() -> None:
+    # notebook 16: 24 lines on a log axis rounded out to 0.01-1, its upper part empty
+    curves = _race()
+    chart = cell_chart("16-asynchronous-training-and-collectives.ipynb",
+                       "training loss (MSE", curves=curves, modes=list(dict.fromkeys(
+                           curves["mode"])))
+    assert_true_to_its_data(chart)
+    labels = [e.label for e in drawing(chart).entries]
+    assert "EDiT (H=4) (same as DiLoCo (H=4), against step)" in labels, labels
+
+
+def _sweep() -> Any:
+    from meshlab.calibrate.algorithms import SWEEP, AllreduceSweep
+
+    sizes = list(SWEEP)
+
+    def times(latency: float, per_byte: float) -> list[float]:
+        return [latency + b * per_byte for b in sizes]
+
+    measured = {"ring": times(4e-4, 2e-9), "halving_doubling": times(2e-4, 2.5e-9),
+                "tree": times(2e-4, 4e-9), "gloo": times(1e-4, 1e-9)}
+    model = {"ring": times(3e-4, 1.5e-9), "halving_doubling": times(1.5e-4, 1.5e-9),
+             "tree": times(1.5e-4, 3e-9)}
+    return AllreduceSweep(ranks=4, hosts=[0, 0, 0, 0], backend="gloo", nbytes=sizes,
+                          seconds=measured, model_seconds=model)
+
+
+def test_allreduce_legend_tells_measured_from_modelled() -> None:
+    # notebook 16: the dash legend drew both as dots; 4 KiB-16 MiB on an axis of 1 KB-100 MB
+    chart = cell_chart("16-asynchronous-training-and-collectives.ipynb", "all-reduce on 4 CPU",
+                       sweep=_sweep())
+    assert_true_to_its_data(chart)
+    dashed = {e.label: e.style.get("strokeDash") for e in drawing(chart).entries
+              if e.style.get("shape") == "stroke" and "strokeDash" in e.style}
+    assert len({str(d) for d in dashed.values()}) == 2, dashed

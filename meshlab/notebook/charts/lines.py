@@ -124,8 +124,8 @@ def labelled(order: list[str], axes: Sequence[Axis],
     for name in order:
         where = [i for i, f in enumerate(found) if name in f]
         labels[name] = _label(name, found[where[0]][name] if where else None)
-        if where and len(where) < len(axes):
-            against = ", ".join(axes[i].title for i in where)
+        if where and len(where) < len(axes):  # named by field: titles run long
+            against = ", ".join(axes[i].field for i in where)
             labels[name] = labels[name][:-1] + f", against {against})"
     return labels
 
