@@ -17,6 +17,7 @@ from typing import Any
 import altair as alt
 import nbformat
 import pandas as pd
+import pytest
 from chart_truth import assert_axes_fit, assert_legends_true, legend_fields, legend_problems
 from drawn import drawing
 
@@ -239,3 +240,98 @@ def test_allreduce_legend_tells_measured_from_modelled() -> None:
     dashed = {e.label: e.style.get("strokeDash") for e in drawing(chart).entries
               if e.style.get("shape") == "stroke" and "strokeDash" in e.style}
     assert len({str(d) for d in dashed.values()}) == 2, dashed
+
+
+# -- every chart function ------------------------------------------------------------------
+
+def _comms() -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "op": op, "axis": axis, "group": "[0-1]", "count": 1,
+                          "bytes": nbytes, "wire_bytes": nbytes}
+                         for r in range(4) for op, axis, nbytes in (
+                             ("all_reduce", "tp", 2**19), ("all_gather", "dp", 2**18),
+                             ("all_reduce", "world", 16))])
+
+
+def _spans() -> pd.DataFrame:
+    return pd.DataFrame([
+        {"rank": r, "kind": kind, "axis": axis, "start": start + r / 10, "end": start + 1.0,
+         "bytes": nbytes, "name": name, "waited on": on}
+        for r in range(4) for kind, axis, start, nbytes, name, on in (
+            ("compute", None, 0.0, None, "aten::mm", None),
+            ("comm", "tp", 1.0, 4096, "all_reduce", None),
+            ("wait", "dp", 2.0, None, "all_reduce", "rank 3"),
+            ("comm", "dp", 3.0, 4096, "all_reduce", None),
+            ("idle", None, 4.0, None, "", None))])
+
+
+def _memory_timelines() -> dict[int, Any]:
+    from meshlab.measure.memory_timeline import MemoryPoint, MemoryTimeline
+
+    def point(i: int) -> MemoryPoint:
+        return MemoryPoint(ns=i * 10**6, bytes={"parameters": 4096, "gradients": 4096 * (i > 4),
+                                                 "activations": 512 * i * (i <= 4)},
+                           module="layers.0", phase="forward" if i <= 4 else "backward")
+
+    return {r: MemoryTimeline(rank=r, device="cpu", points=[point(i) for i in range(9)],
+                              snapshot={}) for r in range(2)}
+
+
+def _layout_diff() -> pd.DataFrame:
+    rows = [{"phase": phase, "module": module, "step": step, "shape": "4x4",
+             "error": 1e-9 * 10 ** (step + j), "tolerance": 1e-6, "ranks beyond": ""}
+            for phase in ("loss", "parameter gradient") for j, module in enumerate(("a", "b"))
+            for step in range(3)]
+    frame = pd.DataFrame(rows)
+    return frame.assign(born=range(len(frame)), first=[i == 4 for i in range(len(frame))])
+
+
+def _dryrun() -> pd.DataFrame:
+    return pd.DataFrame([{"rank": r, "source": s, "category": c, "gib": g * (1.1 if s ==
+                                                                              "planner" else 1)}
+                         for r in (0, 512) for s in ("dry run", "planner")
+                         for c, g in (("params", 1.0), ("grads", 1.0), ("activations", 3.0))])
+
+
+def _plan_memory() -> pd.DataFrame:
+    """%mesh plan's memory frame: three layouts' parts per GPU, 76 GiB usable."""
+    return pd.DataFrame([{"layout": layout, "part": part, "gib": gib * scale,
+                          "usable_gib": 76.0}
+                         for layout, scale in (("tp=8 zero=1", 1.0), ("tp=4 pp=2", 0.8),
+                                               ("dp_shard=8 zero=3", 0.5))
+                         for part, gib in (("weights", 2.0), ("gradients", 2.0),
+                                           ("optimizer states", 12.0), ("activations", 30.0))])
+
+
+def _chart(name: str) -> Any:
+    from meshlab.plan.report import plan
+
+    schedules = [build("gpipe", ranks=4, microbatches=8), build("zb_h1", ranks=4,
+                                                                microbatches=8),
+                 build("interleaved_1f1b", ranks=4, microbatches=8, virtual=2)]
+    return {
+        "comms": lambda: charts.comms_chart(_comms()),
+        "memory": lambda: charts.memory_chart(_memory(offloaded=False)),
+        "memory offloaded": lambda: charts.memory_chart(_memory(offloaded=True)),
+        "schedules": lambda: charts.timeline_chart(plan_frame(compare(schedules, Costs())[0])),
+        "plan memory": lambda: charts.plan_memory_chart(_plan_memory()),
+        "plan comms": lambda: charts.plan_comm_chart(plan("llama3-8b", gpus=16,
+                                                          top=1).comm_frame()),
+        "profile": lambda: charts.profile_chart(_spans()),
+        "dry run": lambda: charts.dryrun_memory_chart(_dryrun(), usable_gib=76.0),
+        "layout diff": lambda: charts.layout_diff_chart(_layout_diff()),
+        "losses": lambda: charts.losses_chart(_losses({"a": 0.0, "b": 0.01}), "a"),
+        "memory timeline": lambda: charts.memory_timeline_chart(_memory_timelines()),
+        "bench": lambda: bench_chart(_bench()),
+        "bench, one size": lambda: bench_chart(_bench().query("size == 256")),
+        "lines": lambda: charts.lines_chart(
+            _curves({"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.1}), x=charts.Axis("step", "step"),
+            y=charts.Axis("loss", "loss", log=True), series="run", title="three on one line"),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["comms", "memory", "memory offloaded", "schedules",
+                                  "plan memory", "plan comms", "profile", "dry run",
+                                  "layout diff", "losses", "memory timeline", "bench",
+                                  "bench, one size", "lines"])
+def test_every_chart_function_is_true_to_its_data(name: str) -> None:
+    assert_true_to_its_data(_chart(name))

@@ -550,3 +550,13 @@ def test_every_chart_fits_the_output_area(
              "plan comms": plan_comm_chart(plan("llama3-8b", gpus=16, top=1).comm_frame())}
     widths = {name: _svg_width(chart) for name, chart in drawn.items()}
     assert all(500 <= w <= charts.OUTPUT for w in widths.values()), widths
+
+
+def test_activation_layout_chart_is_true_to_its_data(
+        sequence_parallel_layouts: list[Any]) -> None:
+    # the chart functions' check (test_chart_legends.py), on a real forward's layouts
+    from chart_truth import assert_axes_fit, assert_legends_true
+
+    chart = activation_chart.activation_layout_chart(sequence_parallel_layouts)
+    assert_legends_true(chart)
+    assert_axes_fit(chart)

@@ -66,6 +66,7 @@ def timeline_chart(frame: pd.DataFrame, *, title: str = "pipeline schedule") -> 
     pending = alt.Chart().transform_filter(alt.datum.state == "pending").mark_bar(
         fill="white", strokeWidth=1.5, strokeDash=[3, 2]).encode(
         x=x, x2="end:Q", y="rank:O",
+        # a legend of its own, merged with the fill's (with none, it took the fill's away)
         stroke=alt.Stroke("kind:N", title="action", scale=scale), tooltip=tooltip)
     labels = alt.Chart().transform_filter(alt.datum.width_px >= alt.datum.label_px) \
         .mark_text(fontSize=9).encode(
