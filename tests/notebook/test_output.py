@@ -136,6 +136,10 @@ def tick():
     print('to stderr', file=sys.stderr)
     printed.set()
     later.wait(30)
+    import meshlab.rank.cell_exec as cell_exec  # the cell that set it may still be ending:
+    while cell_exec.running:                    # a loaded machine let it print into it
+        time.sleep(0.01)
+    time.sleep(0.2)  # and its reply sent
     print('between cells')
 threading.Thread(target=tick, name='ticker', daemon=True).start()
 time.sleep(0.2)
@@ -152,7 +156,7 @@ def test_a_background_threads_printing_is_its_own_never_the_next_cells(cluster: 
     assert ticker[1].stdout == "while the next cell runs\n" and ticker[1].stderr == "to stderr\n"
     assert "[ranks 0-1] thread 'ticker': while the next cell runs" in str(second)
     cluster.run("later.set()", ranks="0-1")
-    time.sleep(0.5)  # 'between cells' is printed while no cell runs: kept for the next one
+    time.sleep(1.0)  # 'between cells' is printed while no cell runs: kept for the next one
     third = cluster.run("print('own')", ranks="0-1")
     assert third.outputs[0].stdout == "own\n"
     printed_between = {r: o.stdout for r, o in third.threads.get("ticker", {}).items()}
