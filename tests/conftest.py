@@ -210,9 +210,10 @@ def module_cluster(_shared_cluster: Cluster) -> Cluster:
 @pytest.fixture(scope="session")
 def shell(_shared_cluster: Cluster):  # type: ignore[no-untyped-def]
     """A real IPython shell with `%load_ext meshlab`, driving the shared cluster."""
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.testing import globalipapp
 
-    ip = start_ipython()
+    globalipapp.start_ipython()  # once per process: a second call returns None
+    ip = globalipapp.get_ipython()
     ip.run_line_magic("load_ext", "meshlab")
     session = ip.magics_manager.registry["MeshMagics"].session
     session.cluster = _shared_cluster

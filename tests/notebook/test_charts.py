@@ -137,10 +137,13 @@ def test_every_chart_renders_in_the_vega_lite_5_front_ends_draw_with(
 
 
 def test_bundle_has_the_vega_lite_spec_and_the_svg() -> None:
-    from IPython.core.interactiveshell import InteractiveShell
+    # the test shell every IPython test shares (a plain InteractiveShell.instance() here
+    # would refuse the terminal one a later test's fixture starts)
+    from IPython.testing import globalipapp
 
+    globalipapp.start_ipython()
     chart = _every_kind_of_chart()[0]
-    formatter = InteractiveShell.instance().display_formatter
+    formatter = globalipapp.get_ipython().display_formatter
     assert formatter is not None
     data, metadata = formatter.format(chart)
     assert data[VEGALITE]["$schema"].endswith("/v5.json") and "datasets" in data[VEGALITE]
