@@ -21,6 +21,7 @@ ALIASES = {"dp": "dp_shard"}
 OPTIONS = (*AXES, "ep")  # ep is not an axis of its own: it is carved out of dp_shard x cp
 HELP = ", ".join((*AXES, "dp (= dp_shard)", "ep"))
 VIEWS = ("dp", "dp_shard_cp", "dp_cp", "ep", "dp_shard_mod_ep", "dp_shard_in_ep")
+INTERNAL_VIEWS = ("dp_shard_cp", "dp_cp")  # what FSDP and the loss use; no one types them
 """Names a trainer may ask a mesh for besides AXES: flattened views and ep's split of dp_shard."""
 
 
@@ -137,12 +138,12 @@ class MeshSpec:
         return math.prod(dims[d] for d in views[name]) if name in views else 1
 
     def shown_name(self, name: str) -> str:
-        """The name a view is shown by: the axes it spans that have more than one rank,
-        joined by "+" (FSDP's "dp_shard_cp" without cp is "dp_shard", the name the mesh table
-        gives it; with cp=2, "dp_shard+cp"); an axis (dp_shard too, a view when ep splits
-        it), or a name this mesh does not know, as it is."""
+        """The name one of meshlab's own views is shown by: the axes it spans that have more
+        than one rank, joined by "+" (FSDP's "dp_shard_cp" without cp is "dp_shard", the name
+        the mesh table gives it; with cp=2, "dp_shard+cp"). Any other name as it is: an axis,
+        a name one says (dp, ep), or a mesh of one's own that happens to share it."""
         views, dims = self.views(), self.mesh_axes()
-        if name not in views or name in AXES:
+        if name not in views or name not in INTERNAL_VIEWS:
             return name
         spanned = [d for d in views[name] if dims.get(d, 1) > 1] or list(views[name][:1])
         return "+".join(spanned)

@@ -103,7 +103,9 @@ def test_built_mesh_matches_the_computed_groups_on_every_rank(cluster: Cluster,
 def test_a_view_is_shown_by_the_axes_it_spans_that_have_ranks() -> None:
     assert MeshSpec.parse("dp=4").shown_name("dp_shard_cp") == "dp_shard"
     assert MeshSpec.parse("dp=2 cp=2").shown_name("dp_shard_cp") == "dp_shard+cp"
-    assert MeshSpec.parse("dp_replicate=2 dp=2").shown_name("dp") == "dp_replicate+dp_shard"
+    assert MeshSpec.parse("dp_replicate=2 dp=2 cp=2").shown_name("dp_cp") == \
+        "dp_replicate+dp_shard+cp"
+    assert MeshSpec.parse("dp_replicate=2 dp=2").shown_name("dp") == "dp"  # as one says it
     assert MeshSpec.parse("dp=4 ep=2").shown_name("dp_shard") == "dp_shard"  # an axis by name
     assert MeshSpec.parse("dp=2 tp=2").shown_name("tp") == "tp"
 
