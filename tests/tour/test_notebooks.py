@@ -21,6 +21,8 @@ def texts(cell: nbformat.NotebookNode) -> str:
     parts: list[str] = []
     previous = None
     for out in cell.get("outputs", []):
+        if "meshlab-cell-progress" in str(out.get("data", {}).get("text/html", "")):
+            continue  # a long cell's progress line: there or not by how long the cell took
         if out.output_type == "stream" and previous == "stream":
             # the kernel flushes a stream every 0.2 s: how a print splits is timing, not content
             parts[-1] += out.text
