@@ -230,14 +230,21 @@ def _run_job(job: dict[str, Any]) -> list[RankRun]:
 
 def representative_ranks(layout: Layout, shape: ModelShape | None = None) -> dict[int, str]:
     """rank -> role: the first rank of each pipeline stage, and where tensor parallelism
-    splits a size unevenly (the last rank's part is smaller), also each stage's last rank."""
+    splits a size unevenly (the last rank's part is smaller), or may (a model whose shape is
+    not read), also each stage's last rank."""
     spec = layout.mesh_spec
     per_stage = spec.size // layout.pp
     chosen = {p * per_stage: _role(spec, layout, p * per_stage) for p in range(layout.pp)}
-    if shape is not None and _uneven(shape, layout):
+    if layout.tp > 1 and (shape is None or _uneven(shape, layout)):
+        why = ("last shard of an uneven split" if shape is not None else
+               "its tp share may differ: the model's shape is not read")
         for p in range(layout.pp):
-            last = (p + 1) * per_stage - 1
-            chosen[last] = _role(spec, layout, last) + ", last shard of an uneven split"
+            first, last = p * per_stage, (p + 1) * per_stage - 1
+            # "every rank alike" no longer: the last of each tp group runs beside them
+            chosen[first] = chosen[first].replace("every rank alike",
+                                                  "every rank but the last of each tp group")
+            chosen[last] = _role(spec, layout, last).replace(
+                "every rank alike", "the last rank of each tp group") + f", {why}"
     return dict(sorted(chosen.items()))
 
 
