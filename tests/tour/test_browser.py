@@ -724,23 +724,17 @@ def test_a_notebook_without_widget_state_reads_without_javascript(
     context.close()
 
 
-DEBUGGED = ["%load_ext meshlab\n%mesh start 2",
-            "%%mesh\nx = rank * 7 + 5\nif rank == 1:\n    breakpoint()\n    x = 0\ny = x",
-            "%mesh stop"]
-
-
-def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
-        browser: Any, jupyterlab: str, lab_root: Path) -> None:
+def run_all_of(browser: Any, jupyterlab: str, lab_root: Path, name: str, cells: list[str],
+               requests: list[str], errors: list[str]) -> tuple[Any, str]:
+    """A notebook of ``cells`` written as ``name``.ipynb, opened in JupyterLab and Run All
+    started: (its page, the server's base URL)."""
     import nbformat
 
-    name = "debugged"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in DEBUGGED])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, lab_root / f"{name}.ipynb")
     base, token = jupyterlab.split("|")
-    requests: list[str] = []
-    errors: list[str] = []
     page = watched_page(browser, requests, errors)
     page.goto(f"{base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
@@ -748,6 +742,20 @@ def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
     page.wait_for_timeout(2000)
     accept_dialogs(page)
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    return page, base
+
+
+DEBUGGED = ["%load_ext meshlab\n%mesh start 2",
+            "%%mesh\nx = rank * 7 + 5\nif rank == 1:\n    breakpoint()\n    x = 0\ny = x",
+            "%mesh stop"]
+
+
+def test_breakpoint_in_a_cell_gives_a_pdb_prompt_in_jupyterlab(
+        browser: Any, jupyterlab: str, lab_root: Path) -> None:
+    name = "debugged"
+    requests: list[str] = []
+    errors: list[str] = []
+    page, base = run_all_of(browser, jupyterlab, lab_root, name, DEBUGGED, requests, errors)
     # the prompt JupyterLab draws for input(); one answered may stay in the page beside the
     # next, so each is marked once typed into
     fresh = ".jp-Stdin-input:not([data-typed])"
@@ -801,23 +809,10 @@ def test_a_long_cell_shows_its_progress_live_in_jupyterlab(
         browser: Any, jupyterlab: str, lab_root: Path) -> None:
     import re
 
-    import nbformat
-
     name = "progressed"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in PROGRESSED])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, lab_root / f"{name}.ipynb")
-    base, token = jupyterlab.split("|")
     requests: list[str] = []
     errors: list[str] = []
-    page = watched_page(browser, requests, errors)
-    page.goto(f"{base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=60_000)
-    page.wait_for_timeout(2000)
-    accept_dialogs(page)
-    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    page, base = run_all_of(browser, jupyterlab, lab_root, name, PROGRESSED, requests, errors)
     try:  # while the cell runs: its progress, a step counted, below the output so far
         page.wait_for_function(
             "() => [...document.querySelectorAll('.meshlab-cell-progress')].some(e => "
