@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
@@ -148,6 +149,8 @@ def test_bundle_has_the_vega_lite_spec_and_the_svg() -> None:
     data, metadata = formatter.format(chart)
     assert data[VEGALITE]["$schema"].endswith("/v5.json") and "datasets" in data[VEGALITE]
     assert data["image/svg+xml"].startswith("<svg")
+    # JupyterLab adds a PNG to a chart output without one (the notebook reads as modified)
+    assert base64.b64decode(data["image/png"]).startswith(b"\x89PNG")
     assert metadata[VEGALITE]["embed_options"]["actions"] is False  # no links off the page
 
 
@@ -156,6 +159,7 @@ def test_without_interactive_charts_the_bundle_is_the_svg_alone(
     monkeypatch.setattr(charts, "interactive", False)
     data, metadata = _every_kind_of_chart()[0]._repr_mimebundle_()
     assert VEGALITE not in data and data["image/svg+xml"].startswith("<svg") and not metadata
+    assert "image/png" not in data
 
 
 def test_without_vl_convert_a_chart_keeps_its_spec_and_names_the_fix(

@@ -54,5 +54,18 @@ class OfflineChart:
                                     "installed; pip install vl-convert-python)"}
         if not _interactive():
             return bundle, {}
+        if "image/svg+xml" in bundle:
+            bundle["image/png"] = png_of(bundle["image/svg+xml"])
         bundle[VEGALITE] = self.spec()
         return bundle, {VEGALITE: {"embed_options": EMBED}}
+
+
+def png_of(svg: str) -> str:
+    """The SVG as a base64 PNG. JupyterLab's Vega renderer writes a PNG into any chart output
+    that lacks one the first time it draws it, which marks a saved notebook modified as soon as
+    it is opened; with one already there it leaves the output as it is."""
+    import base64
+
+    import vl_convert
+
+    return base64.b64encode(vl_convert.svg_to_png(svg, scale=1)).decode()
