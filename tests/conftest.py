@@ -72,6 +72,9 @@ def machine_missing(marker: str) -> str | None:
         if not (lab_settings.overrides_folder() / lab_settings.FILE_NAME).exists():
             return ("JupyterLab does not save widget state here: run `meshlab lab-settings` "
                     "(the README's command 1 does)")
+        if not (lab_settings.plugins_folder() / lab_settings.PLUGIN_NAME).is_dir():
+            return ("meshlab's JupyterLab plugin is not installed here: run `meshlab "
+                    "lab-settings` (the README's command 1 does)")
         return None
     up = {"idle", "mixed", "allocated", "completing"}
     if marker == "slurm":

@@ -101,6 +101,11 @@ def test_the_wheel_holds_every_package_and_data_file(built: tuple[Path, Path]) -
     assert data in names
     settings = json.loads(zipfile.ZipFile(wheel).read(data))
     assert settings["@jupyter-widgets/jupyterlab-manager:plugin"]["saveState"] is True
+    # and meshlab's JupyterLab plugin at {prefix}/share/jupyter/labextensions/meshlab-lab,
+    # with the entry its package.json names
+    plugin = f"meshlab-{version}.data/data/share/jupyter/labextensions/meshlab-lab"
+    built = json.loads(zipfile.ZipFile(wheel).read(f"{plugin}/package.json"))
+    assert f"{plugin}/{built['jupyterlab']['_build']['load']}" in names
     tops = {n.split("/")[0] for n in names}
     assert tops == {"meshlab", f"meshlab-{version}.dist-info", f"meshlab-{version}.data"}, tops
     entry_points = zipfile.ZipFile(wheel).read(
