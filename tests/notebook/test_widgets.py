@@ -150,3 +150,33 @@ def test_partial_blocks_say_pending_reduction_not_replicated() -> None:
     (b,) = blocks(PARTIAL, (0, 1))
     assert not b["replicated"] and b["note"] == "partial: pending reduction"
     assert "partial: pending reduction" in [line["text"] for line in b["lines"]]
+
+
+def test_hover_lines_keep_the_meshs_axis_order_through_a_saved_notebook() -> None:
+    """A saved notebook's JSON sorts an object's keys (nbformat writes sort_keys): the
+    coordinates travel as pairs, so the reopened hover reads pp, dp_shard, tp as before."""
+    import json
+
+    placed = ShardingReport(
+        name="w", kind="dtensor", global_shape=[4, 4], dtype="float32", mesh_shape=[2],
+        mesh_axes=["tp"], placements=["Shard(0)"],
+        shards=[RankShard(rank=r, coordinate=[r], local_shape=[2, 4], offsets=[2 * r, 0],
+                          bytes=32, place={"pp": 1, "dp_shard": 0, "tp": r})
+                for r in range(2)])
+    saved = json.loads(json.dumps(tensor_state(placed), sort_keys=True))
+    places = [s["place"] for b in saved["blocks"] for s in b["detail"]]
+    assert places == [[["pp", 1], ["dp_shard", 0], ["tp", r]] for r in range(2)]
+    js = (Path(__file__).parents[2] / "meshlab/notebook/widgets/sharding.js").read_text()
+    assert "s.place.map(" in js and "Object.entries(s.place)" not in js
+
+
+def test_a_module_view_saves_every_rows_drawing_for_a_notebook_without_its_kernel() -> None:
+    from meshlab.measure.sharding import ModuleReport
+
+    view = ShardingView(ModuleReport(name="mlp", tensors=[GRID, COLS, PARTIAL]))
+    assert [t["name"] for t in view.tensors] == ["w", "cols", "partial"]
+    assert view.tensor == view.tensors[0]
+    view.selected = 2  # what the kernel draws on a click is what the saved state holds
+    assert view.tensor == view.tensors[2] == tensor_state(PARTIAL)
+    js = (Path(__file__).parents[2] / "meshlab/notebook/widgets/sharding.js").read_text()
+    assert 'model.set("tensor", tensors[i])' in js  # the front end draws it with no kernel

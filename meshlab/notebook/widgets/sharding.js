@@ -31,7 +31,13 @@ function drawModule(model, root) {
     const tr = el("tr", {
       class: "meshlab-param" + (i === model.get("selected") ? " selected" : ""),
       "data-index": String(i),
-      onclick: () => { model.set("selected", i); model.save_changes(); },
+      onclick: () => {
+        // the row's drawing was saved with the widget: drawn here, with or without a kernel
+        const tensors = model.get("tensors") || [];
+        model.set("selected", i);
+        if (tensors[i]) model.set("tensor", tensors[i]);
+        model.save_changes();
+      },
     }, el("td", {}, row.name + (row.buffer ? " (buffer)" : "")), el("td", {}, `[${row.shape}]`),
       el("td", {}, row.placements), ...ranks.map((r) => el("td", {}, fmtBytes(row.bytes[r] || 0))));
     table.append(tr);
@@ -80,7 +86,7 @@ function drawTensor(model, root) {
       ...b.detail.map((s) => el("div", {},
         `rank ${s.rank}` + (s.coordinate.length ? ` at [${s.coordinate}]` : "") +
         `: local [${s.local_shape}] from offset [${s.offsets}], ${fmtBytes(s.bytes)}` +
-        (Object.keys(s.place).length ? ` · ${Object.entries(s.place).map(([a, i]) => `${a} ${i}`).join(", ")}` : ""))));
+        (s.place.length ? ` · ${s.place.map(([a, i]) => `${a} ${i}`).join(", ")}` : ""))));
   };
   const panels = el("div", { class: "meshlab-parts" });
   for (const part of t.parts) {

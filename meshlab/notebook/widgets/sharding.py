@@ -43,6 +43,9 @@ class ShardingView(anywidget.AnyWidget):
     rows: traitlets.List[Any] = traitlets.List(
         help="module table rows; empty for a single tensor").tag(sync=True)
     totals = traitlets.Dict(help="bytes per rank over the whole module").tag(sync=True)
+    tensors: traitlets.List[Any] = traitlets.List(
+        help="every row's drawing (a module): a saved notebook redraws the row clicked "
+             "without its kernel").tag(sync=True)
     selected = traitlets.Int(0, help="index of the module row being drawn").tag(sync=True)
     dims = traitlets.List(traitlets.Int(), help="the tensor dims drawn as rows, columns").tag(
         sync=True)
@@ -53,6 +56,7 @@ class ShardingView(anywidget.AnyWidget):
         if isinstance(report, ModuleReport):
             self.rows = module_rows(report)
             self.totals = {str(r): n for r, n in sorted(report.bytes_per_rank().items())}
+            self.tensors = [tensor_state(t) for t in report.tensors]
         self._draw()
 
     def _current(self) -> ShardingReport | None:
@@ -63,7 +67,12 @@ class ShardingView(anywidget.AnyWidget):
 
     def _draw(self, dims: tuple[int, ...] | None = None) -> None:
         current = self._current()
-        self.tensor = tensor_state(current, dims) if current is not None else {}
+        if current is None:
+            self.tensor = {}
+        elif dims is None and self.tensors:
+            self.tensor = self.tensors[self.selected]
+        else:
+            self.tensor = tensor_state(current, dims)
 
     @traitlets.observe("selected")
     def _on_select(self, change: dict[str, Any]) -> None:

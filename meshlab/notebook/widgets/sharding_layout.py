@@ -77,7 +77,7 @@ def _part_blocks(part: ShardingReport, dims: tuple[int, ...], index: int, box: f
             "short": f"r{format_ranks(ranks)}", "ranges": _ranges(r0, r1, c0, c1, ndim),
             "note": note, "color": colours[0], "colors": colours,
             "text": text_colour(colours[0]), "replicated": replicated,
-            "partial": part.partial, "detail": [asdict(s) for s in group],
+            "partial": part.partial, "detail": [_detail(s) for s in group],
             "x": c0 / n_cols * width, "y": r0 / n_rows * height,
             "w": (c1 - c0) / n_cols * width, "h": (r1 - r0) / n_rows * height,
         }
@@ -85,6 +85,12 @@ def _part_blocks(part: ShardingReport, dims: tuple[int, ...], index: int, box: f
         _fit(block)
         out.append(block)
     return out
+
+
+def _detail(shard: Any) -> dict[str, Any]:
+    """One holder's shard for the hover line; its mesh coordinates as ``[axis, index]`` pairs
+    in the mesh's order (a saved notebook's JSON sorts an object's keys)."""
+    return {**asdict(shard), "place": [[a, i] for a, i in shard.place.items()]}
 
 
 def _fit(block: dict[str, Any]) -> None:
