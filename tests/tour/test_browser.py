@@ -124,6 +124,10 @@ STALLED = """() => {
     !code.some(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
 }"""
 
+HAS_KERNEL = """() => { const panel = window.jupyterapp.shell.currentWidget;
+  return !!(panel && panel.sessionContext && panel.sessionContext.session &&
+            panel.sessionContext.session.kernel); }"""
+
 COUNTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
   .filter(c => c.model.type === 'code').map(c => c.model.executionCount)"""
 
@@ -295,7 +299,12 @@ class Lab:
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                                timeout=60_000)
         page.wait_for_timeout(2000)
-        accept_dialogs(page)  # JupyterLab sometimes asks which kernel, even with one running
+        deadline = time.monotonic() + 60  # seen once: idle shown before the session had one
+        while not page.evaluate(HAS_KERNEL):
+            accept_dialogs(page)  # JupyterLab sometimes asks which kernel, even with one running
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}: JupyterLab started no kernel within 60 s")
+            page.wait_for_timeout(500)
         page.evaluate(RECORD_STATUS)
         # not awaited: the command's promise settles late; the cells say when they ran
         run_all = "() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }"
@@ -777,9 +786,8 @@ WIDGETS_THAT_OUTLIVE_THEIR_KERNEL = [
 def test_only_controls_wear_the_broken_link_mark_once_their_kernel_is_gone(
         browser: Any, jupyterlab: str, lab_root: Path) -> None:
     """ipywidgets marks every widget whose kernel went away (restarted, say) with a
-    red broken link. A progress bar loses nothing: no mark (meshlab's plugin); a slider's
-    input goes nowhere: it keeps its mark. (anywidget's views, the sharding view's, get no
-    mark at all.)"""
+    red broken link. A progress bar or a sharding view loses nothing: no mark (meshlab's
+    plugin, the view's CSS); a slider's input goes nowhere: it keeps its mark."""
     import nbformat
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s)

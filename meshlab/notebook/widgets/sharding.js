@@ -120,6 +120,7 @@ function drawTensor(model, root) {
 }
 
 function render({ model, el: host }) {
+  host.classList.add("meshlab-widget"); // its saved state draws everything: see sharding.css
   const root = document.createElement("div");
   root.className = "meshlab-sharding";
   host.append(root);
