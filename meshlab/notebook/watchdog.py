@@ -21,7 +21,10 @@ a pipe from the kernel on its stdin. It sleeps in ``select`` and acts when
 It then sends SIGTERM to each watched process still alive, their descendants (also those
 seen earlier that have left their parent, like an engine's nanny after the engine exits)
 and every process of the sessions they lead, SIGKILL a few seconds later to what remains,
-runs the ``--cancel`` commands (``scancel JOBID`` for engines in a Slurm job), and exits.
+runs the ``--cancel`` commands (``scancel JOBID`` for engines in a Slurm job), removes the
+``--remove`` files (the cluster's file in the ipyparallel profile, which ipyparallel removes
+only from a clean stop: left behind, JupyterLab's ipyparallel extension logs "Controller ...
+not running" for it every few seconds, for good), and exits.
 
 Why not the alternatives: ``PR_SET_PDEATHSIG`` needs a ``preexec_fn`` that ipyparallel's
 launchers do not take (a subclass of every launcher), is Linux-only, and fires when the
@@ -65,6 +68,8 @@ def watch(ipp_cluster: Any) -> None:
     args = [sys.executable, "-m", "meshlab.notebook.watchdog"]
     for command in cancel:
         args += ["--cancel", shlex.join(command)]
+    if getattr(ipp_cluster, "cluster_file", ""):
+        args += ["--remove", ipp_cluster.cluster_file]
     _watchdogs[ipp_cluster] = subprocess.Popen(
         [*args, *map(str, pids)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("pids", nargs="*", type=int, help="processes to stop with the parent")
     parser.add_argument("--cancel", action="append", default=[],
                         help="a command to run when reaping, e.g. 'scancel 42'")
+    parser.add_argument("--remove", action="append", default=[],
+                        help="a file to remove once the processes are gone")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a kernel interrupt is not for us
     parent = os.getppid()
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
             break  # stopped without us
     family.update(_family(roots))
     reap(list(family.values()), args.cancel)
+    for path in args.remove:  # (a clean stop removed it already)
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,29 @@ def test_watchdog_stops_its_processes_and_their_children_when_its_parent_is_kill
         _kill(procs)
 
 
+def test_a_killed_parents_cluster_file_is_removed_with_its_processes(tmp_path: Path) -> None:
+    """What ipyparallel removes only on a clean stop: left, JupyterLab's ipyparallel
+    extension logs the dead cluster every few seconds."""
+    cluster_file = tmp_path / "cluster-1-abcd.json"
+    cluster_file.write_text("{}")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.replace(
+        '"meshlab.notebook.watchdog", ', f'"meshlab.notebook.watchdog", "--remove", '
+                                        f'{str(cluster_file)!r}, ')],
+        stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    leader_pid, watchdog_pid = map(int, parent.stdout.readline().split())
+    procs = [psutil.Process(leader_pid), psutil.Process(watchdog_pid)]
+    try:
+        time.sleep(0.5)  # the watchdog is watching
+        assert cluster_file.exists()  # nothing removed while the parent lives
+        parent.kill()
+        parent.wait()
+        assert not _survivors(procs, timeout=10)
+        assert not cluster_file.exists()
+    finally:
+        _kill(procs)
+
+
 # -- a real cluster ---------------------------------------------------------------------------
 
 
