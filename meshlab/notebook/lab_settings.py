@@ -117,20 +117,18 @@ def add_command(commands: Any) -> None:
 
 
 def run_command(args: Any, parser: Any) -> int:
-    try:
-        path, changed = install(args.folder)
-    except OSError as e:
-        parser.exit(2, f"meshlab lab-settings: cannot write {e.filename or args.folder}: "
-                       f"{e.strerror or e}; pass --folder DIR, or set JUPYTERLAB_DIR to a "
-                       "JupyterLab app folder you can write\n")
-    print(f"{'wrote' if changed else 'already there'}: {path} (JupyterLab saves widget "
-          "state with notebooks; restart a running JupyterLab to pick it up)")
-    try:
-        path, changed = install_plugin(args.plugins)
-    except OSError as e:
-        parser.exit(2, f"meshlab lab-settings: cannot write {e.filename or args.plugins}: "
-                       f"{e.strerror or e}; pass --plugins DIR, a labextensions folder "
-                       "JupyterLab reads (see `jupyter --paths`) that you can write\n")
-    print(f"{'wrote' if changed else 'already there'}: {path} (meshlab's JupyterLab plugin: "
-          "a notebook reopened untouched is not marked modified)")
+    for put, folder, fix, done in (
+            (install, args.folder, "pass --folder DIR, or set JUPYTERLAB_DIR to a JupyterLab "
+             "app folder you can write", "JupyterLab saves widget state with notebooks; "
+             "restart a running JupyterLab to pick it up"),
+            (install_plugin, args.plugins, "pass --plugins DIR, a labextensions folder "
+             "JupyterLab reads (see `jupyter --paths`) that you can write",
+             "meshlab's JupyterLab plugin: a notebook reopened untouched is not marked "
+             "modified")):
+        try:
+            path, changed = put(folder)
+        except OSError as e:
+            parser.exit(2, f"meshlab lab-settings: cannot write {e.filename or folder}: "
+                           f"{e.strerror or e}; {fix}\n")
+        print(f"{'wrote' if changed else 'already there'}: {path} ({done})")
     return 0

@@ -788,13 +788,7 @@ def test_only_controls_wear_the_broken_link_mark_once_their_kernel_is_gone(
     """ipywidgets marks every widget whose kernel went away (restarted, say) with a
     red broken link. A progress bar or a sharding view loses nothing: no mark (meshlab's
     plugin, the view's CSS); a slider's input goes nowhere: it keeps its mark."""
-    import nbformat
-
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s)
-                                         for s in WIDGETS_THAT_OUTLIVE_THEIR_KERNEL])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                 "language": "python"}
-    nbformat.write(nb, lab_root / "widgets-without-kernel.ipynb")
+    write_notebook(lab_root, "widgets-without-kernel", WIDGETS_THAT_OUTLIVE_THEIR_KERNEL)
     lab = Lab(browser, jupyterlab, "widgets-without-kernel")
     page = lab.page
     page.locator(".meshlab-sharding").wait_for(timeout=30_000)
@@ -815,16 +809,21 @@ def test_only_controls_wear_the_broken_link_mark_once_their_kernel_is_gone(
     lab.close()
 
 
+def write_notebook(lab_root: Path, name: str, cells: list[str]) -> None:
+    """A notebook of code ``cells`` as ``name``.ipynb, on the kernel JupyterLab starts."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    nbformat.write(nb, lab_root / f"{name}.ipynb")
+
+
 def run_all_of(browser: Any, jupyterlab: str, lab_root: Path, name: str, cells: list[str],
                requests: list[str], errors: list[str]) -> tuple[Any, str]:
     """A notebook of ``cells`` written as ``name``.ipynb, opened in JupyterLab and Run All
     started: (its page, the server's base URL)."""
-    import nbformat
-
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, lab_root / f"{name}.ipynb")
+    write_notebook(lab_root, name, cells)
     base, token = jupyterlab.split("|")
     page = watched_page(browser, requests, errors)
     page.goto(f"{base}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={token}")

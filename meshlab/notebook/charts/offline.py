@@ -3,6 +3,7 @@ saved) with an SVG drawn here beside it, and the MIME types front ends render it
 
 from __future__ import annotations
 
+import base64
 import sys
 from typing import Any
 
@@ -64,8 +65,6 @@ def png_of(svg: str) -> str:
     """The SVG as a base64 PNG. JupyterLab's Vega renderer writes a PNG into any chart output
     that lacks one the first time it draws it, which marks a saved notebook modified as soon as
     it is opened; with one already there it leaves the output as it is."""
-    import base64
-
     import vl_convert
 
     return base64.b64encode(vl_convert.svg_to_png(svg, scale=1)).decode()
