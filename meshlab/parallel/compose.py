@@ -151,7 +151,7 @@ def _parallelize_stage(model: nn.Module, *, mesh: DeviceMesh, plan: ParallelPlan
                          chunks=plan.cp_chunks, offload=plan.cp_offload)
     if tp > 1:
         model = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel,
-                         plan=plan.tp_plan)
+                         plan=plan.tp_plan, sp_regather=plan.sp_regather)
     model = apply_ac(model, plan.activation_checkpoint, blocks=plan.blocks)
     if ep:
         from meshlab.parallel.expert import average_gradients

@@ -31,6 +31,11 @@ class ParallelPlan:
     sequence_parallel: bool | None = None
     """With tp > 1, also split norms and the residual stream along the sequence; None: where
     the TP plan has it (meshlab's plan does, transformers' do not)."""
+    sp_regather: bool = True
+    """With sequence parallelism: the attention's and the MLP's gathered inputs are kept as
+    this rank's part of the sequence and gathered again in the backward (Megatron-LM's
+    memory: 4h bytes a token a layer become 4h/tp, for one more all-gather a module); False
+    keeps them whole (torch's SequenceParallel)."""
     tp_plan: Mapping[str, Any] | None = None
     """With tp > 1: module pattern -> ColwiseParallel() | RowwiseParallel() | ... (torch
     style), or transformers' names ("colwise", ...); None: the model's own plan (meshlab's, or

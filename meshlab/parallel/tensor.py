@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshlab.parallel.blocks import holds, owner_of
+from meshlab.parallel.sp_regather import Regather
 from meshlab.parallel.tensor_styles import OWN_STYLES, apply_named, name_matches
 from meshlab.parallel.ties import retie, untie
 
@@ -38,7 +39,8 @@ def check_tp(cfg: Any, tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | None = None,
-             plan: Mapping[str, Any] | None = None, axis: str = "tp") -> nn.Module:
+             plan: Mapping[str, Any] | None = None, axis: str = "tp",
+             sp_regather: bool = True) -> nn.Module:
     """Parallelize ``model`` over ``mesh[axis]`` with ``plan`` (torch-style: module pattern ->
     ColwiseParallel() | RowwiseParallel() | ..., or transformers' names "colwise", ...), or
     the model's own: meshlab's Megatron plan, or transformers' ``_tp_plan``.
@@ -46,10 +48,14 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     ``sequence_parallel``: None uses it where the plan has it (meshlab's does); True with a
     plan that has no SequenceParallel entry is refused, naming the fix. A Linear packing q, k,
     v (or gate, up) takes meshlab.parallel.fused's FusedColwise; the module that splits its
-    output is proved on a probe batch before training (meshlab.parallel.fused_proof)."""
+    output is proved on a probe batch before training (meshlab.parallel.fused_proof).
+    ``sp_regather``: with sequence parallelism, the attention's and the MLP's gathered
+    inputs are kept as this rank's part and gathered again in the backward (Megatron's
+    memory; meshlab.parallel.sp_regather), not kept whole (torch's)."""
     tp_mesh = mesh[axis]
     if plan is None and _is_meshlab(model):
-        return _apply_meshlab_tp(model, tp_mesh, sequence_parallel is not False)
+        return _apply_meshlab_tp(model, tp_mesh, sequence_parallel is not False,
+                                 sp_regather)
     from meshlab.parallel import fused_proof
 
     given = plan is not None
@@ -58,7 +64,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool | No
     tied = untie(model)
     named = {p: s for p, s in plan.items() if isinstance(s, str)}
     if sequence_parallel and len(named) == len(plan):
-        styles = sequence_parallel_plan(model, named)
+        styles = sequence_parallel_plan(model, named, regather=sp_regather)
         named = {p: s for p, s in named.items() if s in OWN_STYLES}
     else:
         styles = {p: s for p, s in plan.items() if not isinstance(s, str)}
@@ -158,7 +164,8 @@ def _no_plan(model: nn.Module) -> str:
             f"stream{fused}), and add the embedding and head if you split them; {styles}")
 
 
-def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[str, Any]:
+def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str], *,
+                           regather: bool = True) -> dict[str, Any]:
     """Sequence parallelism added to a plan in transformers' style names: the residual
     stream is split along the sequence (Shard(1)) where it enters the first block, and stays
     split between the parallel regions; the blocks' norms and the final norm run on their
@@ -166,7 +173,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
     module holding column-parallel projections (the attention, the MLP). Whatever the model
     does before its first block (adding positions, scaling) runs on the whole sequence, as
     it wrote it; the stream is kept as DTensors so code between blocks (a causal mask,
-    rotary positions) reads the whole sequence's length."""
+    rotary positions) reads the whole sequence's length. ``regather``: GatherSequence's."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -191,7 +198,7 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str]) -> dict[st
                 sp[pattern] = ColwiseParallel(input_layouts=seq)
             else:  # the attention or the MLP: gather once on the way in
                 sp[pattern] = ColwiseParallel()
-                sp[owner] = GatherSequence()
+                sp[owner] = GatherSequence(regather=regather)
         elif style in OWN_STYLES:
             continue  # applied with the named styles: it needs no layout
         else:
@@ -235,21 +242,38 @@ class SplitSequence(ParallelStyle):
 
 class GatherSequence(ParallelStyle):
     """Before a module: every input split along the sequence is gathered whole (one
-    all-gather; its backward reduces each rank's gradient back to its part)."""
+    all-gather; its backward reduces each rank's gradient back to its part), as plain
+    tensors (``local``) or DTensors. ``regather``: what the module saves of it for backward
+    is kept as this rank's part and gathered again there (meshlab.parallel.sp_regather)."""
+
+    def __init__(self, *, local: bool = True, regather: bool = True) -> None:
+        super().__init__()
+        self.local, self.regather = local, regather
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        hooks = Regather() if self.regather else None
+
+        def gather(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            def whole(x: Any) -> Any:
+                if not (isinstance(x, DTensor) and Shard(1) in x.placements):
+                    return x
+                gathered: torch.Tensor = x.redistribute(placements=[Replicate()])
+                if self.local:
+                    gathered = cast(DTensor, gathered).to_local()
+                if hooks is not None and torch.is_grad_enabled():
+                    hooks.gathered_from(x, gathered)
+                return gathered
+
+            gathered = tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
+            if hooks is not None and hooks.gathered:
+                hooks.enter()
+            return gathered
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        if hooks is not None:  # always_call: a forward that raises must not leave them
+            module.register_forward_hook(lambda *_: hooks.exit(), always_call=True)
         return module
-
-
-def _gather_sequence(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    def gather(x: Any) -> Any:
-        if isinstance(x, DTensor) and Shard(1) in x.placements:
-            return x.redistribute(placements=[Replicate()]).to_local()
-        return x
-
-    return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -262,12 +286,11 @@ def _is_meshlab(model: nn.Module) -> bool:
     return isinstance(model, Transformer)
 
 
-def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool
-                      ) -> nn.Module:
+def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                      regather: bool = True) -> nn.Module:
     """Megatron's plan on meshlab's Transformer (a pipeline stage may lack some parts)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
@@ -299,10 +322,8 @@ def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
                 # gather the sequence before the column-parallel projections
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                desired_input_layouts=(Replicate(), None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),)),
+                "attention": GatherSequence(local=False, regather=regather),
+                "feed_forward": GatherSequence(local=False, regather=regather),
             }
             if hasattr(block.feed_forward, "router"):
                 # an MoE is not split by tp: it routes the whole sequence as plain tensors
