@@ -69,6 +69,7 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     plan = ParallelPlan(
         data_parallel=dp, seq_len=seq,
         sequence_parallel=layout.sequence_parallel if layout.tp > 1 else None,
+        sp_regather=layout.sp_regather,
         activation_checkpoint=layout.recompute,
         mixed_precision=mixed,
         context_parallel=cp_impl, **chunked,

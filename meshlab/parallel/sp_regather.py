@@ -37,24 +37,46 @@ def _storage(t: torch.Tensor) -> int:
     return int(_local(t).untyped_storage()._cdata)
 
 
+class _Source:
+    """One gathered input's part, shared by every saved tensor made from it (q, k and v
+    read one input): the whole is gathered again once, at the first of their unpacks, and
+    let go at the last."""
+
+    __slots__ = ("left", "part", "unpack", "whole")
+
+    def __init__(self, part: Any, unpack: Any) -> None:
+        self.part, self.unpack = part, unpack  # as the outer hooks packed it, and theirs
+        self.left = 0  # saved tensors not yet unpacked
+        self.whole: torch.Tensor | None = None
+
+    def regathered(self) -> torch.Tensor:
+        whole = self.whole
+        if whole is None:  # the part as the outer hooks give it back (recomputed, moved back)
+            part = self.unpack(self.part) if self.unpack else self.part
+            assert isinstance(part, DTensor)
+            with torch.no_grad():
+                whole = part.redistribute(placements=[Replicate()]).to_local()
+        self.left -= 1
+        self.whole = whole if self.left > 0 else None
+        return whole
+
+
 @dataclass(frozen=True, slots=True)
 class _Packed:
     """A saved tensor kept as its gathered input's part, and how to make it again (not the
     gathered tensor: holding it would keep what this module exists to free)."""
 
-    part: Any  # as the outer hooks packed it
+    source: _Source
     dtype: torch.dtype
     size: torch.Size
     stride: tuple[int, ...]
     offset: int  # from the start of the gathered input (or of its cast copy)
     spec: tuple[Any, Any] | None  # a saved DTensor's mesh and placements
 
-    def again(self, part: torch.Tensor) -> torch.Tensor:
-        """The saved tensor, made again from the part: one all-gather, then autocast's
-        cast and the view, as the forward made them."""
-        assert isinstance(part, DTensor)
-        with torch.no_grad():
-            local = part.redistribute(placements=[Replicate()]).to_local()
+    def again(self) -> torch.Tensor:
+        """The saved tensor, made again: the gathered input, then autocast's cast and the
+        view, as the forward made them."""
+        local = self.source.regathered()
         if local.dtype != self.dtype:
             local = local.to(self.dtype)
         view = local.as_strided(self.size, self.stride, local.storage_offset() + self.offset)
@@ -68,6 +90,7 @@ class Regather:
 
     def __init__(self) -> None:
         self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (part, whole), running
+        self.sources: dict[int, _Source] = {}  # by the gathered input's index
         self.outer: tuple[Any, Any] | None = None
         self.active = False
 
@@ -82,42 +105,45 @@ class Regather:
     def exit(self) -> None:
         if self.active:
             torch._C._autograd._pop_saved_tensors_default_hooks()
-        self.gathered, self.outer, self.active = [], None, False
+        self.gathered, self.sources, self.outer, self.active = [], {}, None, False
 
     def pack(self, saved: torch.Tensor) -> Any:
         outer = self.outer
         found = self._source(saved)
         if found is None:
             return outer, (outer[0](saved) if outer else saved)
-        (part, whole), same_storage = found
+        index, same_storage = found
+        part, whole = self.gathered[index]
+        source = self.sources.get(index)
+        if source is None:
+            source = self.sources[index] = _Source(outer[0](part) if outer else part,
+                                                   outer[1] if outer else None)
+        source.left += 1
         local = _local(saved)
         offset = int(local.storage_offset()) - (int(_local(whole).storage_offset())
                                                 if same_storage else 0)
         spec = (saved.device_mesh, saved.placements) if isinstance(saved, DTensor) else None
-        return outer, _Packed(outer[0](part) if outer else part, saved.dtype, local.size(),
-                              local.stride(), offset, spec)
+        return outer, _Packed(source, saved.dtype, local.size(), local.stride(), offset, spec)
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
         outer, inner = packed
-        if not isinstance(inner, _Packed):
-            return outer[1](inner) if outer else inner
-        # the part as the outer hooks give it back (recomputed, moved back, ...)
-        return inner.again(outer[1](inner.part) if outer else inner.part)
+        if isinstance(inner, _Packed):
+            return inner.again()
+        return outer[1](inner) if outer else inner
 
-    def _source(self, saved: torch.Tensor
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor], bool] | None:
-        """The gathered input ``saved`` is a view of (same storage), or a copy of in
+    def _source(self, saved: torch.Tensor) -> tuple[int, bool] | None:
+        """Which gathered input ``saved`` is a view of (same storage), or a copy of in
         another dtype (autograd's record of how it was made)."""
         storage = _storage(saved)
-        for pair in self.gathered:
-            if storage == _storage(pair[1]):
-                return pair, True
+        for index, (_, whole) in enumerate(self.gathered):
+            if storage == _storage(whole):
+                return index, True
         node = saved.grad_fn
         while node is not None:
-            for pair in self.gathered:
-                if node is pair[1].grad_fn:
-                    return pair, False
+            for index, (_, whole) in enumerate(self.gathered):
+                if node is whole.grad_fn:
+                    return index, False
             if type(node).__name__ not in _SAME_VALUES or not node.next_functions:
                 return None
             node = node.next_functions[0][0]

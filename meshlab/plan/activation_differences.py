@@ -69,11 +69,6 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         out.append(("torch's pipeline stage allocates a buffer per micro-batch for what it "
                     "receives: the stage's input, and its output's gradient", received))
     kept = []  # beside Korthikanti's count, per layer and micro-batch
-    if sp and known.dry.family == "meshlab" and lay.sp_regather:  # else the planner's
-        kept.append(("torch's sequence parallelism keeps the gathered inputs of the "
-                     "attention's and the MLP's first projections (Megatron re-gathers them "
-                     "in the backward): 4h bytes a token, not 4h/tp",
-                     2 * m.hidden * tokens * act * (1 - 1 / lay.tp)))
     kept.append(("FlashAttention's log-sum-exp, fp32 per query head and token",
                  4.0 * m.heads / lay.tp * tokens))
     kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",

@@ -85,6 +85,9 @@ class Communication:
                 calls += [("tp", f"TP {kind} of activations", kind, lay.tp, 1, act, 2, False),
                           ("tp", f"TP {kind} of activation gradients", kind, lay.tp, 1, act,
                            2, True)]
+            if lay.sequence_parallel and lay.sp_regather:  # for the weights' gradients
+                calls.append(("tp", "TP all_gather of activations again (kept as shards)",
+                              "all_gather", lay.tp, 1, act, 2, True))
         if lay.ep > 1:
             # dispatch and combine: each token's hidden state to top_k experts and back
             routed = s.tokens * m.top_k * m.hidden * dt.activations / lay.tp

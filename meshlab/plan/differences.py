@@ -208,6 +208,8 @@ class Differences:
             # transformers MoE's output and its gate_up's input gradient, all fp32)
             fp32 = (2 * (2 * self.layers + ends) if sp else
                     self.layers * (3 + (0 if self.whole_experts else 2)) + ends)
+            if sp and lay.sp_regather:  # the parts gathered again (an MoE keeps its whole)
+                fp32 += self.layers * (1 if self.whole_experts else 2)
             out.append(("autocast keeps the residual stream in fp32: what crosses tp from the "
                         "embedding and the norms (or back to them) is fp32",
                         fp32 * self.act * mb * (4 / dt.activations - 1)))
@@ -216,9 +218,11 @@ class Differences:
                         "one all-reduce of their input gradient, not two",
                         -1.0 * self.layers * self.act * mb))
         if self.whole_experts and sp:
+            again = lay.sp_regather  # and keeps what it gathered: nothing to gather again
             out.append(("meshlab's MoE gathers the whole sequence in each way and hands back "
-                        "its part: no reduce-scatter around it",
-                        -2.0 * self.layers * self.act * mb))
+                        "its part: no reduce-scatter around it"
+                        + (", and no re-gather in the backward" if again else ""),
+                        -(3.0 if again else 2.0) * self.layers * self.act * mb))
         elif self.whole_experts:
             out.append(("meshlab's MoE is not split by tp: nothing is all-reduced around it "
                         "(no gate and up input gradients either)",

@@ -45,12 +45,12 @@ ALIASES = {**MESH_ALIASES, "mbs": "micro_batch", "m": "microbatches", "ac": "rec
 """Short names ``Layout.parse`` and search constraints take: the mesh's, then the planner's
 (without a pipeline, the micro-batches are gradient accumulation's micro-steps)."""
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
-    "meshlab": {"sp_regather": False, "reduce_fp32": True, "pipeline_grads_unsharded": True,
-                "loss_parallel": False},
+    "meshlab": {"reduce_fp32": True, "pipeline_grads_unsharded": True, "loss_parallel": False},
     "megatron": {}}
 """Whose code a plan counts, as the Layout fields that differ from the defaults (Megatron-LM's
-counts): meshlab runs torch's sequence parallelism, reduces in fp32 under bf16, under a
-pipeline FSDP2 accumulates a stage's gradients unsharded, and the loss sees whole logits."""
+counts): meshlab reduces in fp32 under bf16, under a pipeline FSDP2 accumulates a stage's
+gradients unsharded, and the loss sees whole logits (its sequence parallelism re-gathers as
+Megatron's does: ParallelPlan.sp_regather)."""
 # whole numbers >= 1
 _COUNTS = ("virtual", "micro_batch", "microbatches", "sync_every", "cp_chunks")
 
@@ -80,9 +80,9 @@ class Layout:
     instead of all-reduce, same bytes)."""
     sp_regather: bool = True
     """With sequence parallelism: the attention's and the MLP's first projections keep their
-    input's sequence shard and gather it again in the backward (Megatron-LM). Off: they keep
-    the gathered input, 4h bytes a token where Megatron keeps 4h/tp (torch's
-    SequenceParallel, as meshlab runs it)."""
+    input's sequence shard and gather it again in the backward (Megatron-LM, and meshlab's
+    ParallelPlan.sp_regather). Off: they keep the gathered input, 4h bytes a token where
+    Megatron keeps 4h/tp (torch's SequenceParallel)."""
     loss_parallel: bool = True
     """The loss on the vocabulary's shards (Megatron's vocab-parallel cross-entropy): fp32
     logits and their gradient, 8 bytes a logit over tp. Off: on the whole vocabulary on

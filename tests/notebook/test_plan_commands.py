@@ -55,7 +55,7 @@ def test_plan_magic_counts_whose_code_it_is_told(shell: Any) -> None:
         shell.run_line_magic("mesh", f"plan llama3-405b --gpus 16384 {layout} "
                                      "--implementation megatron -o theirs")
     ours, theirs = shell.user_ns["ours"], shell.user_ns["theirs"]
-    # meshlab's torch keeps SP's gathered inputs and the stage's fp32 gradients: no fit
+    # meshlab's loss on whole logits and the stage's fp32 gradients: no fit
     assert theirs.best.fits and not ours.best.fits
     assert "as meshlab's code holds it (does NOT fit" in shown(cap)
     assert "as megatron's code holds it (fits" in shown(cap)

@@ -712,7 +712,7 @@ def _bytes_sent(e: Any, axis: str) -> float:
 
 
 def test_sequence_parallel_moves_the_same_tp_bytes_in_other_collectives() -> None:
-    sp = estimate(TINY, Layout(tp=2, zero=0, microbatches=4), TOY)
+    sp = estimate(TINY, Layout(tp=2, zero=0, microbatches=4, sp_regather=False), TOY)
     plain = estimate(TINY, Layout(tp=2, zero=0, microbatches=4, sequence_parallel=False), TOY)
     assert {c.collective for c in sp.collectives if c.axis == "tp"} == {"all_gather",
                                                                         "reduce_scatter"}
@@ -725,6 +725,10 @@ def test_sequence_parallel_moves_the_same_tp_bytes_in_other_collectives() -> Non
     # and on 2 ranks the same number of hops: 64 x 1 vs 32 x 2
     assert sp.comm_by_axis()["tp"] == pytest.approx(plain.comm_by_axis()["tp"], rel=1e-12)
     assert sp.comm_by_axis()["tp"] == pytest.approx(64 * (5e-6 + 8192 / 2 / 1e11), rel=1e-12)
+    # keeping the inputs as shards (Megatron's, meshlab's default) gathers them again in the
+    # backward: 16 more all-gathers of 8,192 x 1/2
+    again = estimate(TINY, Layout(tp=2, zero=0, microbatches=4), TOY)
+    assert _bytes_sent(again, "tp") == 262_144 + 16 * 8192 / 2
     assert all(not c.overlapped and not c.inter_node for c in sp.collectives)
 
 

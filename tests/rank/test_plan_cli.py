@@ -229,7 +229,7 @@ def test_the_summary_says_whose_code_the_layouts_settings_count() -> None:
     assert "as megatron's code holds it" in said(layout="tp=4 dp=2", implementation="megatron")
     # a Layout states every setting: its defaults are Megatron's
     assert "as megatron's code holds it" in said(layout=Layout.parse("tp=4 dp=2"))
-    assert "as its settings count it" in said(layout="tp=4 dp=2 sp_regather=1")
+    assert "as its settings count it" in said(layout="tp=4 dp=2 loss_parallel=1")
     with pytest.raises(ValueError, match="implementation='deepspeed': expected one of "
                                          "meshlab, megatron"):
         said(implementation="deepspeed")

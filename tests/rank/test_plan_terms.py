@@ -77,7 +77,8 @@ def test_async_tp_exposes_only_what_the_gemms_cannot_hide() -> None:
 def test_torchs_async_tp_leaves_the_backwards_summed_reduce_scatters_exposed() -> None:
     # torch.compile's micro-pipeline TP fuses a reduce-scatter with the one matmul feeding
     # it; the backward's of the attention's and the MLP's input gradients (q + k + v, gate +
-    # up) have several: those two of the layer's eight collectives stay on the critical path
+    # up) have several: those two of the layer's ten collectives (eight, and the
+    # backward's two re-gathers) stay on the critical path
     lay = Layout(tp=2, dp_shard=1, async_tp=True)
     assert lay.async_tp_impl == "torch" and "async_tp_impl" not in lay.describe()
     torch_tp = estimate(TINY, lay, TOY)
