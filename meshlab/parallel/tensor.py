@@ -22,6 +22,7 @@ from meshlab.parallel.blocks import holds, owner_of
 from meshlab.parallel.sp_regather import Regather
 from meshlab.parallel.tensor_styles import OWN_STYLES, apply_named, name_matches
 from meshlab.parallel.ties import retie, untie
+from meshlab.parallel.vocab_embedding import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -184,7 +185,8 @@ def sequence_parallel_plan(model: nn.Module, plan: Mapping[str, str], *,
     sp: dict[str, Any] = {}
     for pattern, style in plan.items():
         if style == "embedding_rowwise":
-            sp[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            sp[pattern] = VocabParallelEmbedding(input_layouts=Replicate(),
+                                                 output_layouts=Replicate())
         elif style == "rowwise":
             sp[pattern] = RowwiseParallel(output_layouts=seq, use_local_output=False)
         elif style == "rowwise_split_input":  # its input whole (after colwise_gather_output)
@@ -300,7 +302,7 @@ def _apply_meshlab_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
     check_tp(cast(Any, model).cfg, tp_mesh.size())
     seq = Shard(1) if sequence_parallel else Replicate()
     root = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "tok_embeddings": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=seq),
         **({"norm": SequenceParallel()} if sequence_parallel else {}),
         "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
     }

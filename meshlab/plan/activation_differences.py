@@ -79,10 +79,11 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     # the last stage's peak: the loss's backward, over before the MLP's begins
     logit = 12 + (act if lay.pp > 1 else 0)  # a pipeline stage keeps its output too
     loss = tokens * m.vocab * logit if known.last else 0.0  # tp gathers them whole
-    # the first stage's: the embedding's gradient (FSDP holds it until its post-backward;
-    # torch hands a tp-split one the whole vocabulary), its micro-batch's layers freed
+    # the first stage's: the embedding's gradient, its tp rows (FSDP holds it until its
+    # post-backward), its micro-batch's layers freed
     one = (per_layer + sum(b for _, b in kept)) * layers
-    embedding = m.vocab * m.hidden * dt.grads - one if known.first and known.fsdp else 0.0
+    rows = m.vocab / lay.tp * m.hidden
+    embedding = rows * dt.grads - one if known.first and known.fsdp else 0.0
     peak = max(mlp, loss, embedding)
     if peak == loss:  # without loss_parallel the planner counts it as torch holds it
         if lay.loss_parallel:
@@ -92,8 +93,8 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                         + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
                         loss - logits))
     elif peak == embedding:
-        out.append(("the embedding's gradient at the whole vocabulary, before FSDP takes it, "
-                    "its micro-batch's layers freed", embedding - logits * known.last))
+        out.append(("the embedding's gradient (its tp rows), before FSDP takes it, its "
+                    "micro-batch's layers freed", embedding - logits * known.last))
     else:
         out.append(("the backward at its peak, in the MLP: the gradients it makes before it "
                     "frees what it read (mlp_backward_bytes)", mlp - logits * known.last))

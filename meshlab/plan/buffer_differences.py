@@ -23,23 +23,17 @@ DDP_BUCKETS = 2.0 * DDP_BUCKET_BYTES
 def _pipeline_transient(known: Differences, reduced: float) -> list[tuple[str, float]]:
     """ZeRO-2 under a pipeline, where the planner counts the accumulated gradients
     (memory.pipeline_gradients) for an end stage: what this rank's stage holds instead."""
-    m, out = known.model, []
-    whole = m.vocab * m.hidden
-    root = whole / known.layout.tp
-    if not known.first:
-        out.append(("the planner counts the first stage's embedding gradient at the whole "
-                    "vocabulary, accumulated in fp32: not this rank's",
-                    -(whole - root) * reduced))
+    out = []
+    root = known.model.vocab * known.model.hidden / known.layout.tp
     peak = partial(accumulation_transient, unit=known.stage.shard_unit_params,
                    grads=known.dt.grads, reduced=reduced, mixed=known.mixed)
-    planned = peak(root=root, whole=whole)
-    mine = peak(root=known.root, whole=whole * known.first)
+    planned = peak(root=root, embedding=root)
+    mine = peak(root=known.root, embedding=root * known.first)
     if abs(mine - planned) > 0.5:
         out.append(("the peak's transient, of a unit's 16-bit gradients before they are "
                     "added in, the root unit's flat copy reduce-scattered first while the "
-                    "others are held, the embedding's 16-bit gradient at the whole "
-                    "vocabulary: this stage's largest, the planner's an end stage's",
-                    mine - planned))
+                    "others are held, the embedding's 16-bit gradient: this stage's "
+                    "largest, the planner's an end stage's", mine - planned))
     return out
 
 
@@ -96,17 +90,7 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                     "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
                     "until they are added in",
                     known.params * 4 - counted + unit * dt.grads * (lay.zero == 3)))
-    m, size = known.model, dt.grads + (4 if known.mixed else 0)  # bf16, accumulated in fp32
-    embedding = (m.vocab - m.vocab / lay.tp) * m.hidden * size
-    if kept and lay.tp > 1 and known.first and not counts:
-        out.append(("torch hands the tp-split embedding its gradient at the whole "
-                    "vocabulary (laid out unlike its weight), kept unsharded with the "
-                    "stage's", embedding))
-    elif counts and lay.zero == 3 and lay.tp > 1 and not known.first:
-        out.append(("the planner counts the first stage's whole-vocabulary embedding "
-                    "gradient for its busiest stage, an end stage: not this rank's",
-                    -embedding))
-    elif counts:
+    if counts and not (lay.zero == 3 and lay.tp > 1 and not known.first):
         out += _pipeline_transient(known, reduced)
     if known.fsdp and lay.zero == 3 and not known.stage.fsdp_units_kept and layer_units:
         out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",

@@ -137,10 +137,9 @@ class Layout:
     16-bit gradient's bytes on the wire."""
     pipeline_grads_unsharded: bool = False
     """With a pipeline and ZeRO-2/3: each stage accumulates its gradients unsharded, in the
-    dtype they are reduced in, from its first micro-batch to its last, the first stage its
-    tp-split embedding's at the whole vocabulary (FSDP2 under torch's PipelineStage, as
-    meshlab runs it). Off: ZeRO-2 holds a unit's at a time (Llama 3's FSDP, as the paper
-    gives it)."""
+    dtype they are reduced in, from its first micro-batch to its last (FSDP2 under torch's
+    PipelineStage, as meshlab runs it). Off: ZeRO-2 holds a unit's at a time (Llama 3's
+    FSDP, as the paper gives it)."""
     async_tp: bool = False
     """Tensor-parallel collectives run behind the GEMMs they feed (torchtitan's async TP,
     Megatron's --tp-comm-overlap): what the GEMMs cannot hide is exposed. Off: on the

@@ -143,14 +143,15 @@ def accumulated_params(stage: Stage) -> float:
     return (sum(stage.params) - root) * accumulating_share(stage.layout, 0) + root
 
 
-def accumulation_transient(*, unit: float, root: float, whole: float, grads: int,
+def accumulation_transient(*, unit: float, root: float, embedding: float, grads: int,
                            reduced: float, mixed: bool) -> float:
     """Bytes of the largest transient beside gradients accumulated under a pipeline: a
     unit's 16-bit gradients (``unit`` elements) before they are added into the fp32 ones,
-    the embedding's at the whole vocabulary (``whole``; 0 off the first stage) likewise, and
-    the root unit's flat copy (``root``) reduce-scattered first while the others are held.
-    Without mixed precision gradients are added in as they come: the flat copy alone."""
-    apart = max(unit, whole) * grads if mixed else 0.0
+    the embedding's (``embedding``, this rank's rows of the vocabulary; 0 off the first
+    stage) likewise, and the root unit's flat copy (``root``) reduce-scattered first while
+    the others are held. Without mixed precision gradients are added in as they come: the
+    flat copy alone."""
+    apart = max(unit, embedding) * grads if mixed else 0.0
     return max(apart, root * reduced)
 
 
@@ -158,11 +159,10 @@ def pipeline_gradients(stage: Stage) -> float:
     """What FSDP2 under torch's PipelineStage holds beside the planner's ZeRO-2/3 buffers
     (``Layout.pipeline_grads_unsharded``; meshlab's expert parallelism reduces in hooks of
     its own), for the busiest stage, an end stage: the stage's gradients accumulated
-    unsharded in the dtype they are reduced in, the tp-split embedding's at the whole
-    vocabulary (torch lays its gradient out unlike its weight), and the peak's transient.
-    Under ZeRO-2 that is the largest of a unit's 16-bit gradients before they are added in
-    (the planner's own count), the root unit's flat copy reduce-scattered first while the
-    others are held, and the embedding's 16-bit gradient at the whole vocabulary. ZeRO-3
+    unsharded in the dtype they are reduced in, and the peak's transient. Under ZeRO-2 that
+    is the largest of a unit's 16-bit gradients before they are added in (the planner's own
+    count), the root unit's flat copy reduce-scattered first while the others are held, and
+    the embedding's 16-bit gradient (its tp rows: meshlab.parallel.vocab_embedding). ZeRO-3
     counted the gradients unsharded, in their dtype, and keeps a unit's beside."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
     kept = lay.zero == 2 or (lay.zero == 3 and stage.fsdp_units_kept)  # unsharded all step
@@ -170,15 +170,13 @@ def pipeline_gradients(stage: Stage) -> float:
             and lay.ep == 1):
         return 0.0
     reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
-    whole = m.vocab * m.hidden
-    root = whole / lay.tp
+    root = m.vocab * m.hidden / lay.tp
     if lay.zero == 2:  # a unit's 16-bit gradients are the planner's own count
-        peak = accumulation_transient(unit=stage.shard_unit_params, root=root, whole=whole,
+        peak = accumulation_transient(unit=stage.shard_unit_params, root=root, embedding=root,
                                       grads=dt.grads, reduced=reduced, mixed=wider)
-        return float((accumulated_params(stage) + whole - root) * reduced + peak
+        return float(accumulated_params(stage) * reduced + peak
                      - stage.shard_unit_params * dt.grads)
-    held = params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider
-    return float(held + (whole - root) * (dt.grads + reduced * wider))
+    return float(params * (reduced - dt.grads) + stage.shard_unit_params * dt.grads * wider)
 
 
 def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
