@@ -210,7 +210,10 @@ PUBLISHED = {"llama3-405b": ("llama3-405b", "pp=16 dp=128 tp=8 zero=2 m=16", 163
 def published_layout(case: str) -> tuple[str, str, list[int]]:
     model, layout, gpus = PUBLISHED[case]
     best = plan(model, gpus=gpus, top=1).best.layout if layout is None else Layout.parse(layout)
-    return model, layout or describe(best), [0, (best.pp - 1) * best.stride("pp")]
+    # the first stage, the second (the busiest of 1F1B's: the most layers in flight) and the
+    # last
+    return model, layout or describe(best), sorted({0, best.stride("pp"),
+                                                    (best.pp - 1) * best.stride("pp")})
 
 
 def dry_run_published(case: str) -> DryRun:
@@ -234,14 +237,17 @@ def test_published_layouts_agree_with_the_planner_on_every_category(case: str) -
         assert "accumulates the stage's unsharded" not in first["buffers"]
         return
     # counting Megatron's code the planner says it fits. meshlab's sequence parallelism
-    # re-gathers its inputs as Megatron's does (the activations agree with nothing to name),
-    # but under a pipeline FSDP2 accumulates a stage's gradients unsharded in fp32 and torch
-    # hands the tp-split embedding its gradient at the whole vocabulary: the first stage
-    # does not fit, and the rows name both
-    assert planner_estimate(dry).fits and dry.ranks[0].fits is False
+    # re-gathers its inputs as Megatron's does (the activations agree with nothing to name)
+    # and its tp-split embedding's gradient is its rows: the first and the last stage fit.
+    # The second, with 15 micro-batches of 8 layers in flight, does not (79.8 GiB of 76
+    # usable): under a pipeline FSDP2 accumulates a stage's gradients unsharded in fp32
+    assert planner_estimate(dry).fits
+    fits = {r.rank: r.fits for r in dry.ranks}
+    first_stage, second, last = sorted(fits)
+    assert fits[first_stage] and fits[last] and not fits[second], fits
     assert "gathered inputs" not in first["activations"]
     assert "accumulates the stage's unsharded gradients in fp32" in first["buffers"]
-    assert "embedding its gradient at the whole vocabulary" in first["buffers"]
+    assert "whole vocabulary" not in first["buffers"]
 
 
 def test_ranks_run_in_as_many_processes_as_finish_them_soonest() -> None:
