@@ -118,7 +118,6 @@ class Differences:
         elif axis == "ep":
             out += self.ep_terms(planner)
         elif lay.ep > 1 and axis not in ("cp", "pp"):
-            size = 4.0 if self.mixed else dt.grads
             if "dp_shard_mod_ep" in axis and self.whole_experts:
                 out.append(("meshlab's MoE is not split by tp: its experts' gradients are "
                             "all-reduced whole", planner * (lay.tp - 1)))
@@ -126,9 +125,11 @@ class Differences:
             if self.widen:
                 out.append(("autocast keeps fp32 weights and gradients: all-reduced in fp32",
                             planner * self.widen))
-            if lay.tp > 1 and self.first and "dp_shard_mod_ep" not in axis:
-                out.append(("the tp-split embedding's gradient is all-reduced at the whole "
-                            "vocabulary", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
+            if self.first and self.whole_vocab_gradient and "dp_shard_mod_ep" not in axis:
+                out.append(("transformers' tp-split embedding gets its gradient at the whole "
+                            "vocabulary, all-reduced so",
+                            (m.vocab - m.vocab / lay.tp) * m.hidden
+                            * (4.0 if self.mixed else dt.grads)))
         elif axis == "cp" and self.dry.family == "meshlab" \
                 and lay.context_parallel not in HEAD_SPLIT_CP:  # these move K/V unrepeated
             out.append(("meshlab's Transformer gathers keys and values after GQA repeats them "
@@ -296,21 +297,30 @@ class Differences:
             out += activation_terms(self, planner)
         return out
 
+    @property
+    def whole_vocab_gradient(self) -> bool:
+        """transformers' own embedding style (its TP plan without sequence parallelism)
+        gives a tp-split embedding a Replicate gradient at the whole vocabulary; meshlab's
+        VocabParallelEmbedding (its Transformer's, and under sequence parallelism) its rows."""
+        return (self.layout.tp > 1 and self.dry.family == "transformers"
+                and not self.layout.sequence_parallel)
+
     def plain_grad_terms(self) -> list[tuple[str, float]]:
         """Gradients autograd keeps in ``.grad`` itself (no FSDP): what it holds beyond one
         gradient per parameter."""
         lay, m = self.layout, self.model
         size = 4.0 if self.mixed else self.dt.grads  # a gradient is its parameter's dtype
         out: list[tuple[str, float]] = []
-        if lay.tp > 1 and self.first:
-            out.append(("torch hands the tp-split embedding its gradient at the whole "
+        vocab = m.vocab if self.whole_vocab_gradient else m.vocab / lay.tp
+        if self.first and self.whole_vocab_gradient:
+            out.append(("transformers' tp-split embedding gets its gradient at the whole "
                         "vocabulary", (m.vocab - m.vocab / lay.tp) * m.hidden * size))
         if lay.microbatches > 1:
             # AccumulateGrad adds a micro-batch's gradient in once it exists whole
             ffn = m.ffn * (m.experts // lay.ep * (1 if self.whole_experts else 1 / lay.tp)
                            if m.experts else 1 / lay.tp)
-            largest = max([m.vocab * m.hidden] * self.first
-                          + [m.vocab * m.hidden / lay.tp] * self.last
+            largest = max([vocab * m.hidden] * self.first + [m.vocab * m.hidden / lay.tp]
+                          * self.last
                           + [m.hidden * ffn, m.hidden * m.heads * m.head_width / lay.tp])
             out.append(("each micro-batch's gradient of a weight exists whole before it is "
                         "added in: the largest's beside the accumulated ones",
