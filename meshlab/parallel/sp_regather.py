@@ -30,6 +30,8 @@ _SAME_VALUES = frozenset((
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    # not measure.memory.local_shard: its to_local() would record an autograd node from
+    # inside a pack hook, for a tensor only read for its storage and geometry
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
