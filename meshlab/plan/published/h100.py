@@ -83,6 +83,9 @@ _TITAN_FACTS = ("gradients reduced in fp32 (reduce_fp32: torchtitan's only "
                 "(torchtitan's default: zero=3)", "Grand Teton peak taken midway between H100 "
                 "SXM and NVL (the table says it is between them)")
 _FA2 = "attention_kernel=flash2"
+_TORCH_SP = ("sp_regather=0: torch's sequence parallelism (torchtitan's TP plan: "
+             "PrepareModuleInput to Replicate, then ColwiseParallel) keeps the gathered input "
+             "for the weights' gradients and gathers nothing again in the backward")
 _FP8 = ("Float8 (torchao, dynamic tensorwise: torchtitan's default) on every Linear but the "
         "output (float8.py @ 9dec370: fqn != \"output\"); attention in bf16")
 _TORCH_CP = ("CP is torch's ring attention through context_parallel(), as torchtitan calls "
@@ -128,18 +131,21 @@ def _torchtitan() -> list[PublishedRun]:
                       "8 micro-batches of 1 (the default: as many as stages)",
                       "the global batch: local batch 8 on each FSDP rank")))
     runs = [PublishedRun(f"torchtitan {model.name} {what}", f"{_TITAN}, {what}", model,
-                         GRAND_TETON_H100, f"{layout} {_FA2}", batch, tps, TOKENS_PER_GPU,
-                         free=free,
-                         assumed=(*_TITAN_FACTS, *assumed), family="torchtitan 2024",
+                         GRAND_TETON_H100, f"{layout} {_FA2}" + (" sp_regather=0" * tp),
+                         batch, tps, TOKENS_PER_GPU, free=free,
+                         assumed=(*_TITAN_FACTS, *assumed) + ((_TORCH_SP,) * tp),
+                         family="torchtitan 2024",
                          layer_slots=2 if "pp=" in layout else 0)
-            for what, model, layout, batch, tps, free, assumed in rows]
+            for what, model, layout, batch, tps, free, assumed in rows
+            for tp in ["tp=" in layout]]
     for variant, extra, rate in (("vanilla TP", "", 597.3), ("async TP", " async_tp=1", 652.4)):
         runs.append(PublishedRun(
             f"torchtitan llama3-70b bf16, {variant}",
             f"{_TITAN_ASYNC}, Table \"Llama3 70b on 256 H100s\", row None (bfloat16)",
             llama70, GRAND_TETON_H100,
-            f"dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 reduce_fp32=1{extra} {_FA2}",
-            512, rate, TOKENS_PER_GPU, assumed=_TITAN_FACTS, family="torchtitan 2024"))
+            f"dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 reduce_fp32=1{extra} {_FA2} "
+            "sp_regather=0", 512, rate, TOKENS_PER_GPU, assumed=(*_TITAN_FACTS, _TORCH_SP),
+            family="torchtitan 2024"))
     return runs
 
 
