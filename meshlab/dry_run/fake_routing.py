@@ -115,6 +115,7 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
                      weights: torch.Tensor, *, group: Any, ranks: int) -> torch.Tensor:
     """meshlab.parallel.expert.exchange with the sizes of even routing known in advance
     (every rank sends each expert the same count, so it receives what it sends)."""
+    from meshlab.models.moe import index_add_rows
     from meshlab.parallel.expert import all_to_all, run_local_experts
 
     flat = experts.flatten()
@@ -133,4 +134,4 @@ def _exchange_evenly(moe: Any, tokens: torch.Tensor, experts: torch.Tensor,
         returned = all_to_all(done, send=[sum(mine)] * ranks, recv=send, group=group)
     gate = weights.flatten()[order, None]
     out = torch.zeros_like(tokens)
-    return out.index_add(0, token_of_pair, (returned * gate).to(out.dtype))
+    return index_add_rows(out, token_of_pair, (returned * gate).to(out.dtype))

@@ -8,7 +8,7 @@ many tokens each expert got (load-balancing statistics).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,32 @@ from torch import nn
 
 if TYPE_CHECKING:
     from meshlab.models.config import ModelConfig
+
+
+class _IndexAddRows(torch.autograd.Function):
+    """``out.index_add(0, index, rows)`` whose backward keeps only ``index``: torch's
+    index_add keeps ``rows`` too (its backward reads their shape), a copy of every token's
+    hidden state for each of its top_k experts, held until the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return out.index_add(0, index, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None,
+                                                       torch.Tensor | None]:
+        (index,) = ctx.saved_tensors
+        rows = grad.index_select(0, index) if ctx.needs_input_grad[2] else None
+        return (grad if ctx.needs_input_grad[0] else None), None, rows
+
+
+def index_add_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor
+                   ) -> torch.Tensor:
+    """``out.index_add(0, index, rows)``, the same values and gradients, keeping only the
+    index for the backward (the experts' weighted outputs summed back into their tokens)."""
+    return cast(torch.Tensor, _IndexAddRows.apply(out, index, rows))
 
 
 class MoE(nn.Module):
@@ -69,8 +95,8 @@ class MoE(nn.Module):
             for e in range(self.n_experts):
                 rows, slot = (experts == e).nonzero(as_tuple=True)
                 if rows.numel():
-                    out.index_add_(0, rows,
-                                   self.experts(tokens[rows], e) * weights[rows, slot, None])
+                    out = index_add_rows(out, rows,
+                                         self.experts(tokens[rows], e) * weights[rows, slot, None])
         # Every expert takes part in every step (a zero term if it got no tokens), so each one
         # has a gradient and AdamW treats them alike, sharded or not.
         out = out + 0.0 * (self.w1.sum() + self.w2.sum() + self.w3.sum())

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshlab.mesh import axis_size
-from meshlab.models.moe import MoE
+from meshlab.models.moe import MoE, index_add_rows
 from meshlab.parallel.accumulate import gradient_sync
 from meshlab.parallel.blocks import clean_name, owner_of
 from meshlab.parallel.materialize import mark_slice
@@ -328,7 +328,7 @@ def exchange(tokens: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     gate = weights.flatten()[order, None]
     out = torch.zeros_like(tokens)
     # the weights may be wider than the tokens (transformers' routers give float32)
-    return cast(torch.Tensor, out.index_add(0, token_of_pair, (returned * gate).to(out.dtype)))
+    return index_add_rows(out, token_of_pair, (returned * gate).to(out.dtype))
 
 
 class _AllToAll(torch.autograd.Function):

@@ -42,3 +42,49 @@ def test_a_float64_moe_routes_in_float64() -> None:
     _, weights = moe.route(tokens)
     top = moe.router(tokens).topk(2, dim=-1).values.softmax(-1)
     assert weights.dtype == torch.float64 and torch.equal(weights, top)
+
+
+def test_index_add_rows_is_index_add_keeping_only_the_index() -> None:
+    from meshlab.models.moe import index_add_rows
+
+    index = (torch.arange(21) // 3)[torch.randperm(21)]  # each of 7 tokens three times
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(21, 8, dtype=dtype, requires_grad=True)
+        out = torch.randn(7, 8, dtype=dtype, requires_grad=True)
+        grad = torch.randn(7, 8, dtype=dtype)
+        saved: list[torch.dtype] = []
+
+        def pack(t: torch.Tensor, saved: list[torch.dtype] = saved) -> torch.Tensor:
+            saved.append(t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mine = index_add_rows(out, index, rows)
+        theirs = out.index_add(0, index, rows)
+        assert torch.equal(mine, theirs)
+        assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(
+            torch.autograd.grad(mine, (out, rows), grad),
+            torch.autograd.grad(theirs, (out, rows), grad), strict=True))
+        assert saved == [torch.int64]  # the index, not the rows
+
+
+def test_an_moe_layer_keeps_two_copies_of_each_routed_token() -> None:
+    """The copy of a token each of its experts reads, and that expert's output the gate
+    multiplies: 2 x top_k x dim a token beside the router's input (a third, the gated
+    output, was index_add's until index_add_rows)."""
+    from meshlab.models.moe import MoE
+
+    cfg = ModelConfig(dim=32, ffn_hidden=48, n_experts=4, top_k=2)
+    moe, tokens = MoE(cfg), 10
+    storages: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(torch.randn(2, tokens // 2, cfg.dim, requires_grad=True))
+    weights = {p.untyped_storage().data_ptr() for p in moe.parameters()}
+    hidden = [t for ptr, t in storages.items() if ptr not in weights
+              and t.is_floating_point() and t.dim() == 2 and t.shape[1] == cfg.dim]
+    assert sum(len(t) for t in hidden) == tokens + 2 * cfg.top_k * tokens
