@@ -30,7 +30,21 @@ def layer_bytes(stage: Stage, recompute: str) -> float:
         ffn=m.ffn * (m.top_k if m.experts else 1), gated=m.gated_ffn, dropout=m.dropout,
         tp=lay.tp, sequence_parallel=lay.sequence_parallel, recompute=recompute,
         scores=not lay.flash_attention, regather=lay.sp_regather)
-    return counted * stage.dtypes.activations / 2 + cp_bytes(stage, recompute)["kept"]
+    return (counted * stage.dtypes.activations / 2 + cp_bytes(stage, recompute)["kept"]
+            + moe_routed_bytes(stage, recompute))
+
+
+def moe_routed_bytes(stage: Stage, recompute: str) -> float:
+    """What an MoE layer keeps beyond a dense MLP top_k times as wide, averaged over the
+    layers (dense first layers keep none): each token's copy for each of its top_k experts
+    and each expert's output the gate multiplies (Megatron's permuted tokens and its
+    unpermute's input; meshlab's MoE the same), 2 x top_k x hidden a token. The layer reads
+    its input whole under TP; full recomputation keeps only the layer's input."""
+    m = stage.model
+    if not m.experts or recompute == "full":
+        return 0.0
+    share = (m.layers - m.dense_layers) / m.layers
+    return share * 2 * m.top_k * m.hidden * stage.tokens * stage.dtypes.activations
 
 
 def optimizer_k(stage: Stage) -> float:

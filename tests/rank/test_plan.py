@@ -606,6 +606,25 @@ def test_fp32_and_full_recompute_activations_by_hand() -> None:
     assert fp32["params"] == 4 * TINY_PARAMS and fp32["optimizer"] == 8 * TINY_PARAMS
 
 
+def test_an_moe_layer_keeps_its_routed_copies_beside_a_dense_mlp_top_k_as_wide() -> None:
+    """Each token's copy for each of its 2 experts and each expert's output the gate
+    multiplies: 2 x 2 x 64 x 64 tokens x 2 bytes = 32,768 a layer, the one layer of two
+    that is MoE half of it on average; none under full recomputation. meshlab's MoE keeps
+    exactly these (tests/rank/test_models.py)."""
+    from meshlab.plan.memory import layer_bytes, moe_routed_bytes
+    from meshlab.plan.stage import Stage
+
+    moe = dataclasses.replace(TINY, experts=4, top_k=2)
+    dense = dataclasses.replace(TINY, ffn=2 * TINY.ffn)  # as wide as top_k experts
+    for shape, share in ((moe, 1.0), (dataclasses.replace(moe, dense_layers=1), 0.5)):
+        for recompute, kept in (("none", 2 * 2 * 64 * 64 * 2), ("full", 0)):
+            lay = Layout(recompute=recompute)
+            stage, plain = Stage(shape, lay, TOY), Stage(dense, lay, TOY)
+            assert moe_routed_bytes(stage, recompute) == share * kept
+            assert layer_bytes(stage, recompute) - layer_bytes(plain, recompute) == \
+                share * kept
+
+
 def test_host_overhead_hides_on_an_asynchronous_device_only() -> None:
     # 1 s of host time per layer: 2 s per micro-batch, far above the ~2 ms of device work
     slow_host = dataclasses.replace(COMPUTE_BOUND, layer_overhead_us=1e6)
