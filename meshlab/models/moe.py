@@ -63,6 +63,7 @@ class MoE(nn.Module):
         # weights) -> combined outputs, each pair run on the rank that holds its expert.
         self.dispatch: Callable[[MoE, torch.Tensor, torch.Tensor, torch.Tensor],
                                 torch.Tensor] | None = None
+        self._slices: tuple[tuple[torch.Tensor, ...], ...] = ()  # forward's (see there)
 
     def reset_parameters(self) -> None:
         """Experts drawn from N(0, 1/fan_in); the routing counts zeroed."""
@@ -81,10 +82,21 @@ class MoE(nn.Module):
         return experts, weights
 
     def experts(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert`` (a local index) applied to tokens x (n, dim)."""
-        return F.silu(x @ self.w1[expert].T) * (x @ self.w3[expert].T) @ self.w2[expert].T
+        """Expert ``expert`` (a local index) applied to tokens x (n, dim), within forward."""
+        w1, w3, w2 = (w[expert] for w in self._slices or (self.w1, self.w3, self.w2))
+        return F.silu(x @ w1.T) * (x @ w3.T) @ w2.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Each stacked weight split once a forward: unbind's backward stacks the experts'
+        # gradients once, where indexing it per expert made a whole-size gradient for each
+        # expert and summed them (a stacked weight's size more held in the backward)
+        self._slices = tuple(w.unbind(0) for w in (self.w1, self.w3, self.w2))
+        try:
+            return self._forward(x)
+        finally:
+            self._slices = ()
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         experts, weights = self.route(tokens)

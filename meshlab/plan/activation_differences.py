@@ -27,9 +27,9 @@ def not_reconciled(known: Differences) -> str:
     if known.dry.family == "other":
         return HAND_WRITTEN
     if m.experts:
-        return ("not compared for MoE layers: the experts' gradients the backward sums "
-                "slice by slice into whole-size buffers, autocast's 16-bit copies of each "
-                "expert and the routing's indices are not yet reconciled")
+        return ("not compared for MoE layers: the experts' gradients the backward holds "
+                "beside their stacked copy, autocast's 16-bit copies of each expert and the "
+                "routing's indices are not yet reconciled")
     if lay.cp > 1:
         return ("not compared under context parallelism: the ring's and the gathered keys' "
                 "and values' buffers are not yet reconciled")

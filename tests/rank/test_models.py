@@ -88,3 +88,31 @@ def test_an_moe_layer_keeps_two_copies_of_each_routed_token() -> None:
     hidden = [t for ptr, t in storages.items() if ptr not in weights
               and t.is_floating_point() and t.dim() == 2 and t.shape[1] == cfg.dim]
     assert sum(len(t) for t in hidden) == tokens + 2 * cfg.top_k * tokens
+
+
+def test_an_moe_backward_stacks_its_experts_gradients_once() -> None:
+    """Each stacked expert weight is split once a forward (unbind), so its backward holds
+    the experts' gradients and one stacked copy: 4 stacked weights' worth of temporaries at
+    its peak for the three, where indexing per expert (the layer's _forward on its own)
+    summed a whole-size gradient per expert and held 5. The same gradients to the bit."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshlab.models.moe import MoE
+
+    cfg = ModelConfig(dim=64, ffn_hidden=64, n_experts=8, top_k=2)
+    x = torch.randn(16, cfg.dim)
+    held, grads = [], []
+    for split in (True, False):
+        torch.manual_seed(0)
+        moe = MoE(cfg)
+        tracker = MemTracker()
+        tracker.track_external(moe)
+        with tracker:
+            out = moe(x) if split else moe._forward(x)
+            out.backward(torch.ones_like(out))
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        held.append(next(v for k, v in peak.items() if str(k).endswith("TEMP")))
+        grads.append([p.grad for p in moe.parameters()])
+    stacked = moe.w1.numel() * moe.w1.element_size()
+    assert [round(h / stacked) for h in held] == [4, 5]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
