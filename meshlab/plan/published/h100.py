@@ -108,12 +108,14 @@ def _torchtitan() -> list[PublishedRun]:
                                    "'op'), ac=op",) + ((_FP8,) if "fp8" in extra else ())))
     for variant, extra, tps in (("2D", "", 829), ("2D + AsyncTP", " async_tp=1", 876)):
         rows.append((f"Table 4 {variant}", llama70, "dp=32 tp=8 zero=3 mbs=16 ac=full fused=1 "
-                     f"precision=fp8 reduce_fp32=1{extra}", 512, tps, (), (_FP8,)))
+                     f"precision=fp8 reduce_fp32=1 sp_regather=0{extra}", 512, tps, (),
+                     (_FP8, _TORCH_SP)))
     for variant, sched, tps in (("1F1B", "schedule=1f1b", 100),
                                 ("Interleaved 1F1B", "schedule=interleaved_1f1b v=2", 128)):
         rows.append((f"Table 5 {variant}", llama405, "pp=8 dp=8 tp=8 zero=3 mbs=4 ac=full "
-                     f"fused=1 precision=fp8 async_tp=1 reduce_fp32=1 {sched}", 256, tps, (),
-                     (_FP8, "8 micro-batches of 4 (the default: as many as stages)",
+                     f"fused=1 precision=fp8 async_tp=1 reduce_fp32=1 sp_regather=0 {sched}",
+                     256, tps, (),
+                     (_FP8, _TORCH_SP, "8 micro-batches of 4 (the default: as many as stages)",
                       "2 stages per rank interleaved (the default)",
                       "126 layers in stages of 8 or 16 with the embedding and output counted")))
     for fsdp, cp, tps in ((8, 1, 3890), (4, 2, 2540), (2, 4, 1071), (1, 8, 548)):
@@ -125,19 +127,17 @@ def _torchtitan() -> list[PublishedRun]:
     for fsdp, cp, tps in ((8, 1, 76), (4, 2, 47), (2, 4, 31), (1, 8, 16)):
         rows.append((f"Table 6 FSDP {fsdp}, CP {cp}", _with_seq(llama405, 32768 * cp),
                      f"pp=8 dp={fsdp} cp={cp} tp=8 cp_impl=torch cp_balanced=1 zero=3 mbs=1 "
-                     "ac=full fused=1 precision=fp8 async_tp=1 reduce_fp32=1 schedule=1f1b",
-                     8 * fsdp, tps, (),
-                     (_FP8, _TORCH_CP,
+                     "ac=full fused=1 precision=fp8 async_tp=1 reduce_fp32=1 sp_regather=0 "
+                     "schedule=1f1b", 8 * fsdp, tps, (),
+                     (_FP8, _TORCH_CP, _TORCH_SP,
                       "8 micro-batches of 1 (the default: as many as stages)",
                       "the global batch: local batch 8 on each FSDP rank")))
     runs = [PublishedRun(f"torchtitan {model.name} {what}", f"{_TITAN}, {what}", model,
-                         GRAND_TETON_H100, f"{layout} {_FA2}" + (" sp_regather=0" * tp),
-                         batch, tps, TOKENS_PER_GPU, free=free,
-                         assumed=(*_TITAN_FACTS, *assumed) + ((_TORCH_SP,) * tp),
-                         family="torchtitan 2024",
+                         GRAND_TETON_H100, f"{layout} {_FA2}", batch, tps, TOKENS_PER_GPU,
+                         free=free,
+                         assumed=(*_TITAN_FACTS, *assumed), family="torchtitan 2024",
                          layer_slots=2 if "pp=" in layout else 0)
-            for what, model, layout, batch, tps, free, assumed in rows
-            for tp in ["tp=" in layout]]
+            for what, model, layout, batch, tps, free, assumed in rows]
     for variant, extra, rate in (("vanilla TP", "", 597.3), ("async TP", " async_tp=1", 652.4)):
         runs.append(PublishedRun(
             f"torchtitan llama3-70b bf16, {variant}",
