@@ -37,6 +37,11 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultAllocMixin,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor
 
 from meshlab.measure.tracked_gradients import GradientsInGrad
@@ -90,7 +95,45 @@ class _CategoryPeaks:
 
     def _start_peaks(self, groups: dict[str, str], comms: Any) -> None:
         self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
-        self.window = None
+        self.window, self._provisional, self._scatter_input_next = None, False, True
+
+    def __enter__(self) -> Any:
+        if isinstance(self, FSDPMemTracker):
+            def allocate(comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+                return self._allocate_labelled(comm, *args, **kwargs)
+
+            for collective in (DefaultAllGather, DefaultReduceScatter):
+                collective.allocate = allocate  # type: ignore[method-assign,assignment]
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)  # type: ignore[misc]
+        for collective in (DefaultAllGather, DefaultReduceScatter):
+            if "allocate" in collective.__dict__:
+                del collective.allocate
+
+    def _allocate_labelled(self, comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """FSDP2's all-gather output and reduce-scatter input, labelled as what they are when
+        they are made. torch's tracker labels them at the collective, some ops later: until
+        then they count as temporaries (in the forward, activations), and a category's peak
+        taken in between counts a whole unit's gathered weights (2.7 GiB of a Mixtral-like
+        layer in bf16) or flat gradients as activations. A reduce-scatter allocates its
+        input, then its output (a temporary until it is the sharded gradient)."""
+        if isinstance(comm, DefaultAllGather):
+            label: Any = _FSDPRefType.ALL_GATHER
+        else:  # foreach_reduce allocates its input, then its output
+            label = _FSDPRefType.REDUCE_SCATTER if self._scatter_input_next else None
+            self._scatter_input_next = not self._scatter_input_next
+        self._provisional = label is not None  # no category's peak under the wrong label
+        try:
+            out = DefaultAllocMixin.allocate(comm, *args, **kwargs)
+        finally:
+            self._provisional = False
+        if label is not None:
+            self._update_and_maybe_create_winfos(  # type: ignore[attr-defined]
+                out, label, update_existing=True)
+            self._update_peak_stats(None)
+        return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -104,7 +147,7 @@ class _CategoryPeaks:
     def _update_snap(self, u_type: Any, *args: Any, **kwargs: Any) -> None:
         super()._update_snap(u_type, *args, **kwargs)  # type: ignore[misc]
         # a total only falls; the optimizer step's temporaries are its own (states excepted)
-        if u_type.name == "DEL" or self._in_opt:  # type: ignore[attr-defined]
+        if u_type.name == "DEL" or self._in_opt or self._provisional:  # type: ignore[attr-defined]
             return
         for snapshot in self._curr_mem_snap.values():  # type: ignore[attr-defined]
             summed: dict[str, int] = {}
@@ -122,6 +165,8 @@ class _CategoryPeaks:
                 self.window.see_groups(summed)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
+        if self._provisional:
+            return
         # torch's version also keeps every module's own peak, walking all of them after
         # every op (a fifth of a large step's time); a dry run wants the step's peak only
         for device, snapshot in self._curr_mem_snap.items():  # type: ignore[attr-defined]

@@ -84,12 +84,21 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
             out.append(("this rank's stages accumulate their own parameters' gradients, "
                         "the planner's busiest stage more", (mine - planned) * reduced))
     if (accumulated := kept and known.mixed) and not counts:
-        # the planner: ZeRO-2 a unit's, ZeRO-3 all
-        counted = known.params * dt.grads if lay.zero == 3 else 0.0
+        # the planner: ZeRO-2 a unit's 16-bit gradients, ZeRO-3 all
+        if lay.zero == 3:
+            beside = known.params * -dt.grads + unit * dt.grads
+            what = "a unit's bf16 ones beside until they are added in"
+        else:
+            beside = accumulation_transient(
+                unit=unit, root=known.root, embedding=known.model.vocab / lay.tp
+                * known.model.hidden * known.first, grads=dt.grads, reduced=4.0,
+                mixed=True) - unit * dt.grads
+            what = ("a unit's bf16 ones beside until they are added in, or the flat copy "
+                    "of the first units it reduce-scatters (the root unit's, then a "
+                    "block's) while the others are held")
         out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
-                    "reduce dtype) across the micro-batches, a unit's bf16 ones beside "
-                    "until they are added in",
-                    known.params * 4 - counted + unit * dt.grads * (lay.zero == 3)))
+                    f"reduce dtype) across the micro-batches, {what}",
+                    known.params * 4 + beside))
     if counts and not (lay.zero == 3 and lay.tp > 1 and not known.first):
         out += _pipeline_transient(known, reduced)
     if known.fsdp and lay.zero == 3 and not known.stage.fsdp_units_kept and layer_units:

@@ -162,11 +162,11 @@ def accumulation_transient(*, unit: float, root: float, embedding: float, grads:
     """Bytes of the largest transient beside gradients accumulated under a pipeline: a
     unit's 16-bit gradients (``unit`` elements) before they are added into the fp32 ones,
     the embedding's (``embedding``, this rank's rows of the vocabulary; 0 off the first
-    stage) likewise, and the root unit's flat copy (``root``) reduce-scattered first while
-    the others are held. Without mixed precision gradients are added in as they come: the
-    flat copy alone."""
+    stage) likewise, and the flat copy of the first units reduce-scattered while the
+    others are held: the root unit's (``root``), then, its gradients freed, a block's.
+    Without mixed precision gradients are added in as they come: the flat copies alone."""
     apart = max(unit, embedding) * grads if mixed else 0.0
-    return max(apart, root * reduced)
+    return max(apart, root * reduced, (unit - root) * reduced)
 
 
 def pipeline_gradients(stage: Stage) -> float:
