@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshlab.plan import moe_activation_differences as moe_terms
 from meshlab.plan.memory import loss_bytes
 from meshlab.plan.pipeline import inflight_of
 
@@ -26,10 +27,13 @@ def not_reconciled(known: Differences) -> str:
     lay, m = known.layout, known.model
     if known.dry.family == "other":
         return HAND_WRITTEN
-    if m.experts:
-        return ("not compared for MoE layers: the experts' gradients the backward holds "
-                "beside their stacked copy, autocast's 16-bit copies of each expert and the "
-                "routing's indices are not yet reconciled")
+    if m.experts and known.dry.family != "meshlab":
+        return ("not compared for transformers' MoE layers: its grouped experts' working "
+                "set is not yet reconciled (meshlab's MoE is: moe_activation_differences)")
+    if known.mixed and not known.fsdp:
+        return ("not compared under autocast (16-bit compute without FSDP2): the 16-bit copy "
+                "of every weight it keeps for each micro-batch in flight and its fp32 "
+                "residual stream are not yet reconciled")
     if lay.cp > 1:
         return ("not compared under context parallelism: the ring's and the gathered keys' "
                 "and values' buffers are not yet reconciled")
@@ -74,9 +78,14 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                  4.0 * m.heads / lay.tp * tokens))
     kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",
                  2 * 4.0 * tokens / (lay.tp if sp else 1)))
+    moe = m.experts and known.dry.family == "meshlab"
+    if moe:
+        share = (m.layers - m.dense_layers) / m.layers  # as moe_routed_bytes averages
+        kept += [(what, b * share) for what, b in moe_terms.held_terms(known, tokens)]
     out += [(what, b * layers * inflight) for what, b in kept]
     ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
-    mlp = mlp_backward_bytes(known, tokens, ffn)
+    mlp = (moe_terms.backward_peak(known, tokens) if moe
+           else mlp_backward_bytes(known, tokens, ffn))
     # the last stage's peak: the loss's backward, over before the MLP's begins
     logit = 12 + (act if lay.pp > 1 else 0)  # a pipeline stage keeps its output too
     loss = tokens * m.vocab * logit if known.last else 0.0  # tp gathers them whole
@@ -96,9 +105,15 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     elif peak == embedding:
         out.append(("the embedding's gradient (its tp rows), before FSDP takes it, its "
                     "micro-batch's layers freed", embedding - logits * known.last))
-    else:
-        out.append(("the backward at its peak, in the MLP: the gradients it makes before it "
-                    "frees what it read (mlp_backward_bytes)", mlp - logits * known.last))
+    else:  # the loss's backward is over; a pipeline's last stage still keeps its output
+        kept_output = tokens * m.vocab * act if known.last and lay.pp > 1 else 0.0
+        where = ("in the MoE layer: its experts' gradients, as unbind's backward stacks them "
+                 "or in the first expert's (moe_activation_differences.backward_peak)" if moe
+                 else "in the MLP: the gradients it makes before it frees what it read "
+                      "(mlp_backward_bytes)")
+        out.append((f"the backward at its peak, {where}"
+                    + (", and the logits the stage keeps as its output" if kept_output else ""),
+                    mlp + kept_output - logits * known.last))
     return out
 
 
