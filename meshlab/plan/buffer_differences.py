@@ -85,8 +85,8 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                         "the planner's busiest stage more", (mine - planned) * reduced))
     if (accumulated := kept and known.mixed) and not counts:
         # the planner: ZeRO-2 a unit's 16-bit gradients, ZeRO-3 all
-        if lay.zero == 3:
-            beside = known.params * -dt.grads + unit * dt.grads
+        if lay.zero == 3:  # the planner counts the gradients, 16-bit
+            beside = (unit - known.params) * dt.grads
             what = "a unit's bf16 ones beside until they are added in"
         else:
             beside = accumulation_transient(

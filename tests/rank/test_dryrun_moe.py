@@ -18,6 +18,7 @@ import pytest
 
 from meshlab.dry_run.run import dryrun, planner_beside
 from meshlab.plan import ModelShape
+from meshlab.plan.reconcile import Row
 
 MIXTRAL_LIKE = ModelShape(name="mixtral-like", layers=4, hidden=4096, heads=32, kv_heads=8,
                           ffn=14336, vocab=32000, seq_len=4096, experts=8, top_k=2)
@@ -30,7 +31,7 @@ COMPARED = ["dp_shard=8", "dp_shard=8 ep=4 precision=fp32", "tp=2 dp_shard=4",
             "pp=2 tp=2 dp_shard=8 ep=4 m=2 precision=fp32"]
 
 
-def activation_rows(model: ModelShape, layout: str) -> list:
+def activation_rows(model: ModelShape, layout: str) -> list[Row]:
     return [r for r in planner_beside(dryrun(model, layout, workers=1))
             if r.what == "memory" and r.name == "activations"]
 
