@@ -57,7 +57,8 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
     accumulated gradients, the pipeline's, DDP's buckets and the model's own buffers."""
     lay, dt = known.layout, known.dt
     out: list[tuple[str, float]] = []
-    unit = known.stage.shard_unit_params
+    # a block; meshlab's MoE holds its experts whole on every tp rank
+    unit = known.stage.shard_unit_params + known.whole_experts / known.layers
     if known.fsdp and lay.zero == 3 and known.stage.fsdp_units_kept:
         padded = known.params * dt.params * (known.pad_stage - 1)
         what = f"the stage's gathered parameters are {known.pad_stage:.3g}x its weights"
@@ -84,9 +85,9 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
             out.append(("this rank's stages accumulate their own parameters' gradients, "
                         "the planner's busiest stage more", (mine - planned) * reduced))
     if (accumulated := kept and known.mixed) and not counts:
-        # the planner: ZeRO-2 a unit's 16-bit gradients, ZeRO-3 all
+        held = known.params + known.whole_experts
         if lay.zero == 3:  # the planner counts the gradients, 16-bit
-            beside = (unit - known.params) * dt.grads
+            beside = (unit - held) * dt.grads
             what = "a unit's bf16 ones beside until they are added in"
         else:
             beside = accumulation_transient(
@@ -98,7 +99,7 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                     "block's) while the others are held")
         out.append(("FSDP2 accumulates the stage's unsharded gradients in fp32 (its "
                     f"reduce dtype) across the micro-batches, {what}",
-                    known.params * 4 + beside))
+                    held * 4 + beside))
     if counts and not (lay.zero == 3 and lay.tp > 1 and not known.first):
         out += _pipeline_transient(known, reduced)
     if known.fsdp and lay.zero == 3 and not known.stage.fsdp_units_kept and layer_units:

@@ -244,10 +244,13 @@ class Differences:
             out.append(("this rank's stage holds its own share of the parameters, the "
                         "planner's busiest stage more", planner * (share - 1)))
             planner *= share
-        if name in ("params", "grads", "optimizer") and self.whole_experts:
+        if self.whole_experts and (name in ("params", "grads", "optimizer")
+                                   or (name == "buffers" and self.fsdp)):
             whole = (self.params + self.whole_experts) / self.params
             out.append(("meshlab's MoE is not split by tp: each tp rank holds its share of the "
-                        "experts whole", planner * (whole - 1)))
+                        "experts whole" + (", and FSDP2 gathers and reduce-scatters them whole"
+                                           if name == "buffers" else ""),
+                        planner * (whole - 1)))
             planner *= whole
         if name in ("params", "grads", "optimizer") and self.pad_shard > 1 + 1e-9:
             extra = planner * (self.pad_shard - 1)
