@@ -58,7 +58,7 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
     lay, dt = known.layout, known.dt
     out: list[tuple[str, float]] = []
     # a block; meshlab's MoE holds its experts whole on every tp rank
-    unit = known.stage.shard_unit_params + known.whole_experts / known.layers
+    unit = known.stage.shard_unit_params + known.whole_experts / max(known.layers, 1)
     if known.fsdp and lay.zero == 3 and known.stage.fsdp_units_kept:
         padded = known.params * dt.params * (known.pad_stage - 1)
         what = f"the stage's gathered parameters are {known.pad_stage:.3g}x its weights"
