@@ -7,7 +7,7 @@ the first expert's SwiGLU backward where few local experts take many pairs each;
 sequence under tp), and under tp beside FSDP2 its experts gathered and reduced whole. Four
 layers at real widths, so that a layer, not the loss or the optimizer, makes the step's
 peak. The figures are deterministic (fake tensors, even routing); every category of every
-rank here is within 1.6% once the differences are applied, so 2% holds them where the
+rank here is within 1.3% once the differences are applied, so 2% holds them where the
 issue's 5% would let a term go missing unseen.
 """
 
