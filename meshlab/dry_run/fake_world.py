@@ -40,7 +40,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultAllocMixin,
-    DefaultReduceScatter,
 )
 from torch.distributed.tensor import DTensor
 
@@ -95,45 +94,7 @@ class _CategoryPeaks:
 
     def _start_peaks(self, groups: dict[str, str], comms: Any) -> None:
         self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
-        self.window, self._provisional, self._scatter_input_next = None, False, True
-
-    def __enter__(self) -> Any:
-        if isinstance(self, FSDPMemTracker):
-            def allocate(comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-                return self._allocate_labelled(comm, *args, **kwargs)
-
-            for collective in (DefaultAllGather, DefaultReduceScatter):
-                collective.allocate = allocate  # type: ignore[method-assign,assignment]
-        return super().__enter__()  # type: ignore[misc]
-
-    def __exit__(self, *args: Any) -> None:
-        super().__exit__(*args)  # type: ignore[misc]
-        for collective in (DefaultAllGather, DefaultReduceScatter):
-            if "allocate" in collective.__dict__:
-                del collective.allocate
-
-    def _allocate_labelled(self, comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """FSDP2's all-gather output and reduce-scatter input, labelled as what they are when
-        they are made. torch's tracker labels them at the collective, some ops later: until
-        then they count as temporaries (in the forward, activations), and a category's peak
-        taken in between counts a whole unit's gathered weights (2.7 GiB of a Mixtral-like
-        layer in bf16) or flat gradients as activations. A reduce-scatter allocates its
-        input, then its output (a temporary until it is the sharded gradient)."""
-        if isinstance(comm, DefaultAllGather):
-            label: Any = _FSDPRefType.ALL_GATHER
-        else:  # foreach_reduce allocates its input, then its output
-            label = _FSDPRefType.REDUCE_SCATTER if self._scatter_input_next else None
-            self._scatter_input_next = not self._scatter_input_next
-        self._provisional = label is not None  # no category's peak under the wrong label
-        try:
-            out = DefaultAllocMixin.allocate(comm, *args, **kwargs)
-        finally:
-            self._provisional = False
-        if label is not None:
-            self._update_and_maybe_create_winfos(  # type: ignore[attr-defined]
-                out, label, update_existing=True)
-            self._update_peak_stats(None)
-        return out
+        self.window, self._provisional = None, False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -239,10 +200,39 @@ class FSDPStepTracker(_CategoryPeaks, FSDPMemTracker):
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         # what FSDP2's post-backward allocates is gradients (the fp32 accumulators, the
-        # reduce-scatter's input), not a temporary of the model's backward
-        if reftype == _FSDPRefType.TEMP and getattr(self, "_accumulating", False):
+        # reduce-scatter's input), not a temporary of the model's backward, nor an
+        # activation where a pipeline calls it after the last backward
+        if (reftype in (_FSDPRefType.TEMP, _FSDPRefType.ACT)
+                and getattr(self, "_accumulating", False)):
             reftype = _FSDPRefType.UNSHARDED_GRAD
         super()._track(reftype, t)
+
+    def __enter__(self) -> Any:
+        def allocate(comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return self._all_gather_output(comm, *args, **kwargs)
+
+        DefaultAllGather.allocate = allocate  # type: ignore[method-assign,assignment]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if "allocate" in DefaultAllGather.__dict__:
+            del DefaultAllGather.allocate
+
+    def _all_gather_output(self, comm: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """FSDP2's all-gather output, labelled as one when it is made. torch's tracker
+        labels it at the collective, some ops later: until then it counts as a temporary
+        (in the forward, an activation), and a category's peak taken in between counts a
+        whole unit's gathered weights as activations (2.7 GiB of a Mixtral-like layer in
+        bf16)."""
+        self._provisional = True  # no category's peak under the wrong label
+        try:
+            out = DefaultAllocMixin.allocate(comm, *args, **kwargs)
+        finally:
+            self._provisional = False
+        self._update_and_maybe_create_winfos(out, _FSDPRefType.ALL_GATHER, update_existing=True)
+        self._update_peak_stats(None)
+        return out
 
 
 class StepTracker(_CategoryPeaks, GradientsInGrad, MemTracker):

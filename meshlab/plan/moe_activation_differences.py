@@ -17,7 +17,7 @@ def expert_weights(known: Differences) -> float:
     """Elements of one MoE layer's experts on this rank: its ep share, whole on every tp
     rank (meshlab's MoE is not split by tp)."""
     m = known.model
-    return m.experts // known.layout.ep * 3 * m.hidden * m.ffn
+    return m.experts // known.layout.ep * m.expert_params
 
 
 def saved_bytes(known: Differences, tokens: float) -> float:
