@@ -123,7 +123,10 @@ def _fork_nanny(request: socket.socket) -> None:
     if not message or not fds:
         return
     if os.fork() == 0:
-        os.setsid()  # as ipyparallel starts it: signals to the engines do not reach it
+        # A group of its own, as ipyparallel's own session: signals to the engines' group
+        # do not reach it. Not a session: in the forkserver's, the watchdog finds it after
+        # the forkserver has gone, however recently it was forked.
+        os.setpgid(0, 0)
         _prctl(PR_SET_NAME, b"ipengine-nanny")
         for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGALRM):  # the forkserver's own
             signal.signal(sig, signal.SIG_DFL)
