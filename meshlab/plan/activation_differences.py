@@ -89,13 +89,18 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     # the last stage's peak: the loss's backward, over before the MLP's begins
     logit = 12 + (act if lay.pp > 1 else 0)  # a pipeline stage keeps its output too
     loss = tokens * m.vocab * logit if known.last else 0.0  # tp gathers them whole
+    # beside it, what the final norm and the output projection saved: their inputs (the
+    # norm's this rank's part of the sequence, the projection's gathered whole)
+    ends = tokens * m.hidden * act * (1 / split + 1) if known.last else 0.0
     # the first stage's: the embedding's gradient, its tp rows (FSDP holds it until its
     # post-backward), its micro-batch's layers freed
     one = (per_layer + sum(b for _, b in kept)) * layers
     rows = m.vocab / lay.tp * m.hidden
     embedding = rows * dt.grads - one if known.first and known.fsdp else 0.0
-    peak = max(mlp, loss, embedding)
-    if peak == loss:  # without loss_parallel the planner counts it as torch holds it
+    peak = max(mlp, loss + ends, embedding)
+    if peak == loss + ends:  # without loss_parallel the planner counts it as torch holds it
+        out.append(("the final norm's and the output projection's inputs, saved for the "
+                    "loss's backward", ends))
         if lay.loss_parallel:
             out.append((f"the loss's backward on {'the gathered ' if lay.tp > 1 else ''}"
                         "logits: their fp32 log-probabilities, its gradient and theirs"
