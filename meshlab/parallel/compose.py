@@ -72,7 +72,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan, *, seed:
     if axis_size(mesh, "pp") > 1:
         model = apply_pp(model, mesh, schedule=plan.schedule(axis_size(mesh, "pp")),
                          split_points=plan.split_points, blocks=plan.blocks,
-                         parallelize_stage=stage)
+                         parallelize_stage=stage,
+                         reduce_every_microbatch=plan.reduce_every_microbatch)
         # what no stage holds: the model's own tensors (meshlab's RoPE table)
         model = model if origins is None else materialize(model, origins, seed=seed)
     else:
@@ -91,6 +92,10 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
     refuses alike (one refusing alone would leave its pipeline peers waiting)."""
     from meshlab.models import Transformer
 
+    if plan.reduce_every_microbatch and axis_size(mesh, "pp") == 1:
+        raise ValueError("reduce_every_microbatch=True without a pp axis: it sets how a "
+                         "pipeline stage reduces; FSDP2 without one reduces every backward "
+                         "already (grad_accum reduces once): leave it out, or add a pp axis")
     if axis_size(mesh, "tp") > 1 and (tp_plan := _tp_plan(model, plan)) is not None:
         # a model's own plan may name parts some configs lack (Qwen3-MoE's dense MLPs)
         missed = unmatched(model, tp_plan)

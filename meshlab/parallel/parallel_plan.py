@@ -59,6 +59,12 @@ class ParallelPlan:
     (meshlab.schedules.parse), built for pp ranks."""
     microbatches: int = 2
     """Micro-batches per step through the pipeline (must divide the local batch)."""
+    reduce_every_microbatch: bool = False
+    """With a pp axis and zero2 or zero3: each micro-batch's gradients reduce-scattered as its
+    backward ends and accumulated as shards, where torch's pipeline stage holds them
+    unsharded, in the reduce dtype, until the last (meshlab.schedules.reducing_stage;
+    Llama 3 405B's second stage 69.5 GiB instead of 79.8) for microbatches times the
+    reduce-scatter bytes. Schedules of whole backwards only (not zb_h1, zbv, dualpipev)."""
     virtual: int = 1
     """Stages per rank for the looped schedules (interleaved_1f1b, looped_bfs)."""
     split_points: Sequence[str] | None = None
@@ -173,6 +179,10 @@ class ParallelPlan:
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum={self.grad_accum!r} must be an integer >= 1 "
                              "(micro-steps per optimizer step)")
+        if self.reduce_every_microbatch and self.data_parallel not in ("zero2", "zero3"):
+            raise ValueError(f"reduce_every_microbatch=True with data_parallel="
+                             f"{self.data_parallel!r}: it is how FSDP2's stages reduce; use "
+                             "data_parallel='zero2' or 'zero3'")
         if self.offload_params and self.data_parallel not in ("zero2", "zero3"):
             raise ValueError(f"offload_params=True with data_parallel={self.data_parallel!r}: "
                              "parameters are offloaded by FSDP2 (CPUOffloadPolicy); use "

@@ -32,7 +32,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              parallelize_stage: Callable[[nn.Module], nn.Module] | None = None,
              split_points: Sequence[str] | None = None, blocks: str | None = None,
-             axis: str = "pp") -> nn.Module:
+             axis: str = "pp", reduce_every_microbatch: bool = False) -> nn.Module:
     """Cut ``model`` (meshlab's Transformer, or any model of repeated blocks: transformers'
     models, one written in a cell) down to this rank's stages of ``schedule``, in place, and
     parallelize each stage with ``parallelize_stage``; then
@@ -41,7 +41,9 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
     ``split_points``: the blocks that open stages 1, 2, ... as torchtitan names them
     (``["layers.3"]``; ``["model.layers.3"]`` on a transformers model); None splits the
     blocks as evenly as the counts allow. ``blocks``: where the blocks are, when they
-    cannot be found (meshlab.parallel.blocks). Any model but meshlab's is split as
+    cannot be found (meshlab.parallel.blocks). ``reduce_every_microbatch``: FSDP2 stages
+    reduce-scatter each micro-batch's gradients (meshlab.schedules.reducing_stage). Any
+    model but meshlab's is split as
     meshlab.parallel.pipeline_stage says, and the split is proved on a probe batch first.
 
     The model keeps the full model's parameter names; ``model.pipeline`` is the executor
@@ -59,7 +61,8 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
 
     if not isinstance(model, Transformer):
         return _apply_pp_any(model, mesh, schedule, mine, loss_fn or next_token_loss,
-                             parallelize_stage, split_points, blocks, axis)
+                             parallelize_stage, split_points, blocks, axis,
+                             reduce_every_microbatch)
     starts = (None if split_points is None else
               stage_starts(split_points, "layers", len(cast(nn.ModuleDict, model.layers)),
                            schedule.stages))
@@ -82,7 +85,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, *, schedule: Schedule,
         transformer.norm = None
         transformer.output = None
     transformer.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn or next_token_loss,
-                                    axis=axis)
+                                    axis=axis, reduce_every_microbatch=reduce_every_microbatch)
     hold_reductions(transformer.pipeline, stages)
     return model
 
@@ -186,8 +189,8 @@ def _parallelized(stages: dict[int, nn.Module],
 def _apply_pp_any(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[int],
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   parallelize_stage: Callable[[nn.Module], nn.Module] | None,
-                  split_points: Sequence[str] | None, blocks: str | None, axis: str
-                  ) -> nn.Module:
+                  split_points: Sequence[str] | None, blocks: str | None, axis: str,
+                  reduce_every_microbatch: bool = False) -> nn.Module:
     """Any model of repeated blocks, split as meshlab.parallel.pipeline_stage says: stages
     proved on a probe batch, this rank's built, the model cut down to what they hold."""
     from meshlab.parallel.pipeline_stage import Stage, check_split, frozen, layout_of
@@ -225,7 +228,8 @@ def _apply_pp_any(model: Any, mesh: DeviceMesh, schedule: Schedule, mine: list[i
             model._modules[name] = stages[last].get_submodule(name)
         for name in layout.after:
             base._modules[name] = stages[last].get_submodule(layout.path(name))
-    model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis)
+    model.pipeline = Executor(schedule, stages, mesh, loss_fn=loss_fn, axis=axis,
+                              reduce_every_microbatch=reduce_every_microbatch)
     hold_reductions(model.pipeline, stages)
     if tied is not None:
         copies = TiedCopies(stages, schedule.stages, mesh, axis, schedule.stage_to_rank, tied)

@@ -74,9 +74,11 @@ class Executor:
 
     def __init__(self, schedule: Schedule, modules: dict[int, nn.Module], mesh: DeviceMesh, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 axis: str = "pp") -> None:
+                 axis: str = "pp", reduce_every_microbatch: bool = False) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        from meshlab.schedules.reducing_stage import ReducingStage
 
         schedule.validate()
         pp = mesh[axis]
@@ -89,7 +91,15 @@ class Executor:
             raise ScheduleError(f"rank {self.rank} holds stages {mine} in this schedule but "
                                 f"was given modules for {sorted(modules)}")
         device = next(modules[mine[0]].parameters()).device
-        self.stages = {s: PipelineStage(modules[s], s, schedule.stages, device, group=self.group)
+        split = sorted({a.kind for a in lower(schedule)[self.rank]} & {"I", "W"})
+        if reduce_every_microbatch and split:
+            raise ScheduleError(f"reduce_every_microbatch=True with {schedule.name}, whose "
+                                f"backwards are split in halves ({', '.join(split)}): FSDP2 "
+                                "would reduce before the weights have gradients; use a "
+                                "schedule of whole backwards (1f1b, interleaved_1f1b, gpipe, "
+                                "looped_bfs) or reduce_every_microbatch=False")
+        kind = ReducingStage if reduce_every_microbatch else PipelineStage
+        self.stages = {s: kind(modules[s], s, schedule.stages, device, group=self.group)
                        for s in mine}
         # torch's runtime object: input split, stage set-up, loss bookkeeping, grad scaling
         self.runtime = _PipelineScheduleRuntime(list(self.stages.values()),

@@ -40,6 +40,9 @@ CONFIGS = [
     ("dp=2 tp=2", "data_parallel='zero2', activation_checkpoint='selective'"),
     ("pp=2 dp=2", "data_parallel='zero3', pipeline_schedule='1f1b'"),
     ("pp=2 dp=2", "data_parallel='zero2', pipeline_schedule='gpipe'"),
+    # each micro-batch's gradients reduce-scattered and accumulated as shards
+    ("pp=2 dp=2", "data_parallel='zero2', reduce_every_microbatch=True, microbatches=4"),
+    ("pp=2 dp=2", "data_parallel='zero3', reduce_every_microbatch=True"),
     ("dp=2 cp=2", "data_parallel='zero3'"),
     ("dp=2 cp=2", "data_parallel='ddp'"),  # DDP averages over dp and cp
     ("cp=4", "data_parallel='zero2', context_parallel='meshlab'"),
@@ -74,9 +77,10 @@ def test_strategy_matches_one_process_in_fp32(cluster: Cluster, spec: str, plan:
 
 @pytest.mark.cluster
 @pytest.mark.parametrize("spec, plan", [CONFIGS[0], CONFIGS[3], CONFIGS[4], CONFIGS[6],
-                                        CONFIGS[9], CONFIGS[11], CONFIGS[14], CONFIGS[16]],
-                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "cp", "ddp accum",
-                              "zero3 accum"])
+                                        CONFIGS[9], CONFIGS[11], CONFIGS[13], CONFIGS[16],
+                                        CONFIGS[18]],
+                         ids=["ddp", "zero3", "hsdp", "tp+sp", "pp", "pp reducing each",
+                              "cp", "ddp accum", "zero3 accum"])
 def test_strategy_is_exact_in_float64(cluster: Cluster, spec: str, plan: str) -> None:
     check(cluster, spec, plan, "float64")
 
@@ -189,6 +193,39 @@ def test_accumulated_micro_steps_reduce_gradients_once(cluster: Cluster) -> None
         assert gathers_4 > gathers_1, (r, counts)  # while each micro-step gathers again
 
 
+REDUCING = """
+import meshlab.measure.comms
+from meshlab.models import ModelConfig, Transformer, local_batch
+from meshlab.parallel import ParallelPlan, parallelize
+x, y = local_batch(step=0, batch=8, seq=16, vocab=256, rank=mesh["dp"].get_local_rank(),
+                   ranks=2)
+scatters = {}
+for each in (False, True):
+    torch.manual_seed(0)
+    model = parallelize(Transformer(ModelConfig()), mesh, ParallelPlan(
+        data_parallel="zero2", microbatches=4, reduce_every_microbatch=each))
+    meshlab.measure.comms.start()
+    model.pipeline.step(x, y)
+    scatters[each] = [r.op for r in meshlab.measure.comms.stop()].count("reduce_scatter")
+scatters
+"""
+
+
+@pytest.mark.cluster
+def test_a_stage_reducing_every_micro_batch_reduce_scatters_each(cluster: Cluster) -> None:
+    # torch's stage reduces each FSDP unit once a step; reducing as it goes, once a micro-batch
+    cluster.init_mesh("pp=2 dp=2")
+    result = cluster.run(REDUCING, keep_values=True, timeout=120)
+    for r, scatters in result.values.items():
+        assert scatters[False] > 0 and scatters[True] == 4 * scatters[False], (r, scatters)
+
+
+def test_reducing_every_micro_batch_is_fsdp2s_and_refused_elsewhere_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"reduce_every_microbatch=True with data_parallel="
+                                         r"'ddp'.* use data_parallel='zero2' or 'zero3'"):
+        ParallelPlan(data_parallel="ddp", reduce_every_microbatch=True)
+
+
 @pytest.mark.cluster
 def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
     cluster.init_mesh("pp=2 dp=2")
@@ -215,8 +252,13 @@ def test_grad_accum_with_a_pipeline_names_the_fix(cluster: Cluster) -> None:
      r"data_parallel='none' with cp=4: .* use data_parallel='ddp', 'zero2' or 'zero3'"),
     ("tp=4", "offload_params=True",
      r"offload_params=True offloads FSDP2's shards.* give it dp_shard >= 2"),
+    ("dp=4", "data_parallel='zero2', reduce_every_microbatch=True",
+     r"reduce_every_microbatch=True without a pp axis.* leave it out, or add a pp axis"),
+    ("pp=2 dp=2", "data_parallel='zero2', reduce_every_microbatch=True, "
+                  "pipeline_schedule='zb_h1', microbatches=4",
+     r"reduce_every_microbatch=True with .*split in halves.* use a schedule of whole"),
 ], ids=["ddp+tp", "ddp+pp", "torch-cp-on-cpu", "pp-microbatches", "pp-layers", "cp-unsummed",
-        "offload-unsharded"])
+        "offload-unsharded", "reducing-without-pp", "reducing-zero-bubble"])
 def test_plans_the_mesh_cannot_run_say_the_fix(cluster: Cluster, spec: str, plan: str,
                                                why: str) -> None:
     from meshlab import MeshError
