@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshlab.plan.layout import Layout
 from meshlab.plan.shapes import ModelShape, model_shape
+from meshlab.schedules.builders import SPLIT_BACKWARD
 
 if TYPE_CHECKING:
     from torch import nn
@@ -31,7 +32,9 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     fp8 matmuls (run as bf16: the same bytes), shard_unit=weight (FSDP2 shards per block),
     flash_attention=0 (the model's own attention runs), cp_balanced (meshlab's slices are
     contiguous: the same bytes), attention_kernel and overlap_grad_reduce (timing only),
-    reduce_once=0 (meshlab's accumulation reduces once)."""
+    reduce_once=0 without a pipeline (meshlab's accumulation reduces once). reduce_once=0
+    under a pipeline is ParallelPlan.reduce_every_microbatch, but with a zero-bubble
+    schedule (its backward in halves: reduced once)."""
     from meshlab.parallel import ParallelPlan
 
     notes = []
@@ -64,6 +67,10 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
     if _accumulation_reduced_once(layout) and not layout.reduce_once:
         notes.append("reduce_once=0: meshlab's gradient accumulation holds FSDP2's reduction "
                      "back to the last micro-batch (reduce_once=1)")
+    if _pipeline_reduced_once(layout) and not layout.reduce_once:
+        notes.append(f"reduce_once=0 with schedule={layout.schedule}: its backward in halves "
+                     "cannot reduce every micro-batch; torch's stage reduces once "
+                     "(reduce_once=1)")
     mixed: bool | str = "fp16" if layout.precision == "fp16" else layout.precision != "fp32"
     pipelined = layout.pp > 1
     plan = ParallelPlan(
@@ -77,6 +84,7 @@ def plan_for(layout: Layout, *, seq: int) -> tuple[ParallelPlan, list[str]]:
         pipeline_schedule=layout.schedule, virtual=layout.virtual,
         microbatches=layout.microbatches if pipelined else 1,
         grad_accum=1 if pipelined else layout.microbatches,
+        reduce_every_microbatch=_reduces_every_microbatch(layout),
         offload_params=layout.offload_params, offload_activations=layout.offload_activations,
         replica_sync=layout.replica_sync, sync_every=layout.sync_every)
     return plan, notes
@@ -123,9 +131,23 @@ def ran(layout: Layout) -> Layout:
         changes["zero"] = 0
     if layout.shard_unit == "weight":
         changes["shard_unit"] = "layer"
-    if _accumulation_reduced_once(layout) and not layout.reduce_once:
+    if ((_accumulation_reduced_once(layout) or _pipeline_reduced_once(layout))
+            and not layout.reduce_once):
         changes["reduce_once"] = True
     return dataclasses.replace(layout, **changes) if changes else layout
+
+
+def _reduces_every_microbatch(layout: Layout) -> bool:
+    """Whether meshlab runs ``layout``'s pipeline with FSDP2 reducing every micro-batch."""
+    return (layout.pp > 1 and layout.zero >= 2 and not layout.reduce_once
+            and layout.ep == 1 and layout.dp * layout.cp > 1
+            and layout.schedule not in SPLIT_BACKWARD)
+
+
+def _pipeline_reduced_once(layout: Layout) -> bool:
+    """Whether ``layout``'s pipeline runs FSDP2 and cannot reduce every micro-batch."""
+    return (layout.pp > 1 and layout.zero >= 2 and layout.ep == 1
+            and layout.dp * layout.cp > 1 and layout.schedule in SPLIT_BACKWARD)
 
 
 def _accumulation_reduced_once(layout: Layout) -> bool:

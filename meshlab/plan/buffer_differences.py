@@ -75,8 +75,9 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
     root = known.root
     layer_units = lay.shard_unit == "layer"
     reduced = 4.0 if known.mixed else dt.grads  # meshlab reduces in fp32 (reduce_dtype)
-    kept = known.fsdp and ((lay.zero == 3 and known.stage.fsdp_units_kept)
-                           or (lay.zero == 2 and lay.pp > 1))  # unsharded all step
+    # gradients unsharded all step (a pipeline that reduces every micro-batch: a unit's)
+    kept = known.fsdp and lay.reduce_once and ((lay.zero == 3 and known.stage.fsdp_units_kept)
+                                               or (lay.zero == 2 and lay.pp > 1))
     counts = kept and lay.pipeline_grads_unsharded  # the planner counts what follows
     if counts and lay.zero == 2:  # each's stages, those accumulating at once
         planned = accumulated_params(known.stage)
@@ -107,7 +108,10 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                     unit * reduced))
         out.append(("and its root unit (embedding, output) gathered from the forward to "
                     "the backward", root * dt.params))
-    elif known.fsdp and lay.zero == 2 and layer_units and lay.pp > 1 and not known.mixed:
+    elif known.fsdp and lay.zero == 3 and layer_units and not kept:  # reducing each one
+        out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
+                    unit * reduced))
+    elif known.fsdp and lay.zero == 2 and layer_units and kept and not known.mixed:
         if not counts:  # else _pipeline_transient's
             out.append(("torch's pipeline keeps the stage's gradients unsharded until the "
                         "last micro-batch, then copies the root unit's out first to "

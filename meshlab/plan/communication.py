@@ -179,7 +179,7 @@ class Communication:
             if lay.zero == 3 and not kept:
                 bwd += self.add(axis, "FSDP all-gather of parameters (backward)",
                                 "all_gather", ranks, stride, gather, calls, overlapped=True)
-            reduced = units if s.fsdp_reduces_once else calls
+            reduced = units * (1 if s.fsdp_reduces_once else mb)  # kept units too
             bwd += self.add(axis, "FSDP reduce-scatter of gradients", "reduce_scatter",
                             ranks, stride, params * s.reduce_bytes / units, reduced,
                             overlapped=True)

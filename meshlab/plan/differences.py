@@ -82,7 +82,6 @@ class Differences:
                 out.append(("this rank's stage holds its own share of the parameters, the "
                             "planner's busiest stage more", planner * (share - 1)))
             g = self.params * dt.grads
-            deferred = lay.pp > 1 or mb > 1
             if lay.zero == 3 and lay.pp == 1 and lay.shard_unit == "layer":
                 out.append(("FSDP2 keeps its root unit (embedding, output) gathered from the "
                             "forward to the backward: gathered once, not twice",
@@ -91,13 +90,9 @@ class Differences:
                 out.append(("FSDP2 reshards after every backward: ZeRO-2 gathers the "
                             "parameters again in each micro-step's forward",
                             (mb - 1) * self.params * dt.params))
-            if deferred and not self.stage.fsdp_reduces_once and mb > 1:
-                out.append(("gradients reduce-scattered once, after the last micro-batch "
-                            "(torch's pipeline stages, meshlab's accumulation)",
-                            -(mb - 1) * g))
             if self.widen:
                 out.append(("gradients reduce-scattered in fp32 (reduce_dtype)",
-                            g * self.widen * (1 if deferred else mb)))
+                            g * self.widen * (1 if self.stage.fsdp_reduces_once else mb)))
             if self.pad_stage > 1 + 1e-9:
                 moved = planner + sum(b for _, b in out)
                 out.append((f"FSDP2 gathers and reduce-scatters padded shards "

@@ -120,9 +120,10 @@ class Layout:
     """With zero 2 or 3 and gradient accumulation (several micro-batches): gradients
     accumulate unsharded and are reduce-scattered once, behind the last micro-batch's
     backward (meshlab's own accumulation and Megatron's distributed optimizer; FSDP2 with
-    set_requires_gradient_sync(False) until the last micro-batch). Off: FSDP2's default,
-    every backward reduce-scatters its gradients. ZeRO-0/1 reduce once either way, and so
-    do ZeRO-2 and FSDP2's kept units under a pipeline."""
+    set_requires_gradient_sync(False) until the last micro-batch; torch's pipeline stage).
+    Off: FSDP2's default, every backward reduce-scatters its gradients, under a pipeline too
+    (meshlab's ParallelPlan.reduce_every_microbatch: a unit's gradients unsharded at a time,
+    accumulated as shards). ZeRO-0/1 reduce once either way."""
     overlap_p2p: bool = True
     """Pipeline sends and receives behind compute; off: each blocks its stage until the
     transfer is done (Megatron-LM before --overlap-p2p-communication, 2023; DeepSpeed's

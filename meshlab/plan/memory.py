@@ -180,8 +180,8 @@ def pipeline_gradients(stage: Stage) -> float:
     counted the gradients unsharded, in their dtype, and keeps a unit's beside."""
     lay, dt, m = stage.layout, stage.dtypes, stage.model
     kept = lay.zero == 2 or (lay.zero == 3 and stage.fsdp_units_kept)  # unsharded all step
-    if not (lay.pipeline_grads_unsharded and lay.pp > 1 and kept and lay.shard_group > 1
-            and lay.ep == 1):
+    if not (lay.pipeline_grads_unsharded and lay.reduce_once and lay.pp > 1 and kept
+            and lay.shard_group > 1 and lay.ep == 1):
         return 0.0
     reduced, params, wider = stage.reduce_bytes, sum(stage.params), stage.reduce_bytes != dt.grads
     root = m.vocab * m.hidden / lay.tp
@@ -236,8 +236,9 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     if lay.zero == 3 and stage.fsdp_units_kept:
         # under a pipeline the stage stays gathered and its gradients unsharded all step
         # (Stage.fsdp_units_kept); at the end each unit is resharded before its gradients
-        # are copied out to be reduce-scattered
-        buffers = float(sum(stage.params) * (dt.params + dt.grads))
+        # are copied out to be reduce-scattered. Reduced every micro-batch: a unit's
+        kept_grads = sum(stage.params) if lay.reduce_once else unit
+        buffers = float(sum(stage.params) * dt.params + kept_grads * dt.grads)
     elif lay.zero == 3:  # a unit gathered, the next prefetched, its gradients unsharded
         buffers = float(unit * (2 * dt.params + dt.grads))
     elif lay.zero == 2:  # parameters stay gathered (counted above): a unit's gradients

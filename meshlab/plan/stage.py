@@ -75,13 +75,11 @@ class Stage:
 
     @property
     def fsdp_reduces_once(self) -> bool:
-        """ZeRO-2/3 gradients reduce-scattered once a step, after the last micro-batch: where
-        the layout says so (``reduce_once``: meshlab's accumulation and Megatron's
-        distributed optimizer), and under a pipeline for the units kept
-        (``fsdp_units_kept``) and under ZeRO-2 (torch's PipelineStage defers FSDP's
-        reduction to the last backward)."""
-        lay = self.layout
-        return lay.reduce_once or (lay.pp > 1 and (lay.zero == 2 or self.fsdp_units_kept))
+        """ZeRO-2/3 gradients reduce-scattered once a step, after the last micro-batch, where
+        the layout says so (``reduce_once``: meshlab's accumulation, Megatron's distributed
+        optimizer, torch's PipelineStage); else every micro-batch's (FSDP2's default, and
+        meshlab's ParallelPlan.reduce_every_microbatch under a pipeline)."""
+        return self.layout.reduce_once
 
     @cached_property
     def shard_units(self) -> list[float]:

@@ -20,6 +20,7 @@ from meshlab.schedules.actions import (
 from meshlab.schedules.builders import (
     BREADTH_FIRST,
     BUILDERS,
+    SPLIT_BACKWARD,
     TAKES_VIRTUAL,
     V_SHAPED,
     build,
@@ -29,6 +30,7 @@ from meshlab.schedules.builders import (
 )
 from meshlab.schedules.simulate import Costs, Timeline
 
-__all__ = ["BREADTH_FIRST", "BUILDERS", "TAKES_VIRTUAL", "V_SHAPED", "Action", "Costs",
+__all__ = ["BREADTH_FIRST", "BUILDERS", "SPLIT_BACKWARD", "TAKES_VIRTUAL", "V_SHAPED",
+           "Action", "Costs",
            "Schedule", "ScheduleError", "Timeline", "build", "canonical", "check_virtual",
            "contiguous", "looped", "parse", "stages_per_rank", "vshape"]

@@ -196,6 +196,8 @@ V_SHAPED = frozenset({"zbv", "dualpipev"})
 """Two stages per rank in a V (rank r holds stages r and 2p-1-r), whatever ``virtual`` says."""
 BREADTH_FIRST = frozenset({"gpipe", "looped_bfs"})
 """Every micro-batch's forward before the first backward: all are in flight at once."""
+SPLIT_BACKWARD = frozenset({"zb_h1", "zbv", "dualpipev"})
+"""A backward in two halves, the input's then the weights' (zero bubble)."""
 
 
 def canonical(name: str) -> str:
