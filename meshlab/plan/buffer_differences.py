@@ -108,7 +108,7 @@ def buffer_terms(known: Differences, planner: float) -> list[tuple[str, float]]:
                     unit * reduced))
         out.append(("and its root unit (embedding, output) gathered from the forward to "
                     "the backward", root * dt.params))
-    elif known.fsdp and lay.zero == 3 and layer_units and not kept:  # reducing each one
+    elif known.fsdp and lay.zero == 3 and layer_units and not kept:  # reducing each mb
         out.append(("FSDP2 holds the flat copy of a unit's gradients it reduce-scatters",
                     unit * reduced))
     elif known.fsdp and lay.zero == 2 and layer_units and kept and not known.mixed:

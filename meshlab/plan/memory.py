@@ -236,7 +236,8 @@ def memory_per_gpu(stage: Stage, inflight: float) -> dict[str, float]:
     if lay.zero == 3 and stage.fsdp_units_kept:
         # under a pipeline the stage stays gathered and its gradients unsharded all step
         # (Stage.fsdp_units_kept); at the end each unit is resharded before its gradients
-        # are copied out to be reduce-scattered. Reduced every micro-batch: a unit's
+        # are copied out to be reduce-scattered. Reduced every micro-batch, they are a
+        # unit's at a time
         kept_grads = sum(stage.params) if lay.reduce_once else unit
         buffers = float(sum(stage.params) * dt.params + kept_grads * dt.grads)
     elif lay.zero == 3:  # a unit gathered, the next prefetched, its gradients unsharded

@@ -31,6 +31,5 @@ from meshlab.schedules.builders import (
 from meshlab.schedules.simulate import Costs, Timeline
 
 __all__ = ["BREADTH_FIRST", "BUILDERS", "SPLIT_BACKWARD", "TAKES_VIRTUAL", "V_SHAPED",
-           "Action", "Costs",
-           "Schedule", "ScheduleError", "Timeline", "build", "canonical", "check_virtual",
-           "contiguous", "looped", "parse", "stages_per_rank", "vshape"]
+           "Action", "Costs", "Schedule", "ScheduleError", "Timeline", "build", "canonical",
+           "check_virtual", "contiguous", "looped", "parse", "stages_per_rank", "vshape"]
