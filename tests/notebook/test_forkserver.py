@@ -35,12 +35,14 @@ def test_the_ranks_are_forked_by_one_forkserver_that_imported_torch(cluster: Clu
         dict.fromkeys(range(4), True)
 
 
-def test_each_rank_has_a_forked_nanny_in_a_session_of_its_own(cluster: Cluster) -> None:
+def test_each_rank_has_a_forked_nanny_in_a_group_of_its_own(cluster: Cluster) -> None:
     ranks = _rank_processes(cluster)
     server = psutil.Process(ranks[0].ppid())
     nannies = [p for p in server.children() if p.name() == "ipengine-nanny"]
     assert len(nannies) == 4
-    assert all(os.getsid(p.pid) == p.pid for p in nannies)  # Ctrl-C to a rank skips them
+    assert all(os.getpgid(p.pid) == p.pid for p in nannies)  # Ctrl-C to a rank skips them
+    # in the forkserver's session: the watchdog finds them once the forkserver has gone
+    assert all(os.getsid(p.pid) == os.getsid(server.pid) for p in nannies)
     # the nanny relays the time limit's SIGINT to its rank: the cell stops, the rank is free
     with pytest.raises(MeshError, match=r"still running after the 2 s time limit"):
         cluster.run("import time\ntime.sleep(600)", ranks="1", timeout=2)
