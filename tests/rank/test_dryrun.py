@@ -204,8 +204,9 @@ def test_activations_with_fused_kernels_match_the_planner_at_real_widths(case: s
 # Llama 3 405B on 16,384 GPUs in its published layout (tp8 pp16 dp128, 16 micro-batches:
 # Dubey et al. 2024, Table 4 row 2; ZeRO-2 as FSDP that keeps its parameters gathered, its
 # gradients accumulated and reduce-scattered in fp32, section 3.3.2, read as reduced every
-# micro-batch into fp32 shards: reduce_once=0), its first, second and last stage; and the planner's first choice (layout None: searched), counting meshlab's
-# code, for Llama 3 70B on 1,024, its two stages
+# micro-batch into fp32 shards: reduce_once=0), its first, second and last stage; and the
+# planner's first choice (layout None: searched), counting meshlab's code, for Llama 3 70B
+# on 1,024, its two stages
 PUBLISHED = {"llama3-405b": ("llama3-405b", "pp=16 dp=128 tp=8 zero=2 m=16 reduce_once=0",
                              16384),
              "llama3-70b pick": ("llama3-70b", None, 1024)}
