@@ -137,17 +137,20 @@ def ran(layout: Layout) -> Layout:
     return dataclasses.replace(layout, **changes) if changes else layout
 
 
+def _pipelined_fsdp(layout: Layout) -> bool:
+    """Whether meshlab runs ``layout``'s pipeline stages under FSDP2."""
+    return layout.pp > 1 and layout.zero >= 2 and layout.ep == 1 and layout.dp * layout.cp > 1
+
+
 def _reduces_every_microbatch(layout: Layout) -> bool:
     """Whether meshlab runs ``layout``'s pipeline with FSDP2 reducing every micro-batch."""
-    return (layout.pp > 1 and layout.zero >= 2 and not layout.reduce_once
-            and layout.ep == 1 and layout.dp * layout.cp > 1
+    return (_pipelined_fsdp(layout) and not layout.reduce_once
             and layout.schedule not in SPLIT_BACKWARD)
 
 
 def _pipeline_reduced_once(layout: Layout) -> bool:
     """Whether ``layout``'s pipeline runs FSDP2 and cannot reduce every micro-batch."""
-    return (layout.pp > 1 and layout.zero >= 2 and layout.ep == 1
-            and layout.dp * layout.cp > 1 and layout.schedule in SPLIT_BACKWARD)
+    return _pipelined_fsdp(layout) and layout.schedule in SPLIT_BACKWARD
 
 
 def _accumulation_reduced_once(layout: Layout) -> bool:

@@ -29,6 +29,12 @@ def data_parallel_ranks(sizes: Sizes, plan: ParallelPlan) -> int:
     return sizes(within if plan.replica_sync != "every_step" else "dp_cp")
 
 
+def _weights_apart(plan: ParallelPlan, pp: int) -> bool:
+    """Whether the plan's schedule runs a backward in two passes, the weights' apart (a W)."""
+    return any(a is not None and a.kind == "W"
+               for row in plan.schedule(pp).actions.values() for a in row)
+
+
 def check(plan: ParallelPlan, sizes: Sizes) -> None:
     """Raise ValueError for a combination of ``plan``'s options and the mesh's axes that
     meshlab does not run, naming the pair and the fix."""
@@ -76,10 +82,18 @@ def check(plan: ParallelPlan, sizes: Sizes) -> None:
         raise ValueError("offload_params=True offloads FSDP2's shards, and this mesh has no "
                          "data-parallel ranks to shard over: give it dp_shard >= 2, e.g. "
                          "%mesh init dp=2 tp=2")
+    if plan.reduce_every_microbatch and pp == 1:
+        raise ValueError("reduce_every_microbatch=True without a pp axis: it sets how a "
+                         "pipeline stage reduces; FSDP2 without one reduces every backward "
+                         "already (grad_accum reduces once): leave it out, or add a pp axis")
+    if pp > 1 and plan.reduce_every_microbatch and _weights_apart(plan, pp):
+        raise ValueError(f"reduce_every_microbatch=True with {plan.schedule(pp).name}, whose "
+                         "backwards are split in halves (I, W): FSDP2 would reduce before the "
+                         "weights have gradients; use a schedule of whole backwards (1f1b, "
+                         "interleaved_1f1b, gpipe, looped_bfs) or reduce_every_microbatch=False")
     if pp > 1 and plan.activation_checkpoint == "selective":
         schedule = plan.schedule(pp)
-        if any(a is not None and a.kind == "W" for row in schedule.actions.values()
-               for a in row):
+        if _weights_apart(plan, pp):
             raise ValueError(f"activation_checkpoint='selective' with pipeline_schedule="
                              f"{schedule.name!r}: that schedule runs each micro-batch's "
                              "backward in two passes (input, then weights), and torch's "

@@ -92,10 +92,6 @@ def _check_model_supports(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan
     refuses alike (one refusing alone would leave its pipeline peers waiting)."""
     from meshlab.models import Transformer
 
-    if plan.reduce_every_microbatch and axis_size(mesh, "pp") == 1:
-        raise ValueError("reduce_every_microbatch=True without a pp axis: it sets how a "
-                         "pipeline stage reduces; FSDP2 without one reduces every backward "
-                         "already (grad_accum reduces once): leave it out, or add a pp axis")
     if axis_size(mesh, "tp") > 1 and (tp_plan := _tp_plan(model, plan)) is not None:
         # a model's own plan may name parts some configs lack (Qwen3-MoE's dense MLPs)
         missed = unmatched(model, tp_plan)

@@ -197,7 +197,8 @@ V_SHAPED = frozenset({"zbv", "dualpipev"})
 BREADTH_FIRST = frozenset({"gpipe", "looped_bfs"})
 """Every micro-batch's forward before the first backward: all are in flight at once."""
 SPLIT_BACKWARD = frozenset({"zb_h1", "zbv", "dualpipev"})
-"""A backward in two halves, the input's then the weights' (zero bubble)."""
+"""A backward in two halves, the input's then the weights' (zero bubble): the builders' with
+a W pass, by name, for a layout (a plan's own schedule is read by its actions)."""
 
 
 def canonical(name: str) -> str:

@@ -91,14 +91,7 @@ class Executor:
             raise ScheduleError(f"rank {self.rank} holds stages {mine} in this schedule but "
                                 f"was given modules for {sorted(modules)}")
         device = next(modules[mine[0]].parameters()).device
-        self.actions = lower(schedule)[self.rank]
-        split = sorted({a.kind for a in self.actions} & {"I", "W"})
-        if reduce_every_microbatch and split:
-            raise ScheduleError(f"reduce_every_microbatch=True with {schedule.name}, whose "
-                                f"backwards are split in halves ({', '.join(split)}): FSDP2 "
-                                "would reduce before the weights have gradients; use a "
-                                "schedule of whole backwards (1f1b, interleaved_1f1b, gpipe, "
-                                "looped_bfs) or reduce_every_microbatch=False")
+        # reduce_every_microbatch: whole backwards only (meshlab.parallel.combinations)
         kind = ReducingStage if reduce_every_microbatch else PipelineStage
         self.stages = {s: kind(modules[s], s, schedule.stages, device, group=self.group)
                        for s in mine}
@@ -108,6 +101,7 @@ class Executor:
                                                 loss_fn=loss_fn, scale_grads=True)
         self.runtime._prepare_schedule_with_comms(schedule.to_torch())  # stage -> rank map
         slot_of = slots(schedule)
+        self.actions = lower(schedule)[self.rank]
         # a send runs in its producer's slot, a receive is posted by its consumer's slot
         computes = [slot_of[(a.stage, a.kind, a.microbatch)] if a.is_compute else None
                     for a in self.actions]

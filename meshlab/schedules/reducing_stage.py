@@ -12,7 +12,8 @@ post-backward is idempotent) and scales the shards by 1/m as before: the same su
 different order, for m times the reduce-scatter bytes.
 
 A schedule that splits a backward into its input and weight halves (zero bubble) cannot run
-this way: FSDP2 would reduce after the input half, before the weights have gradients.
+this way: FSDP2 would reduce after the input half, before the weights have gradients
+(meshlab.parallel.combinations refuses the pair).
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ class ReducingStage(PipelineStage):
                                    last_backward: bool = False) -> Any:
         if not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "full":
-            raise RuntimeError("reduce_every_microbatch runs whole backwards only; the "
-                               "schedule split one into input and weight halves")
         from torch.distributed.pipelining.stage import stage_backward
 
         module = self.submod
