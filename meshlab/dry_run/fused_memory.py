@@ -58,6 +58,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return _local(t).untyped_storage().nbytes()
 
 
+def _tensors(values: tuple[Any, ...] | list[Any]) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or results: tensors, and lists of them
+    (its schema nests no deeper; torch's pytree walk costs more than the op's own work)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out += [t for t in v if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _leaves(values: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
 def _pointwise(func: Any) -> bool:
     return torch.Tag.pointwise in getattr(func, "tags", ())
 
@@ -125,7 +141,9 @@ class FusedMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        inputs = [_local(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        aten = isinstance(func, torch._ops.OpOverload)  # a higher-order op nests deeper
+        inputs = [_local(t) for t in (_tensors((*args, *(kwargs or {}).values())) if aten
+                                      else _leaves((args, kwargs)))]
         storages = [t.untyped_storage() for t in inputs]
         if self.pending:
             # autograd saves an op's inputs before the op runs: the first op to read a
@@ -143,26 +161,25 @@ class FusedMemory(TorchDispatchMode):
                     self._decide(saved, None)  # never read: held as it is
             self.pending = waiting
         out = func(*args, **(kwargs or {}))
-        made = Made(func, [(self.record_of.get(st, -1), t.numel(),
-                            weakref.ref(t if t._base is None else t._base), weakref.ref(st))
-                           for t, st in zip(inputs, storages, strict=True)])
-        for (_, _, owner, _), st in zip(made.inputs, storages, strict=True):
-            self._own(st, owner)
-        new = False
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = _local(t).untyped_storage()
+        bases = [t if t._base is None else t._base for t in inputs]
+        for base, st in zip(bases, storages, strict=True):
+            self._own(st, base)
+        made: Made | None = None
+        for t in (_tensors(out if isinstance(out, (tuple, list)) else (out,)) if aten
+                  else _leaves(out)):
             local = _local(t)
-            self._own(st, weakref.ref(local if local._base is None else local._base))
+            st = local.untyped_storage()
+            self._own(st, local if local._base is None else local._base)
             if all(st is not s for s in storages):  # not a view of an input: new memory
-                self.record_of[st] = len(self.records)
-                new = True
+                if made is None:
+                    made = Made(func, [(self.record_of.get(s, -1), t.numel(), weakref.ref(b),
+                                        weakref.ref(s))
+                                       for t, b, s in zip(inputs, bases, storages, strict=True)])
+                    self.records.append(made)
+                self.record_of[st] = len(self.records) - 1
                 if (func in COPIES and torch.is_grad_enabled() and 0 in inputs[0].stride()
                         and storages[0].nbytes() < st.nbytes()):
                     self.repeated[st] = self._alive(made.inputs[0])
-        if new:
-            self.records.append(made)
         return out
 
     def pack(self, t: torch.Tensor) -> Saved:
@@ -208,11 +225,14 @@ class FusedMemory(TorchDispatchMode):
                 return
         self.held[st] = True
 
-    def _own(self, storage: Any, owner: weakref.ref[torch.Tensor]) -> None:
+    def _own(self, storage: Any, owner: torch.Tensor) -> None:
         """``owner`` among ``storage``'s live aliases."""
-        known = [ref for ref in self.owner.get(storage, ()) if ref() is not None]
-        new = all(ref() is not owner() for ref in known)
-        self.owner[storage] = [*known, owner] if new else known
+        known = self.owner.get(storage)
+        if known is None:
+            self.owner[storage] = [weakref.ref(owner)]
+        elif all(ref() is not owner for ref in known):  # a new alias: the dead ones go
+            self.owner[storage] = [ref for ref in known if ref() is not None] + [
+                weakref.ref(owner)]
 
     def _alive(self, made_input: tuple[int, int, Any, Any]) -> torch.Tensor | None:
         """The tensor an op read, or a live one on its storage where that alias is gone."""
