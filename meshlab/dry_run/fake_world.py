@@ -316,9 +316,10 @@ def ddp_without_peers(model: nn.Module) -> int:
 
 @contextlib.contextmanager
 def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
-    """torch's pipeline stages run without their neighbours: no vote (metadata is inferred,
-    torch's dynamic mode), a stage's input is a ``hidden`` tensor of ``dtype`` (what one
-    block hands the next), its output gradients those of its outputs; meshlab's executor
+    """torch's pipeline stages run without their neighbours: no vote (the ends infer their
+    metadata, torch's dynamic mode; the stages between are given the hidden state's), a
+    stage's input is a ``hidden`` tensor of ``dtype`` (what one block hands the next), its
+    output gradients those of its outputs; meshlab's executor
     keeps the step's loss unknown (NaN) instead of reading a fake value."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._utils import (
@@ -326,6 +327,7 @@ def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
         _derive_grad_metas,
         _StageBackwardMeta,
         _StageForwardMeta,
+        _StageMeta,
         _TensorMeta,
     )
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
@@ -336,8 +338,20 @@ def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
     boundary = _TensorMeta(shape=hidden, stride=stride, dtype=dtype, requires_grad=True)
 
     def warmup(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        # a stage between the ends takes and gives the blocks' hidden state: torch's static
+        # mode skips the forward and backward its dynamic mode runs to learn that (seconds
+        # of a large stage); the ends infer theirs (the tokens, the logits), and so does a
+        # stage beside one on this rank, which hands it its metadata
+        dynamic = {s.stage_index for s in stages if s.is_first or s.is_last}
+        mine = {s.stage_index for s in stages}
+        while grown := {n for d in dynamic for n in (d - 1, d + 1) if n in mine} - dynamic:
+            dynamic |= grown
         for stage in stages:
-            stage._inference_mode = InferenceMode.DYNAMIC
+            if stage.stage_index in dynamic:
+                stage._inference_mode = InferenceMode.DYNAMIC
+            else:
+                stage._inference_mode = InferenceMode.STATIC
+                stage._user_meta = _StageMeta(inputs=(boundary,), outputs=(boundary,))
 
     def recv_meta(self: Any, src_stage: int) -> Any:
         if src_stage < self.stage_index:  # forward: the hidden state the blocks pass on
