@@ -4,8 +4,8 @@ choice for it (counting meshlab's code: whether that fits where it runs).
 
 Each case runs in a child process (so its peak RSS is its own): meshlab.dry_run.run builds the
 model on the meta device, parallelizes it for one representative rank per pipeline stage
-and runs a step on fake tensors. Printed per case: the wall time and the child's peak
-resident memory (with its workers, one per CPU, each at its peak) beside the planner's time
+and runs a step on fake tensors. Printed per case: the wall time and the most resident memory
+the child and its workers held at once (sampled) beside the planner's time
 to estimate the same layout (goals: 70B <= 30 s, 405B <= 120 s, <= 8 GiB), then each
 rank's memory by category beside the planner's.
 
@@ -17,11 +17,13 @@ $ python benchmarks/dryrun.py --profile 70b   # where a case's time goes (cProfi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 CASES: dict[str, tuple[str, str | int, float]] = {
@@ -47,22 +49,46 @@ def case_layout(case: str) -> tuple[str, str, float]:
 
 def one(case: str) -> dict[str, object]:
     """Run one case here; what the parent prints."""
-    from meshlab.dry_run.run import dryrun, planner_beside, processes_for
+    from meshlab.dry_run.run import dryrun, planner_beside
 
     model, layout, _ = case_layout(case)
+    sampler = ResidentSampler()
+    sampler.start()
     started = time.perf_counter()
     run = dryrun(model, layout, hardware="h100-sxm", workers=os.cpu_count())  # a script: say so
     wall = time.perf_counter() - started
-    # the ranks run in worker processes (meshlab.dry_run.run's workers) beside this one: the
-    # host holds this process and the workers together at most
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    probed = [r for r in run.ranks if "composed from" not in r.role]
-    rss = own + processes_for(len(probed), os.cpu_count() or 1) * worker
+    sampler.stop()
+    # the ranks run in worker processes forked from a server (meshlab.dry_run.run): the
+    # host holds this process and all of them together; at least this process's own peak
+    rss = max(sampler.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rows = [r.as_dict() for r in planner_beside(run) if r.what == "memory"]
     return {"wall_s": wall, "rss": rss, "ranks": [
         {"rank": r.rank, "role": r.role, "seconds": r.seconds, "memory": r.memory,
          "fits": r.fits} for r in run.ranks], "rows": rows}
+
+
+class ResidentSampler(threading.Thread):
+    """The most resident memory this process and its descendants held at once, sampled
+    every 50 ms (a rusage figure cannot see the workers: they are a server's children)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self._done = 0, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._done.wait(0.05):
+            total = 0
+            for p in [me, *me.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):  # gone since it was listed
+                    total += p.memory_info().rss
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
 
 
 def planner_seconds(case: str) -> float:

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
     from meshlab.parallel import ParallelPlan
 
+RANK_SIDE = ("meshlab.dry_run.step", "meshlab.models", "meshlab.parallel",
+             "meshlab.schedules.execute", "torch.testing._internal.distributed.fake_pg")
+"""What a rank's step imports: the workers' server imports it before it forks them."""
+
 KERNELS = ("fused", "eager")
 """Whose activation memory a dry run holds (``dryrun(kernels=)``)."""
 
@@ -193,7 +197,11 @@ def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # workers forked from a server that imported the rank side once (and stays for the next
+    # dry run): a spawned one imports torch and meshlab again, seconds of a CPU each
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_SIDE))
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
         return [run for runs in pool.map(_run_job, jobs) for run in runs]
 
 
@@ -208,7 +216,7 @@ def processes_for(jobs: int, cpus: int) -> int:
 def _can_send(build: Any) -> bool:
     """Whether worker processes can run ``build`` by default: it pickles by a module they can
     import (a function defined in a notebook or a script's ``__main__`` does not), and this
-    process is not a script (a spawned worker runs a script's top level again: a script
+    process is not a script (a worker runs a script's top level again: a script
     that wants workers passes ``workers=`` under ``if __name__ == "__main__":``)."""
     import pickle
     import sys
