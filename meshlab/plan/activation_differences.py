@@ -84,8 +84,9 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         kept += [(what, b * share) for what, b in moe_terms.held_terms(known, tokens)]
     out += [(what, b * layers * inflight) for what, b in kept]
     ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
+    one_layer = per_layer + sum(b for _, b in kept)  # what a layer saved, one micro-batch
     mlp = (moe_terms.backward_peak(known, tokens) if moe
-           else mlp_backward_bytes(known, tokens, ffn))
+           else layer_backward_bytes(known, tokens, ffn, one_layer))
     # the last stage's peak: the loss's backward, over before the MLP's begins
     logit = 12 + (act if lay.pp > 1 else 0)  # a pipeline stage keeps its output too
     loss = tokens * m.vocab * logit if known.last else 0.0  # tp gathers them whole
@@ -94,7 +95,7 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     ends = tokens * m.hidden * act * (1 / split + 1) if known.last else 0.0
     # the first stage's: the embedding's gradient, its tp rows (FSDP holds it until its
     # post-backward), its micro-batch's layers freed
-    one = (per_layer + sum(b for _, b in kept)) * layers
+    one = one_layer * layers
     rows = m.vocab / lay.tp * m.hidden
     embedding = rows * dt.grads - one if known.first and known.fsdp else 0.0
     peak = max(mlp, loss + ends, embedding)
@@ -114,31 +115,61 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         kept_output = tokens * m.vocab * act if known.last and lay.pp > 1 else 0.0
         where = ("in the MoE layer: its experts' gradients, as unbind's backward stacks them "
                  "or in the first expert's (moe_activation_differences.backward_peak)" if moe
-                 else "in the MLP: the gradients it makes before it frees what it read "
-                      "(mlp_backward_bytes)")
+                 else "in the last layer's: the gradients it makes before it frees what it "
+                      "read (layer_backward_bytes)")
         out.append((f"the backward at its peak, {where}"
                     + (", and the logits the stage keeps as its output" if kept_output else ""),
                     mlp + kept_output - logits * known.last))
     return out
 
 
-def mlp_backward_bytes(known: Differences, tokens: float, ffn: float) -> float:
-    """The most the MLP's backward holds at once beyond what the forward saved, op by op:
-    after the down projection and the product's backward (its weight's gradient, the
-    product's, the activation recomputed, the gate's and the up projection's), or at the
-    end (every weight's gradient, the input's gradient from each first projection, the
-    gate's). Weight gradients count where FSDP holds them until its post-backward (torch's
-    tracker calls them temporaries until then); elsewhere they are in .grad at once."""
-    m, dt = known.model, known.dt
+def layer_backward_bytes(known: Differences, tokens: float, ffn: float, saved: float
+                         ) -> float:
+    """The most the stage's last layer's backward holds at once beyond what the forward
+    saved (it runs first, with every micro-batch's saved tensors there; ``saved``: what one
+    layer saved), at the highest of four moments, op by op as the dry run records them:
+
+    - the gated product's backward: the down projection's weight gradient, the product's
+      gradient, the activation recomputed beside it and the gate's and the up projection's
+      gradients as they are made (4 T f), the product itself freed after the down
+      projection read it (-T f), and the gradient coming into the layer (T h: made by the
+      loss's backward on the last stage; on the others a receive buffer already counted,
+      and the stage's output freed: -T h);
+    - the attention's backward: the MLP's three weight gradients and the output
+      projection's, the attention's own working set (its output's gradient, keys and values
+      repeated to the query heads and their gradients with the queries': 6 T q on torch's
+      CPU kernel), the MLP's saved tensors and its norm's input freed;
+    - the query, key and value projections' backward: the input's gradient from each and
+      their sum (4 T h, gathered under sequence parallelism), the queries' and their
+      gradients (3 T q), every weight gradient of the layer, only the first norm's input
+      left of what the layer saved;
+    - the first norm's backward, op by op in fp32: every weight gradient of the layer, 6
+      fp32 temporaries of its tokens x hidden (8 in 16-bit compute, its input and its
+      gradient upcast), the layer's saved tensors freed.
+
+    Weight gradients count where FSDP holds them until its post-backward (torch's tracker
+    calls them temporaries until then): the layer's, and on the last stage the output
+    projection's, held from the loss's backward to the root's post-backward; elsewhere they
+    are in .grad at once."""
+    m, lay, dt = known.model, known.layout, known.dt
     h, f, t, act = m.hidden, ffn, tokens, dt.activations
+    q, kv = (n * m.head_width / lay.tp for n in (m.heads, m.n_kv_heads))
     weights = dt.grads if known.fsdp else 0.0
-    if m.gated_ffn:
-        product = h * f * weights + 4 * t * f * act
-        end = 3 * h * f * weights + (2 * t * h + t * f) * act
-    else:
-        product = h * f * weights + 2 * t * f * act
-        end = 2 * h * f * weights + (t * h + t * f) * act
-    return max(product, end)
+    gated = 3 if m.gated_ffn else 2
+    normed = t / (lay.tp if lay.tp > 1 and lay.sequence_parallel else 1)  # the stream's
+    stage_end = 0 if known.last else normed * h  # the stage's output, freed
+    layer_weights = (gated * h * f + 2 * h * (q + kv)) * weights
+    product = h * f * weights + (gated * t * f + t * h - 2 * stage_end) * act
+    freed = gated * t * f + t * h + stage_end  # the MLP's, the norm's input
+    attention = (gated * h * f + h * q) * weights + (6 * t * q - freed) * act
+    # the projections' input gradients summed, gathered whole under sp; by then only the
+    # first norm's input is left of what the layer saved
+    projections = layer_weights + (4 * t * h + 3 * t * q - stage_end) * act - (
+        saved - normed * h * act)
+    upcast = 6 if act >= 4 else 8
+    norm = layer_weights + upcast * normed * h * 4 - saved - stage_end * act
+    output = m.vocab / lay.tp * h * weights if known.last else 0.0
+    return max(product, attention, projections, norm) + output
 
 
 def receive_buffers(known: Differences, boundary: float) -> float:
