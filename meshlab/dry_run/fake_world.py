@@ -319,8 +319,8 @@ def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
     """torch's pipeline stages run without their neighbours: no vote (the ends infer their
     metadata, torch's dynamic mode; the stages between are given the hidden state's), a
     stage's input is a ``hidden`` tensor of ``dtype`` (what one block hands the next), its
-    output gradients those of its outputs; meshlab's executor
-    keeps the step's loss unknown (NaN) instead of reading a fake value."""
+    output gradients those of its outputs; meshlab's executor keeps the step's loss unknown
+    (NaN) instead of reading a fake value."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining._utils import (
         InferenceMode,

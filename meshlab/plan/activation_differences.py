@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlab.plan import moe_activation_differences as moe_terms
-from meshlab.plan.memory import loss_bytes
+from meshlab.plan.memory import layer_bytes, loss_bytes
 from meshlab.plan.pipeline import inflight_of
 
 if TYPE_CHECKING:
@@ -37,9 +37,9 @@ def not_reconciled(known: Differences) -> str:
     if lay.cp > 1:
         return ("not compared under context parallelism: the ring's and the gathered keys' "
                 "and values' buffers are not yet reconciled")
-    if lay.recompute != "none" or lay.offload_activations:
-        return ("not compared with recomputation or offloaded activations: the recomputed "
-                "layer's working set is not yet reconciled")
+    if lay.recompute not in ("none", "full") or lay.offload_activations:
+        return ("not compared with selective or per-op recomputation or offloaded "
+                "activations: what they keep and recompute is not yet reconciled")
     return ""
 
 
@@ -56,23 +56,38 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     inflight = inflight_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual, pp_rank)
     layers = known.layers / len(known.run.stages)  # a chunk of this rank's
     out: list[tuple[str, float]] = []
-    per_layer = (planner - logits) / (chunk * busiest)  # one layer, one micro-batch
+    full = lay.recompute == "full"
+    # what a layer keeps for each micro-batch in flight (under full recomputation its
+    # input), and what the layer being recomputed saves again (the planner counts one)
+    recomputed = layer_bytes(stage, "none") if full else 0.0
+    per_layer = (planner - logits - recomputed) / (chunk * busiest)
     if (layers, inflight, known.last) != (chunk, busiest, True):
-        mine = per_layer * layers * inflight + logits * known.last
+        mine = per_layer * layers * inflight + recomputed + logits * known.last
         out.append((f"this rank holds {inflight} micro-batches of {layers:g} layers"
                     + (" and the logits" if known.last else "")
                     + f"; the planner's busiest stage {busiest} of {chunk:g} and the logits",
                     mine - planner))
-    if lay.recompute != "none":
+    if lay.recompute != "none" and not full:
         return out
+    if full:
+        out.append(("the layer being recomputed saves again what it kept (its input): "
+                    "once, not twice", -per_layer))
     tokens = lay.micro_batch * m.seq_len / lay.cp  # a tp rank's, gathered
     sp = lay.tp > 1 and lay.sequence_parallel
     act = dt.activations
     split = lay.tp if sp and known.dry.family == "meshlab" else 1  # the stream between stages
-    received = receive_buffers(known, tokens * m.hidden * act / split)
+    boundary = tokens * m.hidden * act / split
+    received = receive_buffers(known, boundary)
     if received:
         out.append(("torch's pipeline stage allocates a buffer per micro-batch for what it "
                     "receives: the stage's input, and its output's gradient", received))
+        # a micro-batch in flight on a stage fed by another rank: its first layer's saved
+        # input is that buffer, counted once
+        fed = [s for s in known.run.stages if s > 0 and s - 1 not in known.run.stages]
+        if fed:
+            out.append(("a micro-batch in flight keeps its received input as its first "
+                        "layer's: counted once",
+                        -inflight * boundary * len(fed) / len(known.run.stages)))
     kept = []  # beside Korthikanti's count, per layer and micro-batch
     kept.append(("FlashAttention's log-sum-exp, fp32 per query head and token",
                  4.0 * m.heads / lay.tp * tokens))
@@ -82,9 +97,11 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     if moe:
         share = (m.layers - m.dense_layers) / m.layers  # as moe_routed_bytes averages
         kept += [(what, b * share) for what, b in moe_terms.held_terms(known, tokens)]
-    out += [(what, b * layers * inflight) for what, b in kept]
+    # under full recomputation only the layer being recomputed keeps them
+    out += [(what, b * (1 if full else layers * inflight)) for what, b in kept]
     ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
-    one_layer = per_layer + sum(b for _, b in kept)  # what a layer saved, one micro-batch
+    # what a layer saved, one micro-batch (recomputed: all it saves, its input counted)
+    one_layer = (recomputed if full else per_layer) + sum(b for _, b in kept)
     mlp = (moe_terms.backward_peak(known, tokens) if moe
            else layer_backward_bytes(known, tokens, ffn, one_layer))
     # the last stage's peak: the loss's backward, over before the MLP's begins
@@ -95,11 +112,16 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     ends = tokens * m.hidden * act * (1 / split + 1) if known.last else 0.0
     # the first stage's: the embedding's gradient, its tp rows (FSDP holds it until its
     # post-backward), its micro-batch's layers freed
-    one = one_layer * layers
+    one = (per_layer if full else one_layer) * layers
     rows = m.vocab / lay.tp * m.hidden
     embedding = rows * dt.grads - one if known.first and known.fsdp else 0.0
-    peak = max(mlp, loss + ends, embedding)
-    if peak == loss + ends:  # without loss_parallel the planner counts it as torch holds it
+    # recomputed, a layer saves its all only in its own backward: not yet at the loss's,
+    # no more at the embedding's
+    away = one_layer - per_layer if full else 0.0
+    peak = max(mlp, loss + ends - away, embedding - away)
+    if full and peak != mlp:
+        out.append(("the layer recomputed in its backward, not there then", -away))
+    if peak == loss + ends - away:  # without loss_parallel the planner counts it as torch does
         out.append(("the final norm's and the output projection's inputs, saved for the "
                     "loss's backward", ends))
         if lay.loss_parallel:
@@ -108,7 +130,7 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                         + (", and the logits the stage keeps" if lay.pp > 1 else "")
                         + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
                         loss - logits))
-    elif peak == embedding:
+    elif peak == embedding - away:
         out.append(("the embedding's gradient (its tp rows), before FSDP takes it, its "
                     "micro-batch's layers freed", embedding - logits * known.last))
     else:  # the loss's backward is over; a pipeline's last stage still keeps its output
@@ -120,6 +142,12 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         out.append((f"the backward at its peak, {where}"
                     + (", and the logits the stage keeps as its output" if kept_output else ""),
                     mlp + kept_output - logits * known.last))
+        last_stage = max(known.run.stages) == known.dry.stages - 1
+        if received and lay.pp > 1 and last_stage and known.dry.stages - 2 not in known.run.stages:
+            # by the last micro-batch's backward the last stage's inputs received for the
+            # others are freed
+            out.append(("the last stage's inputs received for micro-batches done, freed by "
+                        "then", -(lay.microbatches - inflight) * boundary))
     return out
 
 
@@ -134,7 +162,8 @@ def layer_backward_bytes(known: Differences, tokens: float, ffn: float, saved: f
       gradients as they are made (4 T f), the product itself freed after the down
       projection read it (-T f), and the gradient coming into the layer (T h: made by the
       loss's backward on the last stage; on the others a receive buffer already counted,
-      and the stage's output freed: -T h);
+      and the stage's output freed: -T h; in 16-bit compute without tp two more, its
+      casts);
     - the attention's backward: the MLP's three weight gradients and the output
       projection's, the attention's own working set (its output's gradient, keys and values
       repeated to the query heads and their gradients with the queries': 6 T q on torch's
@@ -159,7 +188,10 @@ def layer_backward_bytes(known: Differences, tokens: float, ffn: float, saved: f
     normed = t / (lay.tp if lay.tp > 1 and lay.sequence_parallel else 1)  # the stream's
     stage_end = 0 if known.last else normed * h  # the stage's output, freed
     layer_weights = (gated * h * f + 2 * h * (q + kv)) * weights
-    product = h * f * weights + (gated * t * f + t * h - 2 * stage_end) * act
+    # in 16-bit compute without tp the incoming gradient is there twice more, cast to the
+    # blocks' dtype (measured; under tp its gather takes their place)
+    incoming = t * h * (3 if act < 4 and lay.tp == 1 else 1)
+    product = h * f * weights + (gated * t * f + incoming - 2 * stage_end) * act
     freed = gated * t * f + t * h + stage_end  # the MLP's, the norm's input
     attention = (gated * h * f + h * q) * weights + (6 * t * q - freed) * act
     # the projections' input gradients summed, gathered whole under sp; by then only the

@@ -180,7 +180,7 @@ def test_the_planner_counts_the_memory_of_each_category(case: str) -> None:
 REAL = ModelShape(name="real", layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336,
                   vocab=32000, seq_len=4096)
 AT_REAL_WIDTHS = ["zero3", "tp_sp", "tp_no_sp", "ddp", "pp_1f1b", "bf16_pp", "pp_interleaved",
-                  "meshlab_zero2"]
+                  "meshlab_zero2", "ac_full"]
 
 
 @pytest.mark.parametrize("case", AT_REAL_WIDTHS)
