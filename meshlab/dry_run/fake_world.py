@@ -250,12 +250,21 @@ class StepTracker(_CategoryPeaks, GradientsInGrad, MemTracker):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        if (func._schema.is_mutable and args and type(args[0]) is not DTensor
-                and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage() not in self._WINFO):
-            # written in place, allocated before the step (DDP's buckets, which
-            # ddp_without_peers counts): not a temporary of the backward
-            return func(*args, **(kwargs or {}))
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)) and first:  # a collective's tensors
+            first = first[0]
+        if (type(first) is not DTensor and isinstance(first, torch.Tensor)
+                and (func._schema.is_mutable or not isinstance(first, FakeTensor))
+                and first.untyped_storage() not in self._WINFO):
+            # written in place, viewed or reduced, allocated before the step (DDP's buckets,
+            # real tensors its reducer made, which ddp_without_peers counts; their fake
+            # copies would each count a whole bucket again): not a temporary of the backward
+            out = func(*args, **(kwargs or {}))
+            if self.comms is not None:  # DDP's all-reduce still moves its bytes
+                self.comms.observe(func, args, kwargs)
+            return out
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
