@@ -326,7 +326,9 @@ def fused_memory() -> Iterator[FusedMemory]:
     """Within: autograd saves what fused kernels keep (the module's docstring), in the
     forward and in a checkpoint's recomputation; on fake tensors only (a real tensor is
     saved as it is)."""
+    from meshlab.dry_run.fused_attention import FusedAttention
+
     mode = FusedMemory()
     with mode, torch.autograd.graph.saved_tensors_hooks(mode.pack, Saved.unpack), \
-            _fused_recomputation(mode):
+            _fused_recomputation(mode), FusedAttention():
         yield mode

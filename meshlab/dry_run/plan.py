@@ -6,7 +6,7 @@ becomes meshlab's Transformer, and a model's config becomes the planner's shape 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -169,13 +169,15 @@ def describe(layout: Layout) -> str:
     return " ".join(parts)
 
 
-def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | None
-           ) -> tuple[Callable[[], nn.Module], ModelShape | None, str, str]:
+def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | None,
+                  tp_plan: Mapping[str, Any] | None = None
+                  ) -> tuple[Callable[[], nn.Module], ModelShape | None, str, str, list[str]]:
     """(factory, the planner's shape of it or None, a name, whose code: meshlab,
-    transformers or other)."""
+    transformers or other, what its TP plan (``tp_plan``, else its own) leaves whole)."""
     if isinstance(model, (str, ModelShape)):
         shape = model_shape(model)
-        return _meshlab_factory(shape, seq or shape.seq_len), shape, shape.name, "meshlab"
+        return (_meshlab_factory(shape, seq or shape.seq_len), shape, shape.name, "meshlab",
+                [])
     if not callable(model):
         raise ValueError(f"model={model!r}: give a factory (a callable returning an "
                          "nn.Module), a ModelShape or a preset name")
@@ -187,7 +189,29 @@ def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | 
         probe = model()
     family = ("meshlab" if isinstance(probe, Transformer) else "transformers"
               if type(probe).__module__.startswith("transformers.") else "other")
-    return model, shape_of(probe, seq), type(probe).__name__, family
+    whole = left_whole(probe, tp_plan) if family == "transformers" else []
+    return model, shape_of(probe, seq), type(probe).__name__, family, whole
+
+
+def left_whole(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> list[str]:
+    """["attention"] where the TP plan splits none of a block's attention (transformers'
+    DeepSeek-V3 ships one without its MLA: every tp rank holds and runs it whole)."""
+    from meshlab.parallel.tensor import model_plan
+    from meshlab.parallel.tensor_styles import name_matches
+
+    try:
+        plan = tp_plan or model_plan(model)
+    except ValueError:  # no plan: refused where tp is used, with the fix
+        return []
+    attention = next((name for name, module in model.named_modules()
+                      if type(module).__name__.endswith("Attention")), None)
+    if attention is None:
+        return []
+    names = [f"{attention}.{n}" for n, _ in model.get_submodule(attention).named_modules() if n]
+    # a plan names modules from the model or from its base model (transformers' two plans)
+    split = any(name_matches(p, n) or name_matches(p, n.partition(".")[2])
+                for p in plan for n in names)
+    return [] if split else ["attention"]
 
 
 def _meshlab_factory(shape: ModelShape, seq: int) -> Callable[[], nn.Module]:

@@ -69,6 +69,9 @@ class DryRun:
     ranks: list[RankRun]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    tp_whole: list[str] = field(default_factory=list)
+    """What the model's TP plan leaves whole on every tp rank ("attention"), beside the
+    planner's split."""
     kernels: str = "fused"
     """Whose memory the activations are: "fused" kernels' (meshlab.dry_run.fused_memory) or the
     code's op by op ("eager")."""

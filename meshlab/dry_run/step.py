@@ -33,6 +33,7 @@ from meshlab.dry_run.fake_world import (
     step_tracker,
     without_peers,
 )
+from meshlab.dry_run.fused_attention import causal_without_mask
 from meshlab.dry_run.fused_memory import fused_memory
 from meshlab.dry_run.report import RankRun, Traffic
 from meshlab.measure.comms import CommRecord, CommTracer
@@ -90,8 +91,9 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.size)
     quiet = warnings.catch_warnings()
     quiet.__enter__()
-    known = values_known()  # from the first forward on: parallelize probes one
-    known.__enter__()
+    known = contextlib.ExitStack()  # from the first forward on: parallelize probes one
+    known.enter_context(values_known())
+    known.enter_context(causal_without_mask())
     # FSDP warns on every root forward of a model returning a view of its output (meshlab's
     # Transformer returns its logits): once per rank and micro-batch, nothing to act on here
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")

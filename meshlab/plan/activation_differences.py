@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlab.plan import moe_activation_differences as moe_terms
+from meshlab.plan import transformers_moe_differences as transformers_moe
 from meshlab.plan.memory import layer_bytes, loss_bytes
 from meshlab.plan.pipeline import inflight_of
 
@@ -21,15 +22,20 @@ HAND_WRITTEN = ("not compared for a hand-written model: its shape is read from i
                 "reconciled with the planner's")
 
 
+TRANSFORMERS_MOE_UNSPLIT = (
+    "not compared for transformers' MoE layers without expert parallelism: every expert on "
+    "every rank, FSDP2's units and the experts' backward not yet reconciled (under ep they "
+    "are: transformers_moe_differences)")
+
+
 def not_reconciled(known: Differences) -> str:
     """Why the activations row of ``known``'s rank is not compared ("" where it is): the
     layouts whose activations these terms do not yet account for."""
     lay, m = known.layout, known.model
     if known.dry.family == "other":
         return HAND_WRITTEN
-    if m.experts and known.dry.family != "meshlab":
-        return ("not compared for transformers' MoE layers: its grouped experts' working "
-                "set is not yet reconciled (meshlab's MoE is: moe_activation_differences)")
+    if m.experts and known.dry.family != "meshlab" and lay.ep == 1:
+        return TRANSFORMERS_MOE_UNSPLIT
     if known.mixed and not known.fsdp:
         return ("not compared under autocast (16-bit compute without FSDP2): the 16-bit copy "
                 "of every weight it keeps for each micro-batch in flight and its fp32 "
@@ -90,13 +96,15 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                         -inflight * boundary * len(fed) / len(known.run.stages)))
     kept = []  # beside Korthikanti's count, per layer and micro-batch
     kept.append(("FlashAttention's log-sum-exp, fp32 per query head and token",
-                 4.0 * m.heads / lay.tp * tokens))
+                 4.0 * transformers_moe.attention_heads(known) * tokens))
     kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",
                  2 * 4.0 * tokens / (lay.tp if sp else 1)))
     moe = m.experts and known.dry.family == "meshlab"
     if moe:
         share = (m.layers - m.dense_layers) / m.layers  # as moe_routed_bytes averages
         kept += [(what, b * share) for what, b in moe_terms.held_terms(known, tokens)]
+    elif m.experts:
+        kept += transformers_moe.held_terms(known, tokens)
     # under full recomputation only the layer being recomputed keeps them
     out += [(what, b * (1 if full else layers * inflight)) for what, b in kept]
     ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
@@ -118,10 +126,31 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
     # recomputed, a layer saves its all only in its own backward: not yet at the loss's,
     # no more at the embedding's
     away = one_layer - per_layer if full else 0.0
-    peak = max(mlp, loss + ends - away, embedding - away)
+    # without FSDP or tp, the output projection's backward after the loss's: the logits'
+    # fp32 gradient (and the logits a stage keeps), its weight's gradient before .grad
+    # takes it, and its input's
+    head = (tokens * m.vocab * (4 + (act if lay.pp > 1 else 0))
+            + m.vocab * m.hidden * (4.0 if known.mixed else dt.grads) + tokens * m.hidden * act
+            if known.last and lay.tp == 1 and not known.fsdp else 0.0)
+    # a stage before the last under ep: the last micro-batch in flight's forward, at its
+    # last MoE layer's combine, before any of their backwards took the gradient buffers
+    forward = 0.0
+    if m.experts and not moe and not known.last and not full:
+        combine = transformers_moe.combine_transient(known, tokens)
+        outputs = (inflight - 1) * 2 * boundary  # earlier micro-batches' outputs, and sent
+        unreceived = -inflight * boundary if received else 0.0
+        forward = combine + outputs + unreceived if combine else 0.0
+    peak = max(mlp, loss + ends - away, head + ends - away, embedding - away, forward)
     if full and peak != mlp:
         out.append(("the layer recomputed in its backward, not there then", -away))
-    if peak == loss + ends - away:  # without loss_parallel the planner counts it as torch does
+    if peak == head + ends - away:
+        out.append(("the final norm's and the output projection's inputs, saved for the "
+                    "loss's backward", ends))
+        out.append(("the output projection's backward: the logits' fp32 gradient"
+                    + (" and the logits the stage keeps" if lay.pp > 1 else "")
+                    + ", its weight's gradient (before .grad takes it) and its input's",
+                    head - logits))
+    elif peak == loss + ends - away:  # without loss_parallel the planner counts it as torch does
         out.append(("the final norm's and the output projection's inputs, saved for the "
                     "loss's backward", ends))
         if lay.loss_parallel:
@@ -130,6 +159,17 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                         + (", and the logits the stage keeps" if lay.pp > 1 else "")
                         + f" ({logit:g} bytes a logit; the planner counts 8 over tp)",
                         loss - logits))
+    elif peak == forward:
+        out.append(("the last micro-batch in flight's forward at its last MoE layer's "
+                    "combine: the pairs sent and arrived, the experts' outputs and them "
+                    "weighted, the sum they go into; its shared experts not yet run "
+                    "(transformers_moe_differences.combine_transient)", combine))
+        if outputs:
+            out.append(("each earlier micro-batch in flight's output, and a second tensor of "
+                        "its size the dry run's send holds", outputs))
+        if unreceived:
+            out.append(("the output gradients not yet received for micro-batches in flight",
+                        unreceived))
     elif peak == embedding - away:
         out.append(("the embedding's gradient (its tp rows), before FSDP takes it, its "
                     "micro-batch's layers freed", embedding - logits * known.last))

@@ -39,19 +39,30 @@ class Differences:
         self.layout, self.model, self.dt = lay, m, lay.dtypes
         self.stage = Stage(m, lay, est.hardware)
         self.first, self.last = 0 in run.stages, dry.stages - 1 in run.stages
-        self.layers = sum((s + 1) * m.layers // dry.stages - s * m.layers // dry.stages
-                          for s in run.stages)
+        held = [i for s in run.stages
+                for i in range(s * m.layers // dry.stages, (s + 1) * m.layers // dry.stages)]
+        self.layers = len(held)
+        # an MoE model's first layers with a plain feed-forward (DeepSeek's) on this rank
+        self.dense_layers = sum(i < m.dense_layers for i in held) if m.experts else 0
         self.tokens = lay.micro_batch * (m.seq_len // lay.cp)
         self.act = float(self.tokens * m.hidden * self.dt.activations)
         root = m.vocab * m.hidden * self.first + m.hidden * self.last
         if self.last and not (m.tied_embeddings and self.first):
             root += m.vocab * m.hidden
         self.root = root / lay.tp
-        expert = m.experts * m.expert_params * self.layers / lay.tp / lay.ep if m.experts else 0
+        experts = m.experts * m.expert_params
+        moe_layers = self.layers - self.dense_layers
+        expert = experts * moe_layers / lay.tp / lay.ep if m.experts else 0
+        self.experts = float(expert)  # this rank's routed experts' elements
         # meshlab's own MoE is not split by tp: each tp rank holds its ep share whole
         self.whole_experts = expert * (lay.tp - 1) if dry.family == "meshlab" else 0.0
-        dense_layer = m.layer_params - (m.experts * m.expert_params if m.experts else 0)
-        self.params = self.layers * dense_layer / lay.tp + self.root + expert
+        dense_layer = m.layer_params - (experts if m.experts else 0)  # beside its experts
+        self.params = ((self.layers * dense_layer
+                        + self.dense_layers * (experts - m.dense_layer_saving)) / lay.tp
+                       + self.root + expert)
+        # a TP plan that leaves the attention whole (transformers' DeepSeek-V3)
+        self.whole_attention = (m.attention_params * self.layers * (1 - 1 / lay.tp)
+                                if "attention" in dry.tp_whole else 0.0)
         self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
         self.ddp = lay.zero <= 1 and lay.dp * lay.cp > 1 and lay.ep == 1
         self.mixed = lay.precision != "fp32"  # meshlab: fp32 weights, gradients reduced in fp32
@@ -113,7 +124,22 @@ class Differences:
         elif axis == "ep":
             out += self.ep_terms(planner)
         elif lay.ep > 1 and axis not in ("cp", "pp"):
-            if "dp_shard_mod_ep" in axis and self.whole_experts:
+            # the experts' gradients are reduced over the ep groups' replicas, the rest over
+            # every data-parallel rank
+            experts = "dp_shard_mod_ep" in axis
+            dense, routed = self.stage.params
+            mine = self.experts if experts else self.params - self.experts
+            if abs(mine - (routed if experts else dense)) > 0.5:
+                out.append(("this rank's stage holds its own share of the parameters, the "
+                            "planner's busiest stage more",
+                            planner * (mine / (routed if experts else dense) - 1)))
+                planner *= mine / (routed if experts else dense)
+            if self.whole_attention and not experts:
+                out.append((f"{self.dry.model}'s TP plan leaves the attention whole: its "
+                            "gradients are all-reduced whole",
+                            planner * self.whole_attention / mine))
+                planner *= 1 + self.whole_attention / mine
+            if experts and self.whole_experts:
                 out.append(("meshlab's MoE is not split by tp: its experts' gradients are "
                             "all-reduced whole", planner * (lay.tp - 1)))
                 planner *= lay.tp
@@ -142,10 +168,12 @@ class Differences:
 
     def ep_terms(self, planner: float) -> list[tuple[str, float]]:
         lay, out = self.layout, []
-        if self.layers != self.stage.layers:
-            out.append((f"this rank holds {self.layers} layers, the planner's busiest stage "
-                        f"{self.stage.layers}", planner * (self.layers / self.stage.layers - 1)))
-            planner *= self.layers / self.stage.layers
+        moe = self.layers - self.dense_layers
+        if moe != self.stage.layers:
+            dense = f" ({self.dense_layers} with a plain feed-forward)" if self.dense_layers else ""
+            out.append((f"this rank holds {moe} MoE layers{dense}, the planner's busiest "
+                        f"stage {self.stage.layers}", planner * (moe / self.stage.layers - 1)))
+            planner *= moe / self.stage.layers
         if lay.tp > 1:
             out.append(("the MoE routes the whole sequence on every tp rank (meshlab's gathers "
                         "it from sequence parallelism): tp times the tokens",
@@ -209,10 +237,19 @@ class Differences:
             out.append(("autocast keeps the residual stream in fp32: what crosses tp from the "
                         "embedding and the norms (or back to them) is fp32",
                         fp32 * self.act * mb * (4 / dt.activations - 1)))
+        moe = self.layers - self.dense_layers
         if m.experts and self.dry.family == "transformers" and not sp:
             out.append(("transformers' experts hold gate and up in one weight (gate_up_proj): "
                         "one all-reduce of their input gradient, not two",
-                        -1.0 * self.layers * self.act * mb))
+                        -1.0 * moe * self.act * mb))
+            if m.shared_ffn:
+                out.append(("transformers' shared experts are an MLP of their own: its output "
+                            "all-reduced, and its gate's and up's input gradients",
+                            3.0 * moe * self.act * mb))
+        if self.whole_attention and not sp:
+            out.append((f"{self.dry.model}'s TP plan leaves the attention whole: nothing "
+                        "crosses tp around it (its output, q's, k's and v's input gradients)",
+                        -4.0 * self.layers * self.act * mb))
         if self.whole_experts and sp:
             again = lay.sp_regather  # and keeps what it gathered: nothing to gather again
             out.append(("meshlab's MoE gathers the whole sequence in each way and hands back "
@@ -246,6 +283,11 @@ class Differences:
                         "experts whole" + (", and FSDP2 gathers and reduce-scatters them whole"
                                            if name == "buffers" else ""),
                         planner * (whole - 1)))
+            planner *= whole
+        if self.whole_attention and name in ("params", "grads", "optimizer"):
+            whole = (self.params + self.whole_attention) / self.params
+            out.append((f"{self.dry.model}'s TP plan leaves the attention whole on every tp "
+                        "rank", planner * (whole - 1)))
             planner *= whole
         if name in ("params", "grads", "optimizer") and self.pad_shard > 1 + 1e-9:
             extra = planner * (self.pad_shard - 1)

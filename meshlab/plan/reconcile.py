@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshlab.plan.activation_differences import HAND_WRITTEN, not_reconciled
+from meshlab.plan.activation_differences import (
+    HAND_WRITTEN,
+    TRANSFORMERS_MOE_UNSPLIT,
+    not_reconciled,
+)
 from meshlab.plan.differences import NOT_COMPARED, Differences, axis_name, signed
 from meshlab.plan.estimate import Estimate, estimate
 from meshlab.plan.hardware import HARDWARE, Hardware
@@ -143,6 +147,9 @@ def _row(known: Differences, what: str, name: str, dry_run: int, planner: float,
         why = NOT_COMPARED if known.dry.kernels != "fused" else not_reconciled(known)
     elif what == "memory" and name == "buffers" and known.dry.family == "other":
         why = HAND_WRITTEN
+    elif (what == "memory" and name == "buffers" and known.fsdp and known.model.experts
+          and known.dry.family == "transformers"):
+        why = TRANSFORMERS_MOE_UNSPLIT
     if why:
         terms = [(why, 0.0)]
     return Row(rank=known.run.rank, what=what, name=name, dry_run=dry_run, planner=planner,

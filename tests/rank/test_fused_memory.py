@@ -157,3 +157,34 @@ def test_real_tensors_are_saved_as_they_are() -> None:
             model(x).float().square().mean().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g, strict=True))
+
+
+def deepseek_step_held(seq: int) -> int:
+    """Bytes a one-layer DeepSeek-V3 (transformers', multi-head latent attention: values
+    narrower than queries and keys) keeps after its forward on fake tensors, as a dry run
+    runs it."""
+    import transformers
+
+    from meshlab.dry_run.fused_attention import causal_without_mask
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=512, vocab_size=512, q_lora_rank=128, kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=1,
+        max_position_embeddings=4 * SEQ)
+    with fake(), causal_without_mask():
+        model = transformers.DeepseekV3ForCausalLM(config)
+        ids = torch.randint(0, 512, (BATCH, seq))
+        positions = torch.arange(seq)[None].expand(BATCH, seq)  # as a pipeline stage's
+        return held_after_forward(model, ids, position_ids=positions, use_cache=False,
+                                  fused=True)
+
+
+def test_latent_attention_keeps_what_a_fused_kernel_does_with_no_mask() -> None:
+    """torch's CPU kernel cannot take values narrower than the queries (MLA's) and runs the
+    math path, keeping every score; transformers, given fake positions, builds a sequence x
+    sequence mask a training step does not have. Under the dry run's contexts neither is
+    kept: what the step holds grows with the sequence linearly (beside a few bytes per
+    step, the kernel's random seed and offset), as a fused kernel's does."""
+    held = [deepseek_step_held(n * SEQ) for n in (1, 2, 3)]
+    assert held[2] - held[1] == held[1] - held[0]
