@@ -253,14 +253,12 @@ class StepTracker(_CategoryPeaks, GradientsInGrad, MemTracker):
         from torch._subclasses.fake_tensor import FakeTensor
 
         first = args[0] if args else None
-        if isinstance(first, (list, tuple)) and first:  # a collective's tensors
-            first = first[0]
+        first = first[0] if isinstance(first, (list, tuple)) and first else first  # collectives'
         if (type(first) is not DTensor and isinstance(first, torch.Tensor)
                 and (func._schema.is_mutable or not isinstance(first, FakeTensor))
                 and first.untyped_storage() not in self._WINFO):
-            # written in place, viewed or reduced, allocated before the step (DDP's buckets,
-            # real tensors its reducer made, which ddp_without_peers counts; their fake
-            # copies would each count a whole bucket again): not a temporary of the backward
+            # written, viewed or reduced, made before the step (DDP's buckets, real tensors
+            # ddp_without_peers counts, whose fake copies would count each bucket again)
             out = func(*args, **(kwargs or {}))
             if self.comms is not None:  # DDP's all-reduce still moves its bytes
                 self.comms.observe(func, args, kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshlab.mesh import AXES
+from meshlab.plan import axis_differences as axis_terms
 from meshlab.plan import fsdp_padding as padding
 from meshlab.plan.activation_differences import activation_terms
 from meshlab.plan.buffer_differences import buffer_terms
@@ -120,9 +121,9 @@ class Differences:
                             "gathered in fp32", (planner - gathered) * self.widen
                             + gathered * (4 / dt.params - 1)))
         elif axis == "tp":
-            out += self.tp_terms(planner)
+            out += axis_terms.tp_terms(self, planner)
         elif axis == "ep":
-            out += self.ep_terms(planner)
+            out += axis_terms.ep_terms(self, planner)
         elif lay.ep > 1 and axis not in ("cp", "pp"):
             # the experts' gradients are reduced over the ep groups' replicas, the rest over
             # every data-parallel rank
@@ -166,31 +167,6 @@ class Differences:
                         "the loss is broadcast", hop * mb * one_way + 8 - planner))
         return [(t, b) for t, b in out if abs(b) > 0.5]
 
-    def ep_terms(self, planner: float) -> list[tuple[str, float]]:
-        lay, out = self.layout, []
-        moe = self.layers - self.dense_layers
-        if moe != self.stage.layers:
-            dense = f" ({self.dense_layers} with a plain feed-forward)" if self.dense_layers else ""
-            out.append((f"this rank holds {moe} MoE layers{dense}, the planner's busiest "
-                        f"stage {self.stage.layers}", planner * (moe / self.stage.layers - 1)))
-            planner *= moe / self.stage.layers
-        if lay.tp > 1:
-            out.append(("the MoE routes the whole sequence on every tp rank (meshlab's gathers "
-                        "it from sequence parallelism): tp times the tokens",
-                        planner * (lay.tp - 1)))
-            planner *= lay.tp
-        if self.mixed and self.dry.family == "meshlab":
-            # the tokens and their gradients leave in the stream's dtype, the experts' outputs
-            # and theirs return in the matmuls' bf16: half the calls in fp32
-            out.append(("autocast keeps the residual stream in fp32: tokens are dispatched "
-                        "(and their gradients return) in fp32", planner / 2
-                        * (4 / self.dt.activations - 1)))
-        elif self.mixed:
-            out.append(("autocast keeps the residual stream in fp32, and transformers' grouped "
-                        "experts compute in their weights' fp32: every all-to-all is fp32",
-                        planner * (4 / self.dt.activations - 1)))
-        return out
-
     def padded_traffic(self) -> float:
         """What FSDP2's padding makes of its traffic: blocks and the root unit each padded
         their own way, weighted by what moves of each (ZeRO-3 gathers a block twice a
@@ -201,66 +177,6 @@ class Differences:
         blocks = (self.params - self.root) * ((2 if twice else 1) * dt.params + reduced)
         root = self.root * (dt.params + reduced)
         return (blocks * self.pad_layer + root * self.pad_root) / (blocks + root)
-
-    def tp_terms(self, planner: float) -> list[tuple[str, float]]:
-        lay, m, dt, mb = self.layout, self.model, self.dt, self.layout.microbatches
-        out: list[tuple[str, float]] = []
-        if self.layers != self.stage.layers:
-            out.append((f"this rank holds {self.layers} layers, the planner's busiest stage "
-                        f"{self.stage.layers}", planner * (self.layers / self.stage.layers - 1)))
-        sp = lay.sequence_parallel
-        ends = self.first + self.last
-        if ends:
-            out.append(("the embedding's output and the output projection's input cross tp "
-                        "too", (2 if sp else 1) * ends * self.act * mb))
-        if self.last:
-            out.append(("the logits are gathered whole on every tp rank (no loss parallel)",
-                        float(mb * self.tokens * m.vocab * dt.activations)))
-        if sp:
-            norms = 2 * self.layers + self.last
-            size = 4.0 if self.mixed and not self.fsdp else dt.grads  # autocast: fp32 weights
-            out.append(("the sequence-parallel norms' weight gradients are all-reduced",
-                        float(norms * m.hidden * size)))
-        else:
-            out.append(("torch reduces each column-parallel projection's input gradient on its "
-                        "own (q, k, v; gate, up): 5 all-reduces a layer's backward, where "
-                        "Megatron's fused projections do 2", 3.0 * self.layers * self.act * mb))
-        if self.mixed and not self.fsdp:
-            # autocast: the residual stream (embedding, norms) stays fp32; only the matmuls'
-            # outputs and their gradients are bf16
-            # without sp: q, k, v's input gradients, and the MLP's two (gate and up; a
-            # transformers MoE's output and its gate_up's input gradient, all fp32)
-            fp32 = (2 * (2 * self.layers + ends) if sp else
-                    self.layers * (3 + (0 if self.whole_experts else 2)) + ends)
-            if sp and lay.sp_regather:  # the parts gathered again (an MoE keeps its whole)
-                fp32 += self.layers * (1 if self.whole_experts else 2)
-            out.append(("autocast keeps the residual stream in fp32: what crosses tp from the "
-                        "embedding and the norms (or back to them) is fp32",
-                        fp32 * self.act * mb * (4 / dt.activations - 1)))
-        moe = self.layers - self.dense_layers
-        if m.experts and self.dry.family == "transformers" and not sp:
-            out.append(("transformers' experts hold gate and up in one weight (gate_up_proj): "
-                        "one all-reduce of their input gradient, not two",
-                        -1.0 * moe * self.act * mb))
-            if m.shared_ffn:
-                out.append(("transformers' shared experts are an MLP of their own: its output "
-                            "all-reduced, and its gate's and up's input gradients",
-                            3.0 * moe * self.act * mb))
-        if self.whole_attention and not sp:
-            out.append((f"{self.dry.model}'s TP plan leaves the attention whole: nothing "
-                        "crosses tp around it (its output, q's, k's and v's input gradients)",
-                        -4.0 * self.layers * self.act * mb))
-        if self.whole_experts and sp:
-            again = lay.sp_regather  # and keeps what it gathered: nothing to gather again
-            out.append(("meshlab's MoE gathers the whole sequence in each way and hands back "
-                        "its part: no reduce-scatter around it"
-                        + (", and no re-gather in the backward" if again else ""),
-                        -(3.0 if again else 2.0) * self.layers * self.act * mb))
-        elif self.whole_experts:
-            out.append(("meshlab's MoE is not split by tp: nothing is all-reduced around it "
-                        "(no gate and up input gradients either)",
-                        -3.0 * self.layers * self.act * mb))
-        return out
 
     # -- memory ---------------------------------------------------------------------------
 
