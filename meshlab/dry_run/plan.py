@@ -173,7 +173,8 @@ def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | 
                   tp_plan: Mapping[str, Any] | None = None
                   ) -> tuple[Callable[[], nn.Module], ModelShape | None, str, str, list[str]]:
     """(factory, the planner's shape of it or None, a name, whose code: meshlab,
-    transformers or other, what its TP plan (``tp_plan``, else its own) leaves whole)."""
+    transformers or other, what its attention does beside the planner's count, its TP plan
+    ``tp_plan`` or its own: ``attention_facts``)."""
     if isinstance(model, (str, ModelShape)):
         shape = model_shape(model)
         return (_meshlab_factory(shape, seq or shape.seq_len), shape, shape.name, "meshlab",
@@ -189,29 +190,32 @@ def model_factory(model: Callable[[], nn.Module] | ModelShape | str, seq: int | 
         probe = model()
     family = ("meshlab" if isinstance(probe, Transformer) else "transformers"
               if type(probe).__module__.startswith("transformers.") else "other")
-    whole = left_whole(probe, tp_plan) if family == "transformers" else []
-    return model, shape_of(probe, seq), type(probe).__name__, family, whole
+    facts = attention_facts(probe, tp_plan) if family == "transformers" else []
+    return model, shape_of(probe, seq), type(probe).__name__, family, facts
 
 
-def left_whole(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> list[str]:
-    """["attention"] where the TP plan splits none of a block's attention (transformers'
-    DeepSeek-V3 ships one without its MLA: every tp rank holds and runs it whole)."""
+def attention_facts(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> list[str]:
+    """What a block's attention does beside the planner's count: "whole" where the TP plan
+    splits none of it (transformers' DeepSeek-V3 ships one without its MLA: every tp rank
+    holds and runs it whole), "qk_norm" where it normalizes its queries and keys per head
+    (Qwen3's, OLMo2's: the projections' outputs are kept for those norms)."""
     from meshlab.parallel.tensor import model_plan
     from meshlab.parallel.tensor_styles import name_matches
 
-    try:
-        plan = tp_plan or model_plan(model)
-    except ValueError:  # no plan: refused where tp is used, with the fix
-        return []
     attention = next((name for name, module in model.named_modules()
                       if type(module).__name__.endswith("Attention")), None)
     if attention is None:
         return []
     names = [f"{attention}.{n}" for n, _ in model.get_submodule(attention).named_modules() if n]
+    facts = ["qk_norm"] if {"q_norm", "k_norm"} <= {n.rpartition(".")[2] for n in names} else []
+    try:
+        plan = tp_plan or model_plan(model)
+    except ValueError:  # no plan: refused where tp is used, with the fix
+        return facts
     # a plan names modules from the model or from its base model (transformers' two plans)
     split = any(name_matches(p, n) or name_matches(p, n.partition(".")[2])
                 for p in plan for n in names)
-    return [] if split else ["attention"]
+    return facts if split else ["whole", *facts]
 
 
 def _meshlab_factory(shape: ModelShape, seq: int) -> Callable[[], nn.Module]:

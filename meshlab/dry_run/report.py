@@ -72,6 +72,9 @@ class DryRun:
     tp_whole: list[str] = field(default_factory=list)
     """What the model's TP plan leaves whole on every tp rank ("attention"), beside the
     planner's split."""
+    qk_norm: bool = False
+    """Whether its attention normalizes queries and keys per head (Qwen3's), keeping the
+    projections' outputs beside the planner's count."""
     kernels: str = "fused"
     """Whose memory the activations are: "fused" kernels' (meshlab.dry_run.fused_memory) or the
     code's op by op ("eager")."""

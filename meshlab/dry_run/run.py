@@ -109,7 +109,7 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                        "fewest 1F1B takes; a real run uses more to shrink the bubble: add m=)")
     if world_size is not None:
         spec.check(world_size)  # the mesh's own error, naming the product and the fix
-    build, shape, name, family, whole = model_factory(model, seq, plan.tp_plan if plan else None)
+    build, shape, name, family, facts = model_factory(model, seq, plan.tp_plan if plan else None)
     seq = seq or (shape.seq_len if shape else None)
     if seq is None:
         raise ValueError(f"seq=None: give the sequence length for {name}, e.g. seq=4096")
@@ -179,7 +179,8 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                   family=family, shape=dataclasses.asdict(shape) if shape else None,
                   batch=rows, seq=seq, stages=schedule.stages if schedule else 1,
                   hardware=hw.name if hw else None, ranks=runs,
-                  tp_whole=whole if lay.tp > 1 else [], seconds=time.perf_counter() - started,
+                  tp_whole=["attention"] if "whole" in facts and lay.tp > 1 else [],
+                  qk_norm="qk_norm" in facts, seconds=time.perf_counter() - started,
                   notes=notes, kernels=kernels)
 
 

@@ -99,6 +99,11 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                  4.0 * transformers_moe.attention_heads(known) * tokens))
     kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",
                  2 * 4.0 * tokens / (lay.tp if sp else 1)))
+    if known.dry.qk_norm:  # per head: the projections' outputs, and a statistic each
+        heads = transformers_moe.attention_heads(known) * (1 + m.n_kv_heads / m.heads)
+        kept.append(("the attention's query and key norms keep the projections' outputs and "
+                     "an fp32 statistic per head and token",
+                     tokens * heads * (m.head_width * act + 4.0)))
     moe = m.experts and known.dry.family == "meshlab"
     if moe:
         share = (m.layers - m.dense_layers) / m.layers  # as moe_routed_bytes averages
@@ -107,6 +112,10 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
         kept += transformers_moe.held_terms(known, tokens)
     # under full recomputation only the layer being recomputed keeps them
     out += [(what, b * (1 if full else layers * inflight)) for what, b in kept]
+    if known.dry.family == "transformers":  # the model's, once a micro-batch and stage
+        rope = m.rope_head_dim or m.head_width
+        out.append(("transformers' rotary angles, cos and sin, computed once a micro-batch",
+                    inflight * len(known.run.stages) * 2 * tokens * rope * act))
     ffn = m.ffn * (m.top_k if m.experts else 1) / lay.tp
     # what a layer saved, one micro-batch (recomputed: all it saves, its input counted)
     one_layer = (recomputed if full else per_layer) + sum(b for _, b in kept)
