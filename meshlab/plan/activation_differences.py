@@ -96,11 +96,11 @@ def activation_terms(known: Differences, planner: float) -> list[tuple[str, floa
                         -inflight * boundary * len(fed) / len(known.run.stages)))
     kept = []  # beside Korthikanti's count, per layer and micro-batch
     kept.append(("FlashAttention's log-sum-exp, fp32 per query head and token",
-                 4.0 * transformers_moe.attention_heads(known) * tokens))
+                 4.0 * known.heads * tokens))
     kept.append(("a fused norm's statistic, fp32 per token (two norms a layer)",
                  2 * 4.0 * tokens / (lay.tp if sp else 1)))
     if known.dry.qk_norm:  # per head: the projections' outputs, and a statistic each
-        heads = transformers_moe.attention_heads(known) * (1 + m.n_kv_heads / m.heads)
+        heads = known.heads * (1 + m.n_kv_heads / m.heads)
         kept.append(("the attention's query and key norms keep the projections' outputs and "
                      "an fp32 statistic per head and token",
                      tokens * heads * (m.head_width * act + 4.0)))

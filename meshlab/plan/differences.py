@@ -61,9 +61,12 @@ class Differences:
         self.params = ((self.layers * dense_layer
                         + self.dense_layers * (experts - m.dense_layer_saving)) / lay.tp
                        + self.root + expert)
-        # a TP plan that leaves the attention whole (transformers' DeepSeek-V3)
+        # a TP plan that leaves the attention whole (transformers' DeepSeek-V3): the query
+        # heads this tp rank runs, and the weights it holds beyond its split
+        unsplit = "attention" in dry.tp_whole
+        self.heads = m.heads / (1 if unsplit else lay.tp)
         self.whole_attention = (m.attention_params * self.layers * (1 - 1 / lay.tp)
-                                if "attention" in dry.tp_whole else 0.0)
+                                if unsplit else 0.0)
         self.fsdp = lay.zero >= 2 and lay.shard_group > 1 and lay.ep == 1
         self.ddp = lay.zero <= 1 and lay.dp * lay.cp > 1 and lay.ep == 1
         self.mixed = lay.precision != "fp32"  # meshlab: fp32 weights, gradients reduced in fp32
@@ -130,11 +133,11 @@ class Differences:
             experts = "dp_shard_mod_ep" in axis
             dense, routed = self.stage.params
             mine = self.experts if experts else self.params - self.experts
-            if abs(mine - (routed if experts else dense)) > 0.5:
+            planned = routed if experts else dense
+            if abs(mine - planned) > 0.5:
                 out.append(("this rank's stage holds its own share of the parameters, the "
-                            "planner's busiest stage more",
-                            planner * (mine / (routed if experts else dense) - 1)))
-                planner *= mine / (routed if experts else dense)
+                            "planner's busiest stage more", planner * (mine / planned - 1)))
+                planner *= mine / planned
             if self.whole_attention and not experts:
                 out.append((f"{self.dry.model}'s TP plan leaves the attention whole: its "
                             "gradients are all-reduced whole",

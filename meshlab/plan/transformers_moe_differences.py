@@ -18,13 +18,6 @@ if TYPE_CHECKING:
     from meshlab.plan.differences import Differences
 
 
-def attention_heads(known: Differences) -> float:
-    """The query heads this tp rank's attention runs: all of them where the model's TP plan
-    leaves the attention whole."""
-    whole = "attention" in known.dry.tp_whole
-    return known.model.heads / (1 if whole else known.layout.tp)
-
-
 def held_terms(known: Differences, tokens: float) -> list[tuple[str, float]]:
     """Per layer of this rank's (averaged over them) and micro-batch in flight, what a
     transformers MoE model keeps beyond the planner's count."""
@@ -35,7 +28,7 @@ def held_terms(known: Differences, tokens: float) -> list[tuple[str, float]]:
     share = (m.layers - m.dense_layers) / m.layers  # the planner's routed average
     out = []
     if m.kv_lora_rank:
-        n = attention_heads(known)
+        n = known.heads
         qk, v, rope = m.head_width, m.v_head_dim or m.head_width, m.rope_head_dim
         kv, q_lora = m.kv_lora_rank, m.q_lora_rank
         # the latents and their norms' outputs, keys' nope part and values as kv_b projects
