@@ -79,6 +79,17 @@ def deepseek_like() -> Any:
         qk_nope_head_dim=64, v_head_dim=64, vocab_size=8192, max_position_embeddings=4096))
 
 
+def memory_and_bytes(run: Any) -> list[Row]:
+    """Every memory category's and every axis's row, each comparable and within 1% of the
+    planner once the named differences apply."""
+    rows = [r for r in planner_beside(run) if r.name in CATEGORIES or r.what == "bytes"]
+    assert rows and all(r.comparable for r in rows)
+    off = {(r.rank, r.name): (r.dry_run, round(r.explained), r.difference) for r in rows
+           if abs(r.explained - r.dry_run) > 0.01 * max(r.dry_run, 2**20)}
+    assert not off
+    return rows
+
+
 # expert parallelism beside tp and a pipeline (1F1B's first stage peaks in a forward, at
 # the exchange), beside a pipeline alone, and alone (the output projection's backward)
 DEEPSEEK_EP = ["pp=2 tp=2 dp_shard=8 ep=4 m=2 precision=fp32",
@@ -92,11 +103,7 @@ def test_deepseek_like_matches_the_planner_under_expert_parallelism(layout: str)
     1% holds them where a term the size of the router's indices could not hide)."""
     run = dryrun(deepseek_like, layout, seq=512, workers=1)
     assert run.tp_whole == (["attention"] if "tp=2" in layout else [])
-    rows = [r for r in planner_beside(run) if r.name in CATEGORIES or r.what == "bytes"]
-    assert rows and all(r.comparable for r in rows)
-    off = {(r.rank, r.name): (r.dry_run, round(r.explained), r.difference) for r in rows
-           if abs(r.explained - r.dry_run) > 0.01 * max(r.dry_run, 2**20)}
-    assert not off
+    rows = memory_and_bytes(run)
     activations = [r for r in rows if r.name == "activations"]
     assert all(abs(r.planner - r.dry_run) > 0.05 * r.dry_run for r in activations)
     assert all("multi-head latent attention" in r.difference for r in activations)
@@ -120,11 +127,7 @@ def test_qwen3_moe_matches_the_planner_under_ep_tp_and_a_pipeline() -> None:
     counted); transformers' rotary angles are kept once a micro-batch."""
     run = dryrun(qwen3_moe_like, DEEPSEEK_EP[0], seq=512, workers=1)
     assert run.qk_norm and not run.tp_whole
-    rows = [r for r in planner_beside(run) if r.name in CATEGORIES or r.what == "bytes"]
-    assert rows and all(r.comparable for r in rows)
-    off = {(r.rank, r.name): (r.dry_run, round(r.explained), r.difference) for r in rows
-           if abs(r.explained - r.dry_run) > 0.01 * max(r.dry_run, 2**20)}
-    assert not off
+    rows = memory_and_bytes(run)
     assert all("query and key norms" in r.difference for r in rows if r.name == "activations")
 
 
