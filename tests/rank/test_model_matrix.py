@@ -121,8 +121,9 @@ KNOWN = {
     repr({"family": "OLMoE", "tp": "tp", "pp": "1f1b", "ac": "full", "optimizer": "adamw"}):
         "model.layers.0.mlp.experts.gate_up_proj",
 }
-"""Cases known to part from one process, by what the test shows of them: the parameter
-they part at. Strict: such a case matching, or parting elsewhere, fails the test."""
+"""Cases known to part from one process on some machines, by what the test shows of them:
+the parameter they part at. Such a case parting elsewhere, or failing, fails the test; the
+guide's matrix shows it as parting wherever it ran."""
 
 
 def overflowed(verdict: tuple[Any, ...]) -> bool:
@@ -147,17 +148,20 @@ def test_every_pair_of_options_matches_one_process_or_is_refused_naming_it(
     RESULTS[family] = [(c, v) for (c, _), v in zip(runs, verdicts, strict=True)]
     faults = []
     for (case, expected), verdict in zip(runs, verdicts, strict=True):
-        shown = {k: v for k, v in case.items() if k == "family" or v != OPTIONS[k][0]}
+        shown = shown_of(case)
         if expected is not None:
             pair = [(f, level) for f, level in shown.items() if f != "family"]
             named = any(mentions(verdict[1], f, level) for f, level in pair) if pair else True
             if verdict[0] != "refused" or not named:
                 faults.append(f"{shown}: expected a refusal like {expected[:90]!r}, got "
                               f"{verdict}")
-        elif repr(shown) in KNOWN:  # strict: matching, or parting otherwise, is a fault
-            if verdict[0] != "DIFFERS" or verdict[3] != KNOWN[repr(shown)]:
+        elif repr(shown) in KNOWN:  # parting elsewhere, or failing, is a fault
+            # it parts on some machines of this kind and matches on others (2026-12-01:
+            # 2.1e-16 apart): either, but nothing else
+            if verdict[0] != "ok" and (verdict[0] != "DIFFERS"
+                                       or verdict[3] != KNOWN[repr(shown)]):
                 faults.append(f"{shown} was known to differ at {KNOWN[repr(shown)]}; now "
-                              f"{verdict}: take it out of KNOWN if it matches")
+                              f"{verdict}")
         elif verdict[0] != "ok":
             faults.append(f"{shown}: {verdict}")
         elif case["precision"] != "fp64" and verdict[1] < 1e-7 and not overflowed(verdict):
@@ -174,6 +178,12 @@ START, END = "<!-- model matrix: written by tests/rank/test_model_matrix.py -->"
 COLUMNS = [(f, level) for f, levels in OPTIONS.items() for level in levels[1:]]
 
 
+def shown_of(case: Case) -> dict[str, Any]:
+    """The case as the test names it: its family and the options it does not leave at
+    their first level."""
+    return {k: v for k, v in case.items() if k == "family" or v != OPTIONS[k][0]}
+
+
 def table(results: Mapping[str, list[tuple[Case, tuple[Any, ...]]]]) -> str:
     """Family by option: every case of that family with that option matched one process
     (✓), or it is refused (a numbered reason)."""
@@ -187,10 +197,12 @@ def table(results: Mapping[str, list[tuple[Case, tuple[Any, ...]]]]) -> str:
             reason = re.sub(r"(pp|cp|ep|tp)=\d+", r"\1=N", reason)
             reason = re.sub(r"not yet to \w+", "not yet to this model", reason)
             return f"refused ({notes.setdefault(reason, len(notes) + 1)})"
-        ran = [v for v in mine if v[0] != "refused"]
+        ran = [(c, v) for c, v in results[family] if c[factor] == level and v[0] != "refused"]
         if not ran:
             return "·"
-        return f"✓{len(ran)}" if all(v[0] == "ok" for v in ran) else "✗"
+        # a case KNOWN to part on some machines shows as parting on every one
+        return (f"✓{len(ran)}" if all(v[0] == "ok" and repr(shown_of(c)) not in KNOWN
+                                      for c, v in ran) else "✗")
 
     lines = ["| family | " + " | ".join(f"{f}={level}" for f, level in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
