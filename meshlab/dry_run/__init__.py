@@ -1,7 +1,7 @@
 """A dry run: one step of the user's own code on fake ranks of any world size (run.py), the
 plan a layout means (plan.py), one rank's step (step.py), and what a fake world stands in
-for (fake_world.py, fake_routing.py, fused_memory.py). Imports the strategies, the planner
-and meshlab.measure; only the notebook side imports it.
+for (fake_world.py, fake_peers.py, fake_routing.py, fused_memory.py). Imports the
+strategies, the planner and meshlab.measure; only the notebook side imports it.
 
 ``from meshlab.dry_run import dryrun`` (the path before this package) still works.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from functools import partial
 from types import MethodType
@@ -53,15 +54,15 @@ def values_known() -> Iterator[None]:
     """Within: expert parallelism's exchange is told even sizes (``even_sizes``), and
     transformers' grouped experts run in any dtype on a fake CPU tensor (torch's
     grouped_mm takes bf16 only; other dtypes run transformers' own fallback, the same
-    shapes and memory)."""
+    shapes and memory; where the model imported transformers: importing it costs a worker
+    a second)."""
     from meshlab.parallel import expert
 
     counted = expert.routed_sizes
     expert.routed_sizes = even_sizes
-    try:
+    moe: Any = None
+    if "transformers" in sys.modules:
         from transformers.integrations import moe
-    except ImportError:
-        moe = None  # type: ignore[assignment]
     can = moe._can_use_grouped_mm if moe else None
 
     def bf16_only(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:

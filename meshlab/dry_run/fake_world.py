@@ -1,18 +1,11 @@
-"""What one process needs to run one rank's training step of a world it does not have.
+"""What one process needs to measure one rank's training step of a world it does not have.
 
 A dry run (meshlab.dry_run.run) runs a rank's real program on torch's fake process group and
-fake tensors: collectives return at once and tensors have shapes but no values. Three
-things in a step need what that world lacks, and this module stands in for each:
-
-- Peers' answers: torch's pipeline stages vote with their neighbours and receive the
-  shape of what the previous stage sends (``without_peers``). A stage's input is the
-  hidden state between blocks, whose shape the caller states; the backward's metadata is
-  the gradient of the stage's own outputs, as torch's static mode derives it.
-- Values: a top-k router's choices, and the token counts expert parallelism exchanges,
-  depend on values a fake tensor does not have (meshlab.dry_run.fake_routing).
-- A memory tracker that takes what meshlab builds (``step_tracker``): torch's FSDP tracker
-  takes one FSDP root called once, and a pipeline rank holds several roots, each called
-  once per micro-batch; both trackers also keep each category's own peak.
+fake tensors: collectives return at once and tensors have shapes but no values. What
+stands in for the peers is meshlab.dry_run.fake_peers, for values meshlab.dry_run.fake_routing;
+this module is the memory tracker that takes what meshlab builds (``step_tracker``): torch's
+FSDP tracker takes one FSDP root called once, and a pipeline rank holds several roots, each
+called once per micro-batch; both trackers also keep each category's own peak.
 
 Plain torch, rank side.
 """
@@ -33,6 +26,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from torch import nn
+from torch.distributed._tools import fsdp2_mem_tracker as _fsdp_tracker
+from torch.distributed._tools import mem_tracker as _tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -42,6 +37,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllocMixin,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import SUPPORTED_NODES, tree_map_only
 
 from meshlab.measure.tracked_gradients import GradientsInGrad
 
@@ -96,6 +92,21 @@ class _CategoryPeaks:
         self.peaks, self.group_peaks, self.groups, self.comms = {}, {}, groups, comms
         self.window, self._provisional = None, False
 
+    def __enter__(self) -> Any:
+        # torch's trackers visit an op's outputs with pytree's tree_map_only, which also
+        # builds a mapped copy they drop: a tenth of a large step's time
+        for module in (_fsdp_tracker, _tracker):
+            module.tree_map_only = _visit_tensors  # type: ignore[attr-defined]
+        return super().__enter__()  # type: ignore[misc]
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)  # type: ignore[misc]
+        finally:
+            if not self._depth:  # type: ignore[attr-defined]
+                for module in (_fsdp_tracker, _tracker):
+                    module.tree_map_only = tree_map_only  # type: ignore[attr-defined]
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         if _propagating.depth:  # DTensor's shape inference: no device memory in a real run
@@ -143,6 +154,22 @@ class _CategoryPeaks:
         from meshlab.dry_run.compose import flat
 
         return flat(self.get_tracker_snapshot("peak"))  # type: ignore[attr-defined]
+
+
+def _visit_tensors(kind: type, fn: Any, tree: Any) -> Any:
+    """``fn`` on each tensor in ``tree`` (an op's outputs, a module's inputs), as torch's
+    trackers call ``tree_map_only(torch.Tensor, fn, tree)`` for its calls only."""
+    if isinstance(tree, torch.Tensor):
+        fn(tree)
+    elif isinstance(tree, (tuple, list)):
+        for item in tree:
+            _visit_tensors(kind, fn, item)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _visit_tensors(kind, fn, item)
+    elif type(tree) in SUPPORTED_NODES:  # another container pytree knows (an OrderedDict)
+        tree_map_only(kind, fn, tree)
+    return tree
 
 
 class _FSDPRoots(FSDPModule, nn.ModuleList):
@@ -285,115 +312,3 @@ def step_tracker(modules: Sequence[nn.Module], optimizer: torch.optim.Optimizer,
         return FSDPStepTracker(modules, optimizer, groups["fsdp"], comms)
     return StepTracker(modules, optimizer, groups["plain"], comms)
 
-
-# -- peers: DDP's reducer and the pipeline's handshakes ---------------------------------------
-
-
-def ddp_without_peers(model: nn.Module) -> int:
-    """A DDP model's gradient all-reduce, bucket by bucket, on the fake group (DDP's own
-    hook expects the group's answer, which a fake group does not give); the bytes of its
-    buckets, which DDP allocated when it was built (a copy of the gradients, unless they
-    are views into them): 0 for any other model."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return 0
-
-    import torch.distributed as dist
-
-    def allreduce(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        tensor = bucket.buffer()
-        dist.all_reduce(tensor, group=group)
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(tensor)
-        return done
-
-    # DDP checks a hook's annotations as objects (this module's are strings)
-    allreduce.__annotations__ = {"group": Any, "bucket": dist.GradBucket,
-                                 "return": torch.futures.Future[torch.Tensor]}
-    model.register_comm_hook(model.process_group, allreduce)
-    data = model._get_ddp_logging_data()
-    if data.get("gradient_as_bucket_view"):
-        return 0
-    return sum(int(b) for b in str(data.get("bucket_sizes", "")).split(",") if b.strip())
-
-
-# -- peers: the pipeline's handshakes --------------------------------------------------------
-
-
-@contextlib.contextmanager
-def without_peers(hidden: torch.Size, dtype: torch.dtype) -> Iterator[None]:
-    """torch's pipeline stages run without their neighbours: no vote (the ends infer their
-    metadata, torch's dynamic mode; the stages between are given the hidden state's), a
-    stage's input is a ``hidden`` tensor of ``dtype`` (what one block hands the next), its
-    output gradients those of its outputs; meshlab's executor keeps the step's loss unknown
-    (NaN) instead of reading a fake value."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import (
-        InferenceMode,
-        _derive_grad_metas,
-        _StageBackwardMeta,
-        _StageForwardMeta,
-        _StageMeta,
-        _TensorMeta,
-    )
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-    from meshlab.schedules.execute import Executor
-
-    stride = torch.empty(hidden, device="meta").stride()
-    boundary = _TensorMeta(shape=hidden, stride=stride, dtype=dtype, requires_grad=True)
-
-    def warmup(self: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
-        # a stage between the ends takes and gives the blocks' hidden state: torch's static
-        # mode skips the forward and backward its dynamic mode runs to learn that (seconds
-        # of a large stage); the ends infer theirs (the tokens, the logits), and so does a
-        # stage beside one on this rank, which hands it its metadata
-        dynamic = {s.stage_index for s in stages if s.is_first or s.is_last}
-        mine = {s.stage_index for s in stages}
-        while grown := {n for d in dynamic for n in (d - 1, d + 1) if n in mine} - dynamic:
-            dynamic |= grown
-        for stage in stages:
-            if stage.stage_index in dynamic:
-                stage._inference_mode = InferenceMode.DYNAMIC
-            else:
-                stage._inference_mode = InferenceMode.STATIC
-                stage._user_meta = _StageMeta(inputs=(boundary,), outputs=(boundary,))
-
-    def recv_meta(self: Any, src_stage: int) -> Any:
-        if src_stage < self.stage_index:  # forward: the hidden state the blocks pass on
-            return _StageForwardMeta(forward_metas=(boundary,))
-        return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
-
-    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
-        return None
-
-    original_finish = Executor._finish
-
-    def finish(self: Executor) -> None:
-        from torch._subclasses.fake_tensor import DataDependentOutputException
-
-        try:
-            original_finish(self)
-        except DataDependentOutputException:  # float() of the fake loss, its last line
-            self.loss = float("nan")
-
-    patches: list[tuple[Any, str, Any]] = [
-        (_PipelineScheduleRuntime, "_warmup_p2p", warmup),
-        (PipelineStage, "_recv_meta", recv_meta),
-        (PipelineStage, "_send_meta", send_meta),
-        (Executor, "_finish", finish)]
-    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]
-    try:
-        for owner, name, fn in patches:
-            setattr(owner, name, fn)
-        yield
-    finally:
-        for owner, name, old in saved:
-            if old is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
-
-
-# -- values: routing ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ shapes torch computes on any device. Plain torch, rank side.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,13 +64,13 @@ def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @contextlib.contextmanager
 def causal_without_mask() -> Iterator[None]:
     """Within: transformers skips the causal mask of a step whose position ids are fake, as
-    it does for real ones of one sequence a row (the module's docstring)."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
+    it does for real ones of one sequence a row (the module's docstring). Nothing where the
+    model did not import transformers (importing it costs a worker a second)."""
+    if "transformers" not in sys.modules:
         yield
         return
     from torch._subclasses.fake_tensor import FakeTensor
+    from transformers import masking_utils
 
     packed = masking_utils.find_packed_sequence_indices
 

@@ -13,8 +13,9 @@ sets the planner's prediction beside it.
     >>> run = dryrun("llama3-70b", "pp=4 dp_shard=32 tp=8 schedule=interleaved_1f1b v=2 m=8")
     >>> run.ranks[0].memory["total"] / 2**30
 
-What a fake step cannot know is stood in for (meshlab.dry_run.fake_world): the pipeline's
-handshakes with its neighbours, and a router's choices (every expert gets an equal share).
+What a fake step cannot know is stood in for (meshlab.dry_run.fake_peers): the pipeline's
+handshakes with its neighbours, and (meshlab.dry_run.fake_routing) a router's choices (every
+expert gets an equal share).
 Plain torch, rank side: no IPython, ipyparallel, pandas or altair.
 """
 
@@ -110,6 +111,12 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
     if world_size is not None:
         spec.check(world_size)  # the mesh's own error, naming the product and the fix
     build, shape, name, family, facts = model_factory(model, seq, plan.tp_plan if plan else None)
+    workers = _workers(build, workers)
+    if workers > 1:  # its server imports the rank side while this process plans the ranks
+        from multiprocessing import forkserver
+
+        _pool_context()
+        forkserver.ensure_running()
     seq = seq or (shape.seq_len if shape else None)
     if seq is None:
         raise ValueError(f"seq=None: give the sequence length for {name}, e.g. seq=4096")
@@ -187,24 +194,36 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
 def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
     """Each job's rank, here one after another, or in ``workers`` processes side by side
     (each rank is a world of its own: nothing passes between them)."""
-    import os
 
     from meshlab.dry_run.step import run_rank
 
-    if workers is None:
-        workers = (os.cpu_count() or 1) if _can_send(jobs[0]["build"]) else 1
-    workers = processes_for(len(jobs), workers)
+    workers = processes_for(len(jobs), _workers(jobs[0]["build"], workers))
     if workers == 1:
         return [run for job in jobs for run in run_rank(**job)]
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    # workers forked from a server that imported the rank side once (and stays for the next
-    # dry run): a spawned one imports torch and meshlab again, seconds of a CPU each
+    with ProcessPoolExecutor(workers, mp_context=_pool_context()) as pool:
+        return [run for runs in pool.map(_run_job, jobs) for run in runs]
+
+
+def _workers(build: Any, workers: int | None) -> int:
+    """The CPUs ``dryrun(workers=)`` means: by default every CPU when ``build`` can be sent
+    to a worker, else 1 (here)."""
+    import os
+
+    if workers is None:
+        return (os.cpu_count() or 1) if _can_send(build) else 1
+    return workers
+
+
+def _pool_context() -> Any:
+    """Workers forked from a server that imported the rank side once (and stays for the next
+    dry run): a spawned one imports torch and meshlab again, seconds of a CPU each."""
+    import multiprocessing
+
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(RANK_SIDE))
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
-        return [run for runs in pool.map(_run_job, jobs) for run in runs]
+    return context
 
 
 def processes_for(jobs: int, cpus: int) -> int:

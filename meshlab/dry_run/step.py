@@ -26,13 +26,9 @@ from torch import nn
 
 from meshlab import mesh as meshes
 from meshlab.dry_run.compose import Composed, Recorder, compose
+from meshlab.dry_run.fake_peers import ddp_without_peers, without_peers
 from meshlab.dry_run.fake_routing import balanced_routing, values_known
-from meshlab.dry_run.fake_world import (
-    ddp_without_peers,
-    dtensor_inference_untracked,
-    step_tracker,
-    without_peers,
-)
+from meshlab.dry_run.fake_world import dtensor_inference_untracked, step_tracker
 from meshlab.dry_run.fused_attention import causal_without_mask
 from meshlab.dry_run.fused_memory import fused_memory
 from meshlab.dry_run.report import RankRun, Traffic
@@ -92,8 +88,6 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
     quiet = warnings.catch_warnings()
     quiet.__enter__()
     known = contextlib.ExitStack()  # from the first forward on: parallelize probes one
-    known.enter_context(values_known())
-    known.enter_context(causal_without_mask())
     # FSDP warns on every root forward of a model returning a view of its output (meshlab's
     # Transformer returns its logits): once per rank and micro-batch, nothing to act on here
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -101,6 +95,8 @@ def run_rank(build: Callable[[], nn.Module], spec: MeshSpec, rank: int, role: st
         mesh = meshes.build(spec)
         with torch.device("meta"):
             model = build()
+        known.enter_context(values_known())  # after build: what the model imported
+        known.enter_context(causal_without_mask())
         vocab = vocab or _vocab(model)
         boundary = _boundary(model, plan, layout, rows, seq, hidden)
         own = isinstance(model, Transformer)

@@ -370,7 +370,8 @@ def test_a_real_process_group_is_refused(real_group: None) -> None:
 
 
 def test_the_rank_side_imports_no_notebook_packages() -> None:
-    code = ("import sys, meshlab.dry_run.run, meshlab.dry_run.step, meshlab.dry_run.fake_world; "
+    code = ("import sys, meshlab.dry_run.run, meshlab.dry_run.step, meshlab.dry_run.fake_world, "
+            "meshlab.dry_run.fake_peers; "
             "print([m for m in ('IPython', 'ipyparallel', 'pandas', 'altair') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
