@@ -191,13 +191,13 @@ def dryrun(model: Callable[[], nn.Module] | ModelShape | str, layout: str, *,
                   notes=notes, kernels=kernels)
 
 
-def _run_all(jobs: list[dict[str, Any]], workers: int | None) -> list[RankRun]:
-    """Each job's rank, here one after another, or in ``workers`` processes side by side
-    (each rank is a world of its own: nothing passes between them)."""
-
+def _run_all(jobs: list[dict[str, Any]], workers: int) -> list[RankRun]:
+    """Each job's rank, here one after another, or side by side in as many processes as
+    ``workers`` CPUs finish them soonest (each rank is a world of its own: nothing passes
+    between them)."""
     from meshlab.dry_run.step import run_rank
 
-    workers = processes_for(len(jobs), _workers(jobs[0]["build"], workers))
+    workers = processes_for(len(jobs), workers)
     if workers == 1:
         return [run for job in jobs for run in run_rank(**job)]
     from concurrent.futures import ProcessPoolExecutor
