@@ -182,3 +182,35 @@ def test_sends_match_their_receives_by_direction(cluster: Cluster) -> None:
     assert calls["complete"].all()
     first = calls[(calls["group"] == "0->1") & (calls["seq"] == 0)].iloc[0]
     assert first["last"] == 1  # rank 1 slept before its first receive
+
+
+def _profile_of(calls: list[tuple[list[int], int, float]]) -> CellProfile:
+    """A profile whose matched collectives are ``calls``: (group, last to arrive, how long
+    each other member waited for it). What ``stragglers()`` reads, without a cluster."""
+    import pandas as pd
+    rows = [{"ranks": group, "last": last, "waits": {r: wait for r in group if r != last}}
+            for group, last, wait in calls]
+    return CellProfile(ranks={}, clocks={}, spec=None, world_size=4,
+                       _calls=pd.DataFrame(rows))
+
+
+def _calls(group: list[int], lasts: dict[int, int], wait: float) -> list[tuple[list[int], int,
+                                                                                float]]:
+    return [(group, rank, wait) for rank, n in lasts.items() for _ in range(n)]
+
+
+def test_a_slow_rank_whose_lead_noise_blurs_is_named_by_who_waits_for_whom() -> None:
+    # CI's loaded machine (dp=2 tp=2, rank 2 throttled x4): rank 2 was last at 29 of its 40
+    # collectives (not 3/4), 1.45 times the next rank, and caused 43% of the waiting, since
+    # its tp partner, late because of it, was last at its own dp calls in turn. What still
+    # told it apart: it waited 22 ms for others, the others 120-184 ms each
+    slow = _profile_of(_calls([0, 2], {2: 15, 0: 5}, 8.0) + _calls([2, 3], {2: 14, 3: 6}, 8.0)
+                       + _calls([1, 3], {1: 12, 3: 8}, 6.0) + _calls([0, 1], {0: 12, 1: 8}, 6.0))
+    slow._calls.loc[slow._calls["last"].ne(2) & slow._calls["ranks"].apply(lambda g: 2 in g),
+                    "waits"] = [{2: 2.0}] * 11
+    said = slow.stragglers()
+    assert len(said) == 1 and said[0].startswith("rank 2 arrived last at 29 of 40"), said
+    # the same counts with everyone waiting alike: noise, no straggler
+    even = _profile_of(_calls([0, 2], {2: 15, 0: 5}, 6.0) + _calls([2, 3], {2: 14, 3: 6}, 6.0)
+                       + _calls([1, 3], {1: 12, 3: 8}, 6.0) + _calls([0, 1], {0: 12, 1: 8}, 6.0))
+    assert even.stragglers() == []
