@@ -268,7 +268,8 @@ class MeshMagics(Magics):
             self.shell.user_ns[args.output] = dry
 
     def _export(self, args: Any) -> None:
-        written = self.session.export(args.path, sbatch=args.sbatch, nodes=args.nodes,
+        written = self.session.export(args.path, sbatch=args.sbatch, ray=args.ray,
+                                      nodes=args.nodes,
                                       gpus_per_node=args.gpus_per_node, cells=args.cells)
         print(f"wrote {', '.join(map(str, written))}; run it with: bash {written[1]}",
               *written.notes, sep="\n")

@@ -179,8 +179,9 @@ class Cluster(RankProbes, GroupRecovery, Transfers, CellRunning, ProcessGroups, 
     def _bootstrap(self, loopback: bool) -> None:
         reach = self.profile.controller_ip
         hosts = self._apply_each(network.host_info, lambda r: {"reach": reach})
-        order = host_by_host([hosts[r]["host"] for r in range(self.world_size)],
-                             self.profile.hosts)
+        host_of = [hosts[r]["host"] for r in range(self.world_size)]
+        # hosts the profile does not name (Ray's placement, Slurm's) in the order of their names
+        order = host_by_host(host_of, self.profile.hosts or sorted(set(host_of)))
         self._engines = [self._engines[r] for r in order]
         self._hosts = [hosts[r] for r in order]
         rank0 = self._client[self._engines[0]]

@@ -241,6 +241,7 @@ def step(line: str) -> None:
 @magic_arguments()
 @argument("path", help="the script to write, e.g. train.py; launch.sh goes beside it")
 @argument("--sbatch", action="store_true", help="also write job.sbatch for Slurm")
+@argument("--ray", action="store_true", help="also write ray_job.py for a Ray cluster")
 @argument("--nodes", type=count, default=1, help="nodes to run on (default 1)")
 @argument("--gpus-per-node", type=count, help="processes per node, one per GPU (default: the "
           "session's ranks on one node, on its device kind)")

@@ -41,7 +41,17 @@ class EngineProcesses:
                     codes[process.pid] = None
             if getattr(launcher, "exits_file", None):
                 codes.update(forkserver.exit_codes(launcher.exits_file))
+            for (_, pid), (code, _) in getattr(launcher, "ended", {}).items():  # Ray's ranks
+                codes[pid] = -1 if code is None else code
         return codes
+
+    def reason(self, host: str, pid: int) -> str | None:
+        """How a rank on another host ended, where its launcher knows (Ray's actors)."""
+        for engine_set in self._engine_sets():
+            said = getattr(engine_set, "reason", None)
+            if callable(said) and (why := said(host, pid)):
+                return str(why)
+        return None
 
     def cause_of_death(self, pid: int, wait: float = 2.0) -> str:
         """``killed by SIGKILL``, ``exited with status 1``, or what we can say from afar.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import html
+import importlib.util
 import logging
 import os
 import shlex
@@ -172,11 +173,20 @@ def start(profile: Profile, n: int, progress: StartProgress
     if profile.fork:
         engines = {"local": ForkEngineSetLauncher, "ssh": SSHForkEngineSetLauncher}[
             profile.launcher]
+    if profile.launcher == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise ClusterError(f"profile {profile.name!r} starts ranks on Ray, which is not "
+                               "installed here: pip install \"meshlab[ray]\" (the Ray "
+                               "cluster's nodes need it too)")
+        from meshlab.notebook.ray_launcher import RayEngineSetLauncher
+
+        engines = RayEngineSetLauncher
     # Forkservers start with the controller, importing torch meanwhile, and hand their
     # engines its connection once it is written. (ipyparallel waits 1 s blindly, then for
     # the controller, to pass its connection in the engines' environment.)
     cluster = ipp.Cluster(n=n, engines=engines, log_level=logging.ERROR,
-                          delay=0 if profile.fork else 1, profile=IPP_PROFILE,
+                          delay=0 if profile.fork or profile.launcher == "ray" else 1,
+                          profile=IPP_PROFILE,
                           send_engines_connection_env=not profile.fork,
                           controller_ip=profile.controller_ip, controller_args=CONTROLLER_ARGS)
     private_profile(cluster.profile_dir)
@@ -229,6 +239,8 @@ def launcher_traits(profile: Profile, n: int, cluster_id: str = "",
                   "engine_args": [f"--cluster-id={cluster_id}", f"--profile-dir={profile_dir}"]}
     elif profile.launcher == "slurm":
         traits = {"batch_template": slurm_engine_script(profile, per_host)}
+    elif profile.launcher == "ray":
+        traits = {"controller_ip": profile.controller_ip, "wait": profile.start_timeout}
     for key, value in profile.launcher_options.items():
         if isinstance(value, list) and isinstance(traits.get(key), list):
             traits[key] = traits[key] + value

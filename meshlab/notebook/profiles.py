@@ -12,7 +12,7 @@ from typing import Any
 import tomllib
 
 BACKENDS = ("auto", "gloo", "nccl")
-LAUNCHERS = ("local", "ssh", "slurm", "mpi")
+LAUNCHERS = ("local", "ssh", "slurm", "mpi", "ray")
 FORKING = ("local", "ssh")  # launchers that can start a host's ranks from one forkserver
 
 
@@ -23,7 +23,7 @@ class Profile:
     name: str
     """Profile name (the file's stem)."""
     launcher: str = "local"
-    """ipyparallel engine launcher: local, ssh, slurm or mpi."""
+    """ipyparallel engine launcher: local, ssh, slurm, mpi or ray."""
     ranks: int | None = None
     """Default number of ranks; None = one per visible GPU, else 4."""
     backend: str = "auto"
@@ -94,6 +94,11 @@ class Profile:
         if self.launcher in ("ssh", "mpi") and not self.hosts:
             raise ValueError(f"{where}: the {self.launcher} launcher needs the machines to start "
                              "engines on: add hosts = [\"node1\", \"node2\"] to [cluster]")
+        if self.launcher == "ray" and (self.hosts or self.ranks_per_host):
+            raise ValueError(f"{where}: the ray launcher places ranks where its placement "
+                             "group's bundles go (a node's ranks together); remove hosts and "
+                             "ranks_per_host, and size a rank with cpus_per_rank/gpus_per_rank "
+                             "in [launcher]")
         if self.launcher == "local" and self.hosts:
             raise ValueError(f"{where}: the local launcher starts every rank on this machine; "
                              f"hosts = {self.hosts} needs launcher = \"ssh\", \"mpi\" or "

@@ -115,8 +115,11 @@ class RankCalls:
         for r, h in enumerate(self._hosts):
             if r not in self._dead and ((h["host"] == here and codes.get(h["pid"]) is not None)
                                         or self._engines[r] not in self._client.ids):
-                self._dead[r] = self._processes.cause_of_death(h["pid"]) if h["host"] == here \
-                    else self._silent_host(h["host"])
+                self._dead[r] = self._processes.reason(h["host"], h["pid"]) or (
+                    self._processes.cause_of_death(h["pid"]) if h["host"] == here
+                    else self._silent_host(h["host"]))
+            elif said := self._processes.reason(h["host"], h["pid"]):
+                self._dead[r] = said  # its launcher's word (Ray's) once it has one
             elif h["host"] != here and self._dead.get(r, "").startswith("its engine on "):
                 # a host falls silent one heartbeat at a time: once its last rank goes too,
                 # the ones seen first are told as what they were, the host

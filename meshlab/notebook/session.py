@@ -317,12 +317,14 @@ class Session(Inspection, Checkpoints, Pipelines, Planning):
 
     # -- export ----------------------------------------------------------------------------
 
-    def export(self, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
-               gpus_per_node: int | None = None, cells: str | None = None) -> Written:
-        """The session's successful cells as a torchrun script, launch.sh (and job.sbatch):
+    def export(self, path: str | Path, *, sbatch: bool = False, ray: bool = False,
+               nodes: int = 1, gpus_per_node: int | None = None, cells: str | None = None
+               ) -> Written:
+        """The session's successful cells as a torchrun script, launch.sh (job.sbatch, and
+        ray_job.py for a Ray cluster):
         the files written, and in ``.notes`` the failed cells left out and whether that makes
         the script draw random numbers differently (also at the script's top)."""
-        return export(self.need_journal(), path, sbatch=sbatch, nodes=nodes,
+        return export(self.need_journal(), path, sbatch=sbatch, ray=ray, nodes=nodes,
                       gpus_per_node=gpus_per_node, cells=cells)
 
     # -- helpers ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_ranks_split_evenly_over_the_hosts() -> None:
 
 
 def test_every_shipped_profile_loads_and_multi_host_ones_name_their_hosts() -> None:
-    for name in ("local", "slurm", "ssh", "mpi"):
+    for name in ("local", "slurm", "ssh", "mpi", "ray"):
         p = profiles.load(name)
         assert p.launcher == name
     for name in ("ssh", "mpi"):
@@ -111,3 +112,15 @@ def test_the_launcher_is_told_where_each_hosts_ranks_go() -> None:
                  "#SBATCH --gpus-per-task=1", "#SBATCH --ntasks={n}", "srun {program_and_args}"):
         assert line in script.splitlines(), script
     assert set(traits) == {"batch_template"}  # queue etc. live in the script, not twice
+
+
+@pytest.mark.cluster  # (it names the missing piece before any engine starts)
+def test_the_ray_profile_without_ray_installed_says_how_to_get_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from meshlab.notebook.cluster import Cluster
+    from meshlab.notebook.errors import ClusterError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where it is not installed
+    with pytest.raises(ClusterError, match=r"profile 'ray' starts ranks on Ray, which is not "
+                       r"installed here: pip install \"meshlab\[ray\]\""):
+        Cluster(profile="ray").start(progress=False)

@@ -138,6 +138,7 @@ def add_command(commands: Any) -> None:
     cmd.add_argument("notebook", type=Path)
     cmd.add_argument("-o", "--output", type=Path, default=Path("train.py"))
     cmd.add_argument("--sbatch", action="store_true", help="also write job.sbatch")
+    cmd.add_argument("--ray", action="store_true", help="also write ray_job.py (Ray)")
     cmd.add_argument("--nodes", type=commands_types.count, default=1)
     cmd.add_argument("--gpus-per-node", type=commands_types.count)
     cmd.add_argument("--cells", help="In [n] numbers to take, e.g. 3-7,9 (default: all)")
@@ -147,7 +148,8 @@ def add_command(commands: Any) -> None:
 def run_command(args: Any, parser: Any) -> int:
     try:
         journal = read_notebook(args.notebook)
-        written = export(journal, args.output, sbatch=args.sbatch, nodes=args.nodes,
+        written = export(journal, args.output, sbatch=args.sbatch, ray=args.ray,
+                         nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node, cells=args.cells)
     except (ExportError, ValueError, OSError) as e:
         parser.exit(2, f"meshlab export: {e}\n")

@@ -61,14 +61,17 @@ def rescale(spec: MeshSpec, world_size: int) -> MeshSpec:
 
 
 def script(journal: Journal, where: Layout, *, cells: str | None = None,
-           files: tuple[str, str, str | None] = ("train.py", "launch.sh", None)) -> str:
+           files: tuple[str, str, str | None, str | None] = ("train.py", "launch.sh", None,
+                                                              None)) -> str:
     """The standalone torchrun script for the chosen entries."""
     entries = select(journal, cells)
     notes = left_out(journal, entries, cells)
-    train, launch, sbatch = files
+    train, launch, sbatch, on_ray = files
     run_lines = [f"torchrun {torchrun_args(where)} {train}", f"bash {launch}"]
     if sbatch:
         run_lines.append(f"sbatch {sbatch}")
+    if on_ray:
+        run_lines.append(f"python {on_ray}  (on a Ray cluster)")
     numbers = sorted({e.number for e in entries if e.kind == "cell"})
     backend = journal.backend
     if where.gpus and backend == "gloo":
@@ -245,20 +248,30 @@ class Written(list[Path]):
         self.notes = notes
 
 
-def export(journal: Journal, path: str | Path, *, sbatch: bool = False, nodes: int = 1,
-           gpus_per_node: int | None = None, cells: str | None = None) -> Written:
-    """Write the script (``path``), launch.sh beside it, and job.sbatch if asked; also at the
-    script's top, the notes returned (``Written.notes``)."""
+def export(journal: Journal, path: str | Path, *, sbatch: bool = False, ray: bool = False,
+           nodes: int = 1, gpus_per_node: int | None = None, cells: str | None = None
+           ) -> Written:
+    """Write the script (``path``), launch.sh beside it, job.sbatch and ray_job.py if asked;
+    also at the script's top, the notes returned (``Written.notes``)."""
+    from meshlab.notebook.export.ray_job import ray_job_script
+
     train = Path(path)
     if train.suffix != ".py":
         raise ExportError(f"{train}: the script's name must end in .py, e.g. train.py")
     where = layout(journal, nodes, gpus_per_node)
     launch, job = train.with_name("launch.sh"), train.with_name("job.sbatch")
+    on_ray = train.with_name("ray_job.py")
+    if on_ray == train:
+        raise ExportError(f"{train}: ray_job.py is the Ray job's own name; call the script "
+                          "train.py or another name")
     text = script(journal, where, cells=cells,
-                  files=(train.name, launch.name, job.name if sbatch else None))
+                  files=(train.name, launch.name, job.name if sbatch else None,
+                         on_ray.name if ray else None))
     files = {train: (text, 0o600), launch: (launch_script(where, train.name), 0o700)}
     if sbatch:
         files[job] = (sbatch_script(where, train.name, job=train.stem), 0o600)
+    if ray:
+        files[on_ray] = (ray_job_script(where, train.name, on_ray.name), 0o600)
     try:
         for target in files:  # every one first: a refusal leaves nothing half written
             check_target(target)
