@@ -45,11 +45,12 @@ class EngineProcesses:
                 codes[pid] = -1 if code is None else code
         return codes
 
-    def reason(self, host: str, pid: int) -> str | None:
-        """How a rank on another host ended, where its launcher knows (Ray's actors)."""
+    def reason(self, host: str, pid: int, wait: float = 0.0) -> str | None:
+        """How a rank on another host ended, where its launcher knows (Ray's actors), given
+        up to ``wait`` seconds to say."""
         for engine_set in self._engine_sets():
             said = getattr(engine_set, "reason", None)
-            if callable(said) and (why := said(host, pid)):
+            if callable(said) and (why := said(host, pid, wait)):
                 return str(why)
         return None
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from meshlab.notebook.profiles import Profile
 
 PEERS_AFTER_A_FAILURE = 5.0  # seconds the other ranks get to finish once one has failed
+LAUNCHER_REASON_WAIT = 5.0  # seconds a launcher that knows why a rank ended (Ray) gets to say
 
 
 class RankCalls:
@@ -112,10 +113,12 @@ class RankCalls:
         """Ranks whose process has ended, with how: ``{2: "killed by SIGKILL"}``."""
         codes = self._processes.exit_codes() if self._hosts else {}
         here = socket.gethostname()  # pids are this machine's: a remote rank's may coincide
+        deadline = time.monotonic() + LAUNCHER_REASON_WAIT  # shared by the ranks found gone
         for r, h in enumerate(self._hosts):
             if r not in self._dead and ((h["host"] == here and codes.get(h["pid"]) is not None)
                                         or self._engines[r] not in self._client.ids):
-                self._dead[r] = self._processes.reason(h["host"], h["pid"]) or (
+                self._dead[r] = self._processes.reason(
+                    h["host"], h["pid"], wait=max(0.0, deadline - time.monotonic())) or (
                     self._processes.cause_of_death(h["pid"]) if h["host"] == here
                     else self._silent_host(h["host"]))
             elif said := self._processes.reason(h["host"], h["pid"]):

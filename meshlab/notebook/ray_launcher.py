@@ -254,8 +254,14 @@ class RayEngineSetLauncher(EngineLauncher):
                 tails.append(f"[rank {i}] no output: {_first_line(e)}")
         return self.failure + "\n".join(tails)
 
-    def reason(self, host: str, pid: int) -> str | None:
-        """How the engine ``pid`` on ``host`` ended, when it has."""
+    def reason(self, host: str, pid: int, wait: float = 0.0) -> str | None:
+        """How the engine ``pid`` on ``host`` ended, once Ray has said. One of these ranks
+        gets up to ``wait`` seconds for it: the controller may hear the engine go before
+        Ray tells this process that its actor died."""
+        ours = any(p["host"] == host and p["pid"] == pid for p in self.placed)
+        deadline = time.monotonic() + wait
+        while ours and (host, pid) not in self.ended and time.monotonic() < deadline:
+            time.sleep(0.05)
         ended = self.ended.get((host, pid))
         return None if ended is None else f"{ended[1]} (on {host})"
 
