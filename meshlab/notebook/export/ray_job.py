@@ -4,8 +4,6 @@ that spreads them one to a node, rendezvous on the first node."""
 
 from __future__ import annotations
 
-from meshlab.notebook.export.script import PORT, Layout
-
 TEMPLATE = '''"""Exported by meshlab: {train} on a Ray cluster, {nodes} node(s) x {per_node}
 process(es) each.
 
@@ -73,7 +71,9 @@ if __name__ == "__main__":
 '''
 
 
-def ray_job_script(where: Layout, train: str = "train.py", job: str = "ray_job.py") -> str:
-    """ray_job.py for ``where``: ``python ray_job.py`` runs ``train`` on that many nodes."""
-    return TEMPLATE.format(train=train, job=job, nodes=where.nodes, per_node=where.per_node,
-                           gpus=where.gpus, port=PORT)
+def ray_job_script(nodes: int, per_node: int, gpus: bool, port: int, train: str = "train.py",
+                   job: str = "ray_job.py") -> str:
+    """ray_job.py: ``python ray_job.py`` runs ``train`` on ``nodes`` nodes of ``per_node``
+    processes each (one per GPU where ``gpus``), torchrun's rendezvous on ``port``."""
+    return TEMPLATE.format(train=train, job=job, nodes=nodes, per_node=per_node, gpus=gpus,
+                           port=port)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from meshlab.mesh import MeshSpec
 from meshlab.notebook.export.journal import ExportError, Journal
+from meshlab.notebook.export.ray_job import ray_job_script
 from meshlab.notebook.export.selection import left_out, select
 from meshlab.notebook.ranks import format_ranks
 from meshlab.rank.private_files import check_target, write_private
@@ -253,8 +254,6 @@ def export(journal: Journal, path: str | Path, *, sbatch: bool = False, ray: boo
            ) -> Written:
     """Write the script (``path``), launch.sh beside it, job.sbatch and ray_job.py if asked;
     also at the script's top, the notes returned (``Written.notes``)."""
-    from meshlab.notebook.export.ray_job import ray_job_script
-
     train = Path(path)
     if train.suffix != ".py":
         raise ExportError(f"{train}: the script's name must end in .py, e.g. train.py")
@@ -271,7 +270,8 @@ def export(journal: Journal, path: str | Path, *, sbatch: bool = False, ray: boo
     if sbatch:
         files[job] = (sbatch_script(where, train.name, job=train.stem), 0o600)
     if ray:
-        files[on_ray] = (ray_job_script(where, train.name, on_ray.name), 0o600)
+        files[on_ray] = (ray_job_script(where.nodes, where.per_node, where.gpus, PORT,
+                                        train.name, on_ray.name), 0o600)
     try:
         for target in files:  # every one first: a refusal leaves nothing half written
             check_target(target)
