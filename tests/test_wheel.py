@@ -193,7 +193,7 @@ def test_the_quickstart_runs_from_the_installed_wheel(venv: tuple[Path, dict[str
     assert checks["rank"] == f"{python} {installed}/__init__.py", \
         "the ranks' meshlab is not the wheel's (or a rank printed something else)"
     assert checks["profiles"].split() == [f"{installed}/clusters/{name}.toml"
-                                          for name in ["local", "mpi", "slurm", "ssh"]]
+                                          for name in ["local", "mpi", "ray", "slurm", "ssh"]]
     assert all(int(n) > 100 for n in checks["widget"].split()), checks["widget"]
 
     assert "4 ranks ready" in shown
