@@ -10,6 +10,7 @@ not there the tests skip, naming the command (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import re
 import subprocess
@@ -316,36 +317,47 @@ def set_link(host: str, state: str) -> None:
 HANG = "import time\nx = torch.ones(1)\ntime.sleep(4)\ndist.all_reduce(x)\ntime.sleep(600)"
 
 
+@contextlib.contextmanager
+def node2_cut_mid_collective(session: Session) -> Iterator[tuple[str, dict[int, str]]]:
+    """dp=4 across both hosts, w made on every rank; then node2's cable is pulled while a
+    cell waits in a collective with its ranks: the cell ends saying so (the time limit is
+    only a guard: it would say something else). Yields the cell's error and the dead ranks
+    (2 and 3); the cable is back in place after."""
+    session.init("dp=4")
+    session.run("w = torch.full((1,), float(rank))\ndist.all_reduce(w)")
+    pull = threading.Timer(2, set_link, ("node2", "down"))
+    pull.start()
+    try:
+        with pytest.raises(MeshError) as failed:
+            session.run(HANG, timeout=300)
+        pull.join()
+        dead = session.cluster.dead()
+        assert sorted(dead) == [2, 3], dead
+        yield str(failed.value), dead
+    finally:
+        pull.join()
+        set_link("node2", "up")
+
+
+def restart_replays_w_on_both_hosts(session: Session) -> None:
+    session.restart(progress=lambda line: None)
+    assert session.cluster.host_of == ["node1", "node1", "node2", "node2"]
+    values = session.pull("w")  # the replayed cells made w again on every rank
+    assert [float(values[r][0]) for r in range(4)] == [6.0] * 4
+
+
 def test_a_host_whose_link_goes_down_is_reported_and_restart_brings_the_session_back(
         test_hosts: list[str], tmp_path: Path) -> None:
     session = Session()
     session.start(profile=str(profile_file("ssh", tmp_path)), progress=False)
     try:
-        session.init("dp=4")
-        session.run("w = torch.full((1,), float(rank))\ndist.all_reduce(w)")
-        # the cable is pulled while a cell waits in a collective with node2's ranks: the
-        # cell ends saying so (the time limit is only a guard: it would say something else)
-        pull = threading.Timer(2, set_link, ("node2", "down"))
-        pull.start()
-        try:
-            with pytest.raises(MeshError) as failed:
-                session.run(HANG, timeout=300)
-            pull.join()
-            dead = session.cluster.dead()
-            assert sorted(dead) == [2, 3], dead
+        with node2_cut_mid_collective(session) as (error, dead):
             why = "its host node2 stopped answering: no heartbeat from any of its 2 ranks"
             assert all(text.startswith(why) for text in dead.values()), dead
-            assert why in str(failed.value), str(failed.value)
+            assert why in error, error
             with pytest.raises(ClusterError, match="rank 2 died: its host node2 stopped"):
                 session.run("1")
-        finally:
-            pull.join()
-            set_link("node2", "up")
-        session.restart(progress=lambda line: None)
-        assert session.cluster.host_of == ["node1", "node1", "node2", "node2"]
-        # the replayed cells made w again on every rank, across both hosts
-        values = session.pull("w")
-        assert [float(values[r][0]) for r in range(4)] == [6.0] * 4
+        restart_replays_w_on_both_hosts(session)
     finally:
         session.stop()
 

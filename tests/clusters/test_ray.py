@@ -11,7 +11,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,14 +21,14 @@ from ray_nodes import RayNodes, ray_cluster
 from sbatch_job import TRAIN
 from test_hosts import (
     ADDRESS,
-    HANG,
     HOSTS,
     LOGIN,
     RANK_FACTS,
     TRAIN_CHECK,
     host_pid,
     listening_sockets,
-    set_link,
+    node2_cut_mid_collective,
+    restart_replays_w_on_both_hosts,
 )
 
 from meshlab.notebook import profiles
@@ -230,30 +229,15 @@ def test_a_rank_whose_actor_dies_is_named_with_rays_reason(ray_session: Session)
 
 def test_a_node_whose_link_goes_down_is_reported_and_restart_brings_the_session_back(
         ray_nodes: RayNodes, ray_session: Session) -> None:
-    ray_session.init("dp=4")
-    ray_session.run("w = torch.full((1,), float(rank))\ndist.all_reduce(w)")
-    pull = threading.Timer(2, set_link, ("node2", "down"))
-    pull.start()
-    try:
-        with pytest.raises(MeshError) as failed:
-            ray_session.run(HANG, timeout=300)
-        pull.join()
-        dead = ray_session.cluster.dead()
-        assert sorted(dead) == [2, 3], dead
+    with node2_cut_mid_collective(ray_session) as (error, dead):
         assert all("node2" in text for text in dead.values()), dead
-        assert "node2" in str(failed.value), str(failed.value)
-    finally:
-        pull.join()
-        set_link("node2", "up")
+        assert "node2" in error, error
     # Ray took node2 for dead and its raylet left: the node comes back as an operator
     # (KubeRay) brings a worker back, and the restart places its bundles there again
     ray_nodes.stop("node2")
     ray_nodes.start_worker("node2")
     ray_nodes.wait_for(3)
-    ray_session.restart(progress=lambda line: None)
-    assert ray_session.cluster.host_of == ["node1", "node1", "node2", "node2"]
-    values = ray_session.pull("w")  # the replayed cells made w again on both nodes
-    assert [float(values[r][0]) for r in range(4)] == [6.0] * 4
+    restart_replays_w_on_both_hosts(ray_session)
 
 
 def test_the_exported_ray_job_reproduces_the_notebooks_losses(
